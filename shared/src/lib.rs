@@ -1,0 +1,4 @@
+//! viotrace-shared: record types, wire protocol, clock synchronisation and the
+//! guest↔host join engine. Pure Rust, no BPF.
+
+pub mod record;

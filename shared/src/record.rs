@@ -1,0 +1,416 @@
+//! Record types produced by the agents and by the join.
+//!
+//! Timestamps are kept per named *point*. In JSON (human-readable formats) a
+//! [`Points`] set is an object `{"g.rq_issue": 123, ...}` holding only the points
+//! that were seen; in binary formats (postcard, the wire protocol) it is a compact
+//! sequence of `(point id, ns)` pairs. A point that was not seen is absent, never 0.
+
+use std::fmt;
+
+use serde::de::{self, MapAccess, SeqAccess, Visitor};
+use serde::ser::{SerializeMap, SerializeSeq};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+macro_rules! points {
+    ($($var:ident = $id:literal => $name:literal : $doc:literal,)*) => {
+        /// A named point on the I/O path. Names are stable (they are the JSON keys).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        #[repr(u8)]
+        pub enum Point { $( #[doc = $doc] $var = $id, )* }
+
+        impl Point {
+            /// All points, in path order.
+            pub const ALL: &'static [Point] = &[$(Point::$var,)*];
+
+            /// The stable name of this point (`g.*` guest, `h.*` host).
+            pub const fn name(self) -> &'static str {
+                match self { $(Point::$var => $name,)* }
+            }
+
+            /// Looks a point up by its stable name.
+            pub fn from_name(name: &str) -> Option<Point> {
+                match name { $($name => Some(Point::$var),)* _ => None }
+            }
+
+            /// Looks a point up by its numeric wire id.
+            pub fn from_id(id: u8) -> Option<Point> {
+                match id { $($id => Some(Point::$var),)* _ => None }
+            }
+        }
+    };
+}
+
+points! {
+    SyscallEnter = 0 => "g.syscall_enter": "Guest: the syscall (read/write/fsync/io_submit/io_uring_enter…) was entered.",
+    BioQueue = 1 => "g.bio_queue": "Guest: the first bio of the request entered the block layer (block_bio_queue).",
+    RqInsert = 2 => "g.rq_insert": "Guest: the request was inserted into the I/O scheduler / dispatch list.",
+    RqIssue = 3 => "g.rq_issue": "Guest: the block layer issued the request to the driver (block_rq_issue).",
+    QueueRq = 4 => "g.queue_rq": "Guest: virtio-blk's queue_rq / queue_rqs took the request.",
+    VqAdd = 5 => "g.vq_add": "Guest: the descriptor chain was added to the virtqueue (virtqueue_add_sgs).",
+    Kick = 6 => "g.kick": "Guest: the driver kicked the device (virtqueue_notify) after adding the request.",
+    Irq = 7 => "g.irq": "Guest: the virtqueue interrupt that completed the request (vring_interrupt).",
+    DriverComplete = 8 => "g.driver_complete": "Guest: virtio-blk completed the request (virtblk_done / blk_mq_complete_request).",
+    RqComplete = 9 => "g.rq_complete": "Guest: the block layer completed the request (block_rq_complete).",
+    BioComplete = 10 => "g.bio_complete": "Guest: the last bio of the request completed (bio_endio).",
+    SyscallExit = 11 => "g.syscall_exit": "Guest: the syscall returned.",
+    HostNotify = 32 => "h.notify": "Host: QEMU started handling the guest's kick for the queue (virtio_blk_handle_vq).",
+    HostPop = 33 => "h.pop": "Host: QEMU popped the element from the virtqueue (virtqueue_pop returned).",
+    HostSubmit = 34 => "h.submit": "Host: QEMU submitted the (possibly merged) request to its block backend.",
+    HostIoIssue = 35 => "h.io_issue": "Host: the host kernel I/O started (pread/pwrite, io_submit, io_uring submit).",
+    HostDiskIssue = 36 => "h.disk_issue": "Host: the host block layer issued the I/O to a host disk (block_rq_issue).",
+    HostDiskComplete = 37 => "h.disk_complete": "Host: the host disk completed the I/O (block_rq_complete).",
+    HostIoComplete = 38 => "h.io_complete": "Host: the host kernel I/O finished (syscall return, io_getevents, io_uring CQE).",
+    HostCompleteCb = 39 => "h.complete_cb": "Host: QEMU's completion callback for the element ran.",
+    HostPush = 40 => "h.push": "Host: QEMU pushed the element to the used ring (virtqueue_push / virtqueue_fill).",
+    HostIrq = 41 => "h.irq": "Host: QEMU notified the guest (irqfd / MSI-X write) for the used element.",
+}
+
+impl fmt::Display for Point {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A set of timestamps (ns) keyed by [`Point`]. Unset points are absent.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Points {
+    // Small and sorted by point id; a record holds at most a dozen points.
+    entries: Vec<(Point, u64)>,
+}
+
+impl Points {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets (or replaces) a point.
+    pub fn set(&mut self, p: Point, ns: u64) {
+        match self.entries.binary_search_by_key(&p, |e| e.0) {
+            Ok(i) => self.entries[i].1 = ns,
+            Err(i) => self.entries.insert(i, (p, ns)),
+        }
+    }
+
+    /// Sets a point when `ns` is non-zero (BPF uses 0 for "not seen").
+    pub fn set_nonzero(&mut self, p: Point, ns: u64) {
+        if ns != 0 {
+            self.set(p, ns);
+        }
+    }
+
+    pub fn get(&self, p: Point) -> Option<u64> {
+        self.entries
+            .binary_search_by_key(&p, |e| e.0)
+            .ok()
+            .map(|i| self.entries[i].1)
+    }
+
+    pub fn remove(&mut self, p: Point) -> Option<u64> {
+        self.entries
+            .binary_search_by_key(&p, |e| e.0)
+            .ok()
+            .map(|i| self.entries.remove(i).1)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Iterates over the present points in path order.
+    pub fn iter(&self) -> impl Iterator<Item = (Point, u64)> + '_ {
+        self.entries.iter().copied()
+    }
+
+    /// Adds `delta` ns (possibly negative) to every point, saturating at 0.
+    pub fn shift(&mut self, delta: i64) {
+        for e in &mut self.entries {
+            e.1 = e.1.saturating_add_signed(delta);
+        }
+    }
+}
+
+impl fmt::Debug for Points {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(self.entries.iter().map(|(p, t)| (p.name(), t)))
+            .finish()
+    }
+}
+
+impl FromIterator<(Point, u64)> for Points {
+    fn from_iter<I: IntoIterator<Item = (Point, u64)>>(iter: I) -> Self {
+        let mut p = Points::new();
+        for (k, v) in iter {
+            p.set(k, v);
+        }
+        p
+    }
+}
+
+impl Serialize for Points {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            let mut m = s.serialize_map(Some(self.entries.len()))?;
+            for (p, t) in &self.entries {
+                m.serialize_entry(p.name(), t)?;
+            }
+            m.end()
+        } else {
+            let mut q = s.serialize_seq(Some(self.entries.len()))?;
+            for (p, t) in &self.entries {
+                q.serialize_element(&(*p as u8, *t))?;
+            }
+            q.end()
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Points {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Points;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map of point name to ns, or a sequence of (point id, ns)")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Points, A::Error> {
+                let mut p = Points::new();
+                while let Some((k, v)) = a.next_entry::<String, u64>()? {
+                    let pt = Point::from_name(&k)
+                        .ok_or_else(|| de::Error::custom(format!("unknown point {k:?}")))?;
+                    p.set(pt, v);
+                }
+                Ok(p)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Points, A::Error> {
+                let mut p = Points::new();
+                while let Some((id, v)) = a.next_element::<(u8, u64)>()? {
+                    let pt = Point::from_id(id)
+                        .ok_or_else(|| de::Error::custom(format!("unknown point id {id}")))?;
+                    p.set(pt, v);
+                }
+                Ok(p)
+            }
+        }
+        if d.is_human_readable() {
+            d.deserialize_map(V)
+        } else {
+            d.deserialize_seq(V)
+        }
+    }
+}
+
+/// Block operation of a request (virtio-blk request type / Linux REQ_OP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    Read,
+    Write,
+    Flush,
+    Discard,
+    WriteZeroes,
+    SecureErase,
+    GetId,
+    Other,
+}
+
+impl Op {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Op::Read => "read",
+            Op::Write => "write",
+            Op::Flush => "flush",
+            Op::Discard => "discard",
+            Op::WriteZeroes => "write_zeroes",
+            Op::SecureErase => "secure_erase",
+            Op::GetId => "get_id",
+            Op::Other => "other",
+        }
+    }
+
+    /// From a virtio-blk request header type (`VIRTIO_BLK_T_*`).
+    pub const fn from_virtio_type(t: u32) -> Op {
+        match t & !0x8000_0000 {
+            // bit 31 was VIRTIO_BLK_T_BARRIER on legacy devices
+            0 => Op::Read,
+            1 => Op::Write,
+            4 => Op::Flush,
+            8 => Op::GetId,
+            11 => Op::Discard,
+            13 => Op::WriteZeroes,
+            14 => Op::SecureErase,
+            _ => Op::Other,
+        }
+    }
+
+    /// From Linux's `REQ_OP_*` (the low 8 bits of `cmd_flags`).
+    pub const fn from_linux_req_op(op: u32) -> Op {
+        match op & 0xff {
+            0 => Op::Read,
+            1 => Op::Write,
+            2 => Op::Flush,
+            3 => Op::Discard,
+            5 => Op::SecureErase,
+            9 => Op::WriteZeroes,
+            _ => Op::Other,
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One finished block request in the guest (`"kind":"guest_rq"`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GuestRq {
+    /// Disk name, e.g. `vdb`.
+    pub disk: String,
+    pub op: Op,
+    /// Start sector (512-byte units).
+    pub sector: u64,
+    pub bytes: u32,
+    /// virtqueue index (hardware queue), if seen.
+    pub queue: Option<u16>,
+    /// Descriptor head id (split ring) or buffer id (packed ring), if seen.
+    pub head: Option<u16>,
+    /// Task that caused the I/O (the submitter; for write-back, the dirtier when known).
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: String,
+    pub cgroup_id: u64,
+    /// Inode of the file the I/O belongs to (0 when unknown, e.g. metadata).
+    pub inode: u64,
+    /// Byte offset within that file, when known.
+    pub file_offset: Option<u64>,
+    /// Whether the kick after this request really notified the device (false: suppressed).
+    pub kicked: Option<bool>,
+    /// Number of bios merged into this request.
+    pub bios: u32,
+    /// Block layer status (0 = OK, else negative errno).
+    pub error: i32,
+    pub ts: Points,
+}
+
+/// One finished syscall-level I/O in the guest (`"kind":"guest_io"`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GuestIo {
+    /// Syscall name (`read`, `pwrite64`, `fsync`, `io_submit`, `io_uring_enter`, …).
+    pub syscall: String,
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: String,
+    pub cgroup_id: u64,
+    pub inode: u64,
+    pub file_offset: Option<u64>,
+    /// Bytes requested.
+    pub bytes: u64,
+    /// Return value of the syscall.
+    pub ret: i64,
+    /// Block requests this syscall caused, as `(disk, sector)` pairs matching `guest_rq` records.
+    pub requests: Vec<RqRef>,
+    pub ts: Points,
+}
+
+/// A reference from a syscall-level record to a block request it caused.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RqRef {
+    pub disk: String,
+    pub sector: u64,
+    pub bytes: u32,
+}
+
+/// QEMU block backend mode for a drive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    Threads,
+    Native,
+    IoUring,
+    Unknown,
+}
+
+/// One virtqueue element handled by the hypervisor (`"kind":"host_elem"`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HostElem {
+    /// VM label (QEMU `-name`, else `qemu-<pid>`).
+    pub vm: String,
+    pub qemu_pid: u32,
+    /// virtio-blk device label (QEMU drive/device id when known).
+    pub device: String,
+    pub queue: u16,
+    pub head: u16,
+    pub op: Op,
+    pub sector: u64,
+    pub bytes: u32,
+    pub backend: Backend,
+    /// Identifies the backend I/O; elements merged into one backend request share it.
+    pub merge_id: u64,
+    /// virtio-blk status byte written back to the guest (0 = OK).
+    pub status: Option<u8>,
+    pub ts: Points,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn point_names_and_ids_are_unique_and_roundtrip() {
+        let mut names = std::collections::HashSet::new();
+        let mut ids = std::collections::HashSet::new();
+        for &p in Point::ALL {
+            assert!(names.insert(p.name()));
+            assert!(ids.insert(p as u8));
+            assert_eq!(Point::from_name(p.name()), Some(p));
+            assert_eq!(Point::from_id(p as u8), Some(p));
+        }
+        assert_eq!(Point::from_name("g.nope"), None);
+    }
+
+    #[test]
+    fn points_json_holds_only_present_points() {
+        let mut p = Points::new();
+        p.set(Point::RqIssue, 20);
+        p.set(Point::BioQueue, 10);
+        let j = serde_json::to_string(&p).unwrap();
+        assert_eq!(j, r#"{"g.bio_queue":10,"g.rq_issue":20}"#);
+        let back: Points = serde_json::from_str(&j).unwrap();
+        assert_eq!(back, p);
+        assert!(serde_json::from_str::<Points>(r#"{"g.bogus":1}"#).is_err());
+    }
+
+    #[test]
+    fn points_postcard_roundtrip_and_rejects_unknown_ids() {
+        let p: Points = [(Point::HostPop, 5), (Point::Kick, 3)]
+            .into_iter()
+            .collect();
+        let bytes = postcard::to_stdvec(&p).unwrap();
+        assert_eq!(postcard::from_bytes::<Points>(&bytes).unwrap(), p);
+        let bad = postcard::to_stdvec(&vec![(200u8, 1u64)]).unwrap();
+        assert!(postcard::from_bytes::<Points>(&bad).is_err());
+    }
+
+    #[test]
+    fn set_nonzero_skips_unseen() {
+        let mut p = Points::new();
+        p.set_nonzero(Point::Irq, 0);
+        assert!(p.is_empty());
+        p.set_nonzero(Point::Irq, 7);
+        assert_eq!(p.get(Point::Irq), Some(7));
+    }
+
+    #[test]
+    fn ops_decode() {
+        assert_eq!(Op::from_virtio_type(1), Op::Write);
+        assert_eq!(Op::from_virtio_type(0x8000_0000), Op::Read);
+        assert_eq!(Op::from_linux_req_op(0x801), Op::Write);
+        assert_eq!(Op::from_linux_req_op(2), Op::Flush);
+    }
+}

@@ -1,0 +1,1 @@
+//! The viotrace QEMU lab.

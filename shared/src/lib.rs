@@ -1,4 +1,5 @@
 //! viotrace-shared: record types, wire protocol, clock synchronisation and the
 //! guest↔host join engine. Pure Rust, no BPF.
 
+pub mod proto;
 pub mod record;

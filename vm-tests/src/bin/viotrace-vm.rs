@@ -1,1 +1,161 @@
-fn main() {}
+//! `viotrace-vm`: the viotrace QEMU lab from the command line.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use viotrace_vm_tests::{workloads, Accel, Agents, Aio, DiskFormat, Lab, VmConfig, VsockMode};
+
+#[derive(Parser)]
+#[command(
+    name = "viotrace-vm",
+    version,
+    about = "viotrace QEMU lab: boot a test guest, run a workload and the agents"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Boot a VM, run a workload script inside it (with the chosen agents) and collect the results.
+    Run {
+        /// Shell script to run as root in the guest (cwd /data; busybox and fio on PATH; $VIOTRACE_DISK).
+        #[arg(short, long)]
+        workload: PathBuf,
+        #[command(flatten)]
+        vm: VmArgs,
+        /// Output directory.
+        #[arg(short, long, default_value = "lab-out")]
+        out: PathBuf,
+    },
+    /// The demo: both agents on a built-in mixed workload, with live output.
+    Demo {
+        #[command(flatten)]
+        vm: VmArgs,
+        #[arg(short, long, default_value = "lab-out/demo")]
+        out: PathBuf,
+    },
+    /// Build and cache the lab's assets (guest kernel, initramfs, disk, vsock backend) without booting.
+    Prepare,
+}
+
+#[derive(Args)]
+struct VmArgs {
+    /// vCPUs.
+    #[arg(long, default_value_t = 1)]
+    smp: u32,
+    /// virtio-blk queues.
+    #[arg(long, default_value_t = 1)]
+    queues: u32,
+    /// QEMU block I/O mode.
+    #[arg(long, value_enum, default_value_t = Aio::Threads)]
+    aio: Aio,
+    /// QEMU cache mode of the data disk (writeback, none, directsync, writethrough, unsafe).
+    #[arg(long, default_value = "writeback")]
+    cache: String,
+    /// Data disk image format.
+    #[arg(long, value_enum, default_value_t = DiskFormat::Raw)]
+    format: DiskFormat,
+    /// Agents to run.
+    #[arg(long, value_enum)]
+    agents: Option<Agents>,
+    /// Extra guest agent arguments (one shell-quoted string).
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    guest_args: String,
+    /// Extra host agent arguments (one shell-quoted string).
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    host_args: String,
+    /// Hard timeout for the whole VM run.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 1024)]
+    memory: u32,
+    #[arg(long, value_enum, default_value_t = VsockMode::Auto)]
+    vsock: VsockMode,
+    #[arg(long, value_enum, default_value_t = Accel::Auto)]
+    accel: Accel,
+    /// Guest vsock CID.
+    #[arg(long, default_value_t = 3)]
+    cid: u32,
+    /// Do not echo the guest console.
+    #[arg(long)]
+    quiet: bool,
+}
+
+impl VmArgs {
+    fn config(&self, default_agents: Agents, name: &str) -> Result<VmConfig> {
+        let split = |s: &str, what: &str| {
+            shlex::split(s).with_context(|| format!("cannot parse --{what}: unbalanced quotes"))
+        };
+        Ok(VmConfig {
+            name: name.to_string(),
+            smp: self.smp,
+            queues: self.queues,
+            memory_mib: self.memory,
+            aio: self.aio,
+            cache: self.cache.clone(),
+            format: self.format,
+            agents: self.agents.unwrap_or(default_agents),
+            guest_args: split(&self.guest_args, "guest-args")?,
+            host_args: split(&self.host_args, "host-args")?,
+            timeout: self.timeout,
+            vsock: self.vsock,
+            accel: self.accel,
+            console: !self.quiet,
+            cid: self.cid,
+            qemu_args: Vec::new(),
+        })
+    }
+}
+
+fn main() -> ExitCode {
+    match real_main() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("viotrace-vm: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn real_main() -> Result<ExitCode> {
+    let cli = Cli::parse();
+    let (cfg, workload, out) = match cli.cmd {
+        Cmd::Prepare => {
+            let lab = Lab::new()?;
+            viotrace_vm_tests::assets::install_vhost_vsock(&lab.assets.cache)?;
+            println!("lab assets ready in {}", lab.assets.cache.display());
+            return Ok(ExitCode::SUCCESS);
+        }
+        Cmd::Run { workload, vm, out } => {
+            let text = std::fs::read_to_string(&workload)
+                .with_context(|| format!("read workload {}", workload.display()))?;
+            (vm.config(Agents::None, "viotrace-lab")?, text, out)
+        }
+        Cmd::Demo { vm, out } => (
+            vm.config(Agents::Both, "viotrace-demo")?,
+            workloads::DEMO.to_string(),
+            out,
+        ),
+    };
+    let lab = Lab::new()?;
+    let flag = lab.interrupt_flag();
+    signal_hook::flag::register(signal_hook::consts::SIGINT, flag.clone())?;
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, flag.clone())?;
+    let r = lab.run(&cfg, &workload, &out)?;
+    if flag.load(Ordering::SeqCst) {
+        anyhow::bail!("interrupted");
+    }
+    print!(
+        "{}",
+        std::fs::read_to_string(r.path("summary.txt")).unwrap_or_default()
+    );
+    println!("results in {}", r.out_dir.display());
+    Ok(ExitCode::from(u8::try_from(r.workload_rc).unwrap_or(1)))
+}

@@ -1,0 +1,109 @@
+#!/bin/busybox sh
+# viotrace lab guest init: mounts, loads virtio modules, runs the agent and the workload,
+# ships /out to the host over a virtio-serial port and powers off. Markers on the
+# console (VIOTRACE-*) are read by the host side of the lab.
+/bin/busybox --install -s /bin
+export PATH=/usr/local/bin:/usr/bin:/bin:/sbin:/usr/sbin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mkdir -p /dev/pts /run /tmp /out /data
+mount -t tmpfs tmpfs /run
+mount -t tmpfs tmpfs /tmp
+mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null
+mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
+mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null
+mount -t bpf bpf /sys/fs/bpf 2>/dev/null
+hostname viotrace-guest
+ip link set lo up 2>/dev/null
+
+fail() {
+	echo "VIOTRACE-ERROR $*"
+	sync
+	poweroff -f
+	sleep 5
+}
+
+. /viotrace/config.sh
+
+for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk \
+	virtio_console vsock vmw_vsock_virtio_transport_common vmw_vsock_virtio_transport; do
+	insmod /lib/modules/$m.ko 2>/tmp/insmod.err || grep -q 'File exists' /tmp/insmod.err ||
+		fail "insmod $m: $(cat /tmp/insmod.err)"
+done
+
+# Wait for the data disk.
+i=0
+while [ ! -b /dev/$VIOTRACE_DISK ]; do
+	i=$((i + 1))
+	[ $i -gt 100 ] && fail "data disk /dev/$VIOTRACE_DISK did not appear"
+	sleep 0.1
+done
+mount -t ext4 -o noatime /dev/$VIOTRACE_DISK /data || fail "mount /dev/$VIOTRACE_DISK"
+export VIOTRACE_DISK
+
+# Find the results port.
+RESULTS=
+i=0
+while [ -z "$RESULTS" ]; do
+	for p in /sys/class/virtio-ports/*; do
+		[ "$(cat $p/name 2>/dev/null)" = viotrace.results ] && RESULTS=/dev/$(basename $p)
+	done
+	i=$((i + 1))
+	[ $i -gt 100 ] && fail "results port did not appear"
+	[ -z "$RESULTS" ] && sleep 0.1
+done
+
+AGENT_PID=
+if [ "$VIOTRACE_GUEST_AGENT" = 1 ]; then
+	echo "VIOTRACE-AGENT-START"
+	eval "set -- $VIOTRACE_GUEST_ARGS"
+	/bin/viotrace-guest --json --ready-file /run/viotrace-guest.ready "$@" \
+		>/out/guest.jsonl 2>/out/guest.log &
+	AGENT_PID=$!
+	i=0
+	while [ ! -e /run/viotrace-guest.ready ]; do
+		if ! kill -0 $AGENT_PID 2>/dev/null; then
+			wait $AGENT_PID
+			echo "VIOTRACE-AGENT-FAILED rc=$?"
+			tail -n 20 /out/guest.log
+			AGENT_PID=
+			break
+		fi
+		i=$((i + 1))
+		[ $i -gt 1200 ] && { echo "VIOTRACE-AGENT-FAILED not ready after 120 s"; break; }
+		sleep 0.1
+	done
+	[ -n "$AGENT_PID" ] && echo "VIOTRACE-AGENT-READY"
+fi
+
+echo "VIOTRACE-WORKLOAD-START"
+cd /data
+(sh /viotrace/workload.sh; echo $? >/tmp/workload.rc) 2>&1 | tee /out/workload.log
+cd /
+rc=$(cat /tmp/workload.rc 2>/dev/null || echo 255)
+echo "VIOTRACE-WORKLOAD-END rc=$rc"
+
+if [ -n "$AGENT_PID" ]; then
+	kill -INT $AGENT_PID 2>/dev/null
+	i=0
+	while kill -0 $AGENT_PID 2>/dev/null; do
+		i=$((i + 1))
+		if [ $i -gt 300 ]; then
+			echo "VIOTRACE-AGENT-KILLED did not stop within 30 s of SIGINT"
+			kill -KILL $AGENT_PID
+			break
+		fi
+		sleep 0.1
+	done
+	wait $AGENT_PID
+	echo "VIOTRACE-AGENT-EXIT rc=$?"
+fi
+
+echo $rc >/out/workload.rc
+umount /data 2>/dev/null
+tar -c -f - -C /out . >$RESULTS || echo "VIOTRACE-ERROR shipping results failed"
+sync
+echo "VIOTRACE-DONE"
+poweroff -f
+sleep 10

@@ -1,0 +1,586 @@
+//! Lab assets, built once and cached: the guest kernel and its modules, the base
+//! initramfs (busybox, fio and its libraries, the virtio modules), the golden ext4
+//! data disk, the vhost-user vsock backend and the agent binaries.
+//!
+//! Everything lives under the cache directory (default `<workspace>/target/vm-cache`,
+//! override with `VIOTRACE_CACHE`), in sub-directories keyed by versions, so a second
+//! run downloads nothing.
+
+use std::collections::BTreeSet;
+use std::fs::{self, File};
+use std::io::{BufWriter, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, ensure, Context, Result};
+
+/// Modules the guest needs, in insmod order (the Debian package has no modules.dep).
+pub const GUEST_MODULES: &[&str] = &[
+    "virtio_ring",
+    "virtio",
+    "virtio_pci_legacy_dev",
+    "virtio_pci_modern_dev",
+    "virtio_pci",
+    "virtio_blk",
+    "virtio_console",
+    "vsock",
+    "vmw_vsock_virtio_transport_common",
+    "vmw_vsock_virtio_transport",
+];
+
+/// Size of the golden data disk.
+pub const DATA_DISK_MIB: u64 = 256;
+
+/// The vhost-user vsock backend we install (crates.io).
+pub const VHOST_VSOCK_CRATE: &str = "vhost-device-vsock";
+pub const VHOST_VSOCK_VERSION: &str = "0.3.0";
+
+/// Bump when the layout of the base initramfs changes.
+const INITRAMFS_LAYOUT: u32 = 1;
+
+/// The guest init script (embedded).
+pub const GUEST_INIT: &str = include_str!("../guest/init.sh");
+
+/// Paths of the cached assets.
+#[derive(Debug, Clone)]
+pub struct Assets {
+    pub cache: PathBuf,
+    pub kernel_release: String,
+    pub vmlinuz: PathBuf,
+    pub base_initramfs: PathBuf,
+    pub golden_raw: PathBuf,
+    pub golden_qcow2: PathBuf,
+    pub vhost_vsock: Option<PathBuf>,
+}
+
+/// The workspace root (the lab runs from a source checkout).
+pub fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// The cache directory.
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("VIOTRACE_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target").join("vm-cache"))
+}
+
+fn run(cmd: &mut Command) -> Result<String> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("cannot run {:?}", cmd.get_program()))?;
+    if !out.status.success() {
+        bail!(
+            "{:?} failed ({}): {}",
+            cmd,
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn need_tool(tool: &str, package: &str) -> Result<()> {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+        .unwrap_or(false);
+    ensure!(
+        found,
+        "`{tool}` not found: install the Debian package `{package}` (scripts/setup.sh does this)"
+    );
+    Ok(())
+}
+
+impl Assets {
+    /// Builds whatever is missing and returns the paths. Idempotent and cheap when cached.
+    pub fn ensure() -> Result<Assets> {
+        let cache = cache_dir();
+        fs::create_dir_all(&cache).with_context(|| format!("create {}", cache.display()))?;
+        let (kernel_release, kdir) = ensure_kernel(&cache)?;
+        let vmlinuz = kdir.join("vmlinuz");
+        let base_initramfs = ensure_base_initramfs(&cache, &kernel_release, &kdir)?;
+        let (golden_raw, golden_qcow2) = ensure_golden_disk(&cache)?;
+        let vhost_vsock = find_vhost_vsock(&cache);
+        Ok(Assets {
+            cache,
+            kernel_release,
+            vmlinuz,
+            base_initramfs,
+            golden_raw,
+            golden_qcow2,
+            vhost_vsock,
+        })
+    }
+}
+
+/// Picks the guest kernel: a cached one if present, else the newest Debian
+/// `linux-image-6.1.0-N-cloud-amd64` known to apt (`VIOTRACE_GUEST_KERNEL_PKG` overrides).
+fn ensure_kernel(cache: &Path) -> Result<(String, PathBuf)> {
+    let wanted = std::env::var("VIOTRACE_GUEST_KERNEL_PKG").ok();
+    if wanted.is_none() {
+        if let Some(found) = newest_cached_kernel(cache)? {
+            return Ok(found);
+        }
+    }
+    let pkg = match wanted {
+        Some(p) => p,
+        None => newest_cloud_kernel_package()?,
+    };
+    let release = pkg
+        .strip_prefix("linux-image-")
+        .with_context(|| format!("unexpected kernel package name {pkg}"))?
+        .to_string();
+    let kdir = cache.join(format!("kernel-{release}"));
+    if kdir.join("ok").exists() {
+        return Ok((release, kdir));
+    }
+    need_tool("apt-get", "apt")?;
+    need_tool("dpkg-deb", "dpkg")?;
+    eprintln!("viotrace-vm: downloading guest kernel {pkg} (once)");
+    let dl = cache.join("download");
+    let _ = fs::remove_dir_all(&dl);
+    fs::create_dir_all(&dl)?;
+    run(Command::new("apt-get")
+        .args(["download", "-q", &pkg])
+        .current_dir(&dl))
+    .with_context(|| {
+        format!("download {pkg} (is `apt-get update` done and is the package available?)")
+    })?;
+    let deb = fs::read_dir(&dl)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .context("apt-get download produced no .deb")?;
+    let x = dl.join("x");
+    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&x))?;
+    let _ = fs::remove_dir_all(&kdir);
+    fs::create_dir_all(kdir.join("modules"))?;
+    fs::copy(
+        x.join(format!("boot/vmlinuz-{release}")),
+        kdir.join("vmlinuz"),
+    )
+    .context("kernel package has no vmlinuz")?;
+    let _ = fs::copy(
+        x.join(format!("boot/config-{release}")),
+        kdir.join("config"),
+    );
+    let moddir = x.join(format!("lib/modules/{release}/kernel"));
+    for m in GUEST_MODULES {
+        let src = find_module(&moddir, m)?
+            .with_context(|| format!("module {m}.ko not in {}", moddir.display()))?;
+        fs::copy(&src, kdir.join("modules").join(format!("{m}.ko")))?;
+    }
+    fs::write(kdir.join("ok"), &pkg)?;
+    let _ = fs::remove_dir_all(&dl);
+    Ok((release, kdir))
+}
+
+fn newest_cached_kernel(cache: &Path) -> Result<Option<(String, PathBuf)>> {
+    let mut best: Option<(Vec<u64>, String, PathBuf)> = None;
+    for e in fs::read_dir(cache)?.filter_map(|e| e.ok()) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rel) = name.strip_prefix("kernel-") else {
+            continue;
+        };
+        if !e.path().join("ok").exists() {
+            continue;
+        }
+        let key = version_key(rel);
+        if best.as_ref().is_none_or(|b| key > b.0) {
+            best = Some((key, rel.to_string(), e.path()));
+        }
+    }
+    Ok(best.map(|(_, r, p)| (r, p)))
+}
+
+fn version_key(s: &str) -> Vec<u64> {
+    s.split(|c: char| !c.is_ascii_digit())
+        .filter(|x| !x.is_empty())
+        .filter_map(|x| x.parse().ok())
+        .collect()
+}
+
+fn newest_cloud_kernel_package() -> Result<String> {
+    need_tool("apt-cache", "apt")?;
+    let out = run(Command::new("apt-cache").args([
+        "search",
+        "--names-only",
+        r"^linux-image-6\.1\.0-[0-9]+-cloud-amd64$",
+    ]))?;
+    out.lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .max_by_key(|p| version_key(p))
+        .map(str::to_string)
+        .context(
+            "apt knows no linux-image-6.1.0-*-cloud-amd64 package: run `apt-get update` \
+             on a Debian 12 (bookworm) host, or set VIOTRACE_GUEST_KERNEL_PKG",
+        )
+}
+
+fn find_module(dir: &Path, name: &str) -> Result<Option<PathBuf>> {
+    for e in fs::read_dir(dir)?.filter_map(|e| e.ok()) {
+        let p = e.path();
+        let ft = e.file_type()?;
+        if ft.is_dir() {
+            if let Some(found) = find_module(&p, name)? {
+                return Ok(Some(found));
+            }
+        } else if p
+            .file_name()
+            .is_some_and(|f| f == format!("{name}.ko").as_str())
+        {
+            return Ok(Some(p));
+        }
+    }
+    Ok(None)
+}
+
+/// A cpio (newc) archive writer: directories, files, symlinks, all owned by root.
+pub struct Cpio<W: Write> {
+    out: Option<W>,
+    ino: u32,
+    dirs: BTreeSet<String>,
+}
+
+impl<W: Write> Cpio<W> {
+    pub fn new(out: W, first_ino: u32) -> Self {
+        Cpio {
+            out: Some(out),
+            ino: first_ino,
+            dirs: BTreeSet::new(),
+        }
+    }
+
+    fn entry(&mut self, name: &str, mode: u32, nlink: u32, data: &[u8]) -> Result<()> {
+        self.ino += 1;
+        let out = self.out.take().context("cpio writer already finished")?;
+        let len = u32::try_from(data.len()).context("file too large for cpio")?;
+        let mut w = cpio::newc::Builder::new(name)
+            .ino(self.ino)
+            .mode(mode)
+            .uid(0)
+            .gid(0)
+            .nlink(nlink)
+            .write(out, len);
+        w.write_all(data)?;
+        self.out = Some(w.finish()?);
+        Ok(())
+    }
+
+    /// Adds a directory and its parents (once).
+    pub fn dir(&mut self, path: &str) -> Result<()> {
+        let path = path.trim_matches('/');
+        if path.is_empty() || self.dirs.contains(path) {
+            return Ok(());
+        }
+        if let Some((parent, _)) = path.rsplit_once('/') {
+            self.dir(parent)?;
+        }
+        self.dirs.insert(path.to_string());
+        self.entry(path, 0o040755, 2, &[])
+    }
+
+    pub fn file(&mut self, path: &str, mode: u32, data: &[u8]) -> Result<()> {
+        let path = path.trim_matches('/');
+        if let Some((parent, _)) = path.rsplit_once('/') {
+            self.dir(parent)?;
+        }
+        self.entry(path, 0o100000 | (mode & 0o7777), 1, data)
+    }
+
+    pub fn host_file(&mut self, path: &str, src: &Path) -> Result<()> {
+        let data = fs::read(src).with_context(|| format!("read {}", src.display()))?;
+        let mode = fs::metadata(src)?.permissions().mode();
+        self.file(path, mode, &data)
+    }
+
+    pub fn symlink(&mut self, path: &str, target: &str) -> Result<()> {
+        let path = path.trim_matches('/');
+        if let Some((parent, _)) = path.rsplit_once('/') {
+            self.dir(parent)?;
+        }
+        self.entry(path, 0o120777, 1, target.as_bytes())
+    }
+
+    pub fn finish(mut self) -> Result<W> {
+        let out = self.out.take().context("cpio writer already finished")?;
+        Ok(cpio::newc::trailer(out)?)
+    }
+}
+
+/// Shared libraries a dynamically linked program needs (ldd closure), as (path in guest, host path).
+fn library_closure(bin: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let out = run(Command::new("ldd").arg(bin))?;
+    let mut libs = Vec::new();
+    for line in out.lines() {
+        // "libx.so.1 => /lib/x86_64-linux-gnu/libx.so.1 (0x...)" or "/lib64/ld-linux-x86-64.so.2 (0x...)"
+        let path = match line.split_once("=>") {
+            Some((_, rhs)) => rhs.split_whitespace().next(),
+            None => line.split_whitespace().next(),
+        };
+        if let Some(p) = path.filter(|p| p.starts_with('/')) {
+            let canon = fs::canonicalize(p).with_context(|| format!("resolve {p}"))?;
+            libs.push((p.to_string(), canon));
+        }
+    }
+    ensure!(
+        !libs.is_empty(),
+        "ldd found no libraries for {}",
+        bin.display()
+    );
+    Ok(libs)
+}
+
+fn which(tool: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(tool))
+            .find(|p| p.is_file())
+    })
+}
+
+/// The base initramfs: busybox, fio + libraries, the modules and the init script.
+fn ensure_base_initramfs(cache: &Path, release: &str, kdir: &Path) -> Result<PathBuf> {
+    need_tool("busybox", "busybox-static")?;
+    need_tool("fio", "fio")?;
+    let busybox = which("busybox").context("busybox")?;
+    let fio = fs::canonicalize(which("fio").context("fio")?)?;
+    let fio_version = run(Command::new(&fio).arg("--version"))?.trim().to_string();
+    let init_hash = fnv1a(GUEST_INIT.as_bytes());
+    let path = cache.join(format!(
+        "initramfs-{release}-{fio_version}-l{INITRAMFS_LAYOUT}-{init_hash:016x}.cpio"
+    ));
+    if path.exists() {
+        return Ok(path);
+    }
+    let bb = fs::read(&busybox)?;
+    ensure!(
+        !bb.windows(16).any(|w| w == b"/lib64/ld-linux-"),
+        "{} is dynamically linked: install busybox-static",
+        busybox.display()
+    );
+    eprintln!("viotrace-vm: building the guest initramfs (once)");
+    let tmp = path.with_extension("tmp");
+    let f = BufWriter::new(File::create(&tmp)?);
+    let mut c = Cpio::new(f, 0);
+    for d in [
+        "bin",
+        "sbin",
+        "usr/bin",
+        "usr/sbin",
+        "proc",
+        "sys",
+        "dev",
+        "run",
+        "tmp",
+        "out",
+        "data",
+        "etc",
+        "root",
+        "lib/modules",
+    ] {
+        c.dir(d)?;
+    }
+    c.file("bin/busybox", 0o755, &bb)?;
+    c.symlink("bin/sh", "busybox")?;
+    c.file("init", 0o755, GUEST_INIT.as_bytes())?;
+    c.file("etc/passwd", 0o644, b"root:x:0:0:root:/root:/bin/sh\n")?;
+    c.file("etc/group", 0o644, b"root:x:0:\n")?;
+    for m in GUEST_MODULES {
+        c.host_file(
+            &format!("lib/modules/{m}.ko"),
+            &kdir.join("modules").join(format!("{m}.ko")),
+        )?;
+    }
+    c.host_file("usr/bin/fio", &fio)?;
+    for (guest_path, host_path) in library_closure(&fio)? {
+        c.host_file(&guest_path, &host_path)?;
+    }
+    c.finish()?.flush()?;
+    fs::rename(&tmp, &path)?;
+    Ok(path)
+}
+
+/// FNV-1a, for cache keys.
+pub fn fnv1a(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// Golden ext4 data disk (raw, plus a qcow2 copy). Lazy init is off so the guest
+/// does no background I/O on it.
+fn ensure_golden_disk(cache: &Path) -> Result<(PathBuf, PathBuf)> {
+    let raw = cache.join(format!("golden-ext4-{DATA_DISK_MIB}M.raw"));
+    let qcow2 = cache.join(format!("golden-ext4-{DATA_DISK_MIB}M.qcow2"));
+    if !raw.exists() {
+        need_tool("mkfs.ext4", "e2fsprogs")?;
+        let tmp = raw.with_extension("tmp");
+        let f = File::create(&tmp)?;
+        f.set_len(DATA_DISK_MIB << 20)?;
+        drop(f);
+        run(Command::new("mkfs.ext4")
+            .args([
+                "-q",
+                "-F",
+                "-L",
+                "data",
+                "-E",
+                "lazy_itable_init=0,lazy_journal_init=0",
+            ])
+            .arg(&tmp))?;
+        fs::rename(&tmp, &raw)?;
+    }
+    if !qcow2.exists() {
+        need_tool("qemu-img", "qemu-utils")?;
+        let tmp = qcow2.with_extension("qtmp");
+        run(Command::new("qemu-img")
+            .args(["convert", "-f", "raw", "-O", "qcow2"])
+            .arg(&raw)
+            .arg(&tmp))?;
+        fs::rename(&tmp, &qcow2)?;
+    }
+    Ok((raw, qcow2))
+}
+
+/// The vhost-user vsock backend: `VIOTRACE_VHOST_VSOCK`, the project-local install, or PATH.
+pub fn find_vhost_vsock(cache: &Path) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("VIOTRACE_VHOST_VSOCK") {
+        return Some(PathBuf::from(p));
+    }
+    let local = cache.join("tools/bin").join(VHOST_VSOCK_CRATE);
+    if local.is_file() {
+        return Some(local);
+    }
+    which(VHOST_VSOCK_CRATE)
+}
+
+/// Installs the vhost-user vsock backend into the cache (cargo install, once).
+pub fn install_vhost_vsock(cache: &Path) -> Result<PathBuf> {
+    if let Some(p) = find_vhost_vsock(cache) {
+        return Ok(p);
+    }
+    eprintln!("viotrace-vm: installing {VHOST_VSOCK_CRATE} {VHOST_VSOCK_VERSION} (once, ~2 min)");
+    let root = cache.join("tools");
+    run(Command::new(cargo())
+        .args([
+            "install",
+            "--locked",
+            VHOST_VSOCK_CRATE,
+            "--version",
+            VHOST_VSOCK_VERSION,
+            "--root",
+        ])
+        .arg(&root))?;
+    find_vhost_vsock(cache).context("vhost-device-vsock not found after install")
+}
+
+fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+/// Builds (if needed) the fully static guest agent and returns its path.
+/// `VIOTRACE_GUEST_BIN` overrides.
+pub fn guest_agent_binary() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("VIOTRACE_GUEST_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let root = workspace_root();
+    let target = "x86_64-unknown-linux-gnu";
+    let status = Command::new(cargo())
+        .current_dir(&root)
+        .args([
+            "build",
+            "--release",
+            "-q",
+            "-p",
+            "viotrace-guest",
+            "--features",
+            "static",
+            "--target",
+            target,
+        ])
+        .env(
+            "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS",
+            "-C target-feature=+crt-static",
+        )
+        .env("LIBBPF_SYS_LIBRARY_PATH", "/usr/lib/x86_64-linux-gnu")
+        .status()
+        .context("run cargo to build the static guest agent")?;
+    ensure!(status.success(), "building the static guest agent failed");
+    let bin = target_dir().join(target).join("release/viotrace-guest");
+    ensure!(bin.is_file(), "{} missing after build", bin.display());
+    Ok(bin)
+}
+
+/// Builds (if needed) the host agent and returns its path. `VIOTRACE_HOST_BIN` overrides.
+pub fn host_agent_binary() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("VIOTRACE_HOST_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let status = Command::new(cargo())
+        .current_dir(workspace_root())
+        .args(["build", "--release", "-q", "-p", "viotrace-host"])
+        .status()
+        .context("run cargo to build the host agent")?;
+    ensure!(status.success(), "building the host agent failed");
+    let bin = target_dir().join("release/viotrace-host");
+    ensure!(bin.is_file(), "{} missing after build", bin.display());
+    Ok(bin)
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
+
+/// Makes a file executable (for workload scripts given without +x).
+pub fn make_executable(p: &Path) -> Result<()> {
+    let mut perm = fs::metadata(p)?.permissions();
+    perm.set_mode(perm.mode() | 0o755);
+    fs::set_permissions(p, perm)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_key_orders_kernel_abis() {
+        assert!(
+            version_key("linux-image-6.1.0-56-cloud-amd64")
+                > version_key("linux-image-6.1.0-9-cloud-amd64")
+        );
+    }
+
+    #[test]
+    fn cpio_roundtrip() {
+        let mut c = Cpio::new(Vec::new(), 0);
+        c.file("a/b/c.txt", 0o644, b"hello").unwrap();
+        c.symlink("a/l", "b/c.txt").unwrap();
+        let bytes = c.finish().unwrap();
+        let mut names = Vec::new();
+        let mut rest: &[u8] = &bytes;
+        loop {
+            let r = cpio::NewcReader::new(rest).unwrap();
+            if r.entry().is_trailer() {
+                break;
+            }
+            names.push((r.entry().name().to_string(), r.entry().mode()));
+            rest = r.finish().unwrap();
+        }
+        assert_eq!(
+            names,
+            vec![
+                ("a".to_string(), 0o040755),
+                ("a/b".to_string(), 0o040755),
+                ("a/b/c.txt".to_string(), 0o100644),
+                ("a/l".to_string(), 0o120777),
+            ]
+        );
+    }
+}

@@ -1,0 +1,711 @@
+//! Booting a lab VM, running a workload and the agents, and collecting the results.
+
+use std::fmt;
+use std::fs::{self, File};
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use nix::sys::signal::Signal;
+use serde::Serialize;
+
+use crate::assets::{self, Assets, Cpio};
+use crate::proc::Guarded;
+use crate::qmp::Qmp;
+
+/// Which agents run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Agents {
+    None,
+    Guest,
+    Host,
+    Both,
+}
+
+impl Agents {
+    pub fn guest(self) -> bool {
+        matches!(self, Agents::Guest | Agents::Both)
+    }
+    pub fn host(self) -> bool {
+        matches!(self, Agents::Host | Agents::Both)
+    }
+}
+
+/// QEMU's block backend I/O mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Aio {
+    Threads,
+    Native,
+    #[value(name = "io_uring")]
+    IoUring,
+}
+
+impl fmt::Display for Aio {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Aio::Threads => "threads",
+            Aio::Native => "native",
+            Aio::IoUring => "io_uring",
+        })
+    }
+}
+
+/// Data disk image format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DiskFormat {
+    Raw,
+    Qcow2,
+}
+
+/// How the guest↔host vsock channel is provided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum VsockMode {
+    /// Kernel vhost-vsock when /dev/vhost-vsock works, else vhost-user (hybrid vsock).
+    Auto,
+    /// vhost-device-vsock: hybrid vsock over a Unix socket.
+    VhostUser,
+    /// The host kernel's vhost-vsock (`vhost-vsock-pci`, real AF_VSOCK on the host).
+    Kernel,
+    None,
+}
+
+/// QEMU accelerator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Accel {
+    Auto,
+    Kvm,
+    Tcg,
+}
+
+/// Everything about one lab run.
+#[derive(Clone, Debug, Serialize)]
+pub struct VmConfig {
+    pub name: String,
+    pub smp: u32,
+    pub queues: u32,
+    pub memory_mib: u32,
+    pub aio: Aio,
+    /// QEMU cache mode for the data disk (`writeback`, `none`, `directsync`, …). With
+    /// `aio=native` the lab forces `cache.direct=on` (`none`) as QEMU requires.
+    pub cache: String,
+    pub format: DiskFormat,
+    pub agents: Agents,
+    pub guest_args: Vec<String>,
+    pub host_args: Vec<String>,
+    pub timeout: Duration,
+    pub vsock: VsockMode,
+    pub accel: Accel,
+    /// Echo the guest console (and agents' stdout when not captured) live.
+    pub console: bool,
+    /// Guest CID (vsock).
+    pub cid: u32,
+    /// Extra QEMU arguments (appended).
+    pub qemu_args: Vec<String>,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig {
+            name: "viotrace-lab".into(),
+            smp: 1,
+            queues: 1,
+            memory_mib: 1024,
+            aio: Aio::Threads,
+            cache: "writeback".into(),
+            format: DiskFormat::Raw,
+            agents: Agents::None,
+            guest_args: Vec::new(),
+            host_args: Vec::new(),
+            timeout: Duration::from_secs(600),
+            vsock: VsockMode::Auto,
+            accel: Accel::Auto,
+            console: false,
+            cid: 3,
+            qemu_args: Vec::new(),
+        }
+    }
+}
+
+/// The outcome of a lab run whose VM booted and finished.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunResult {
+    pub out_dir: PathBuf,
+    /// The workload script's exit status.
+    pub workload_rc: i32,
+    /// From starting (or resuming) QEMU to the workload's start, seconds.
+    pub boot_secs: f64,
+    /// The workload's run time, seconds.
+    pub workload_secs: f64,
+    /// Whole run, seconds.
+    pub total_secs: f64,
+    pub accel: String,
+    pub vsock: String,
+    pub qemu_pid: u32,
+    pub guest_agent_rc: Option<i32>,
+    pub host_agent_rc: Option<i32>,
+    pub config: VmConfig,
+}
+
+impl RunResult {
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.out_dir.join(name)
+    }
+
+    /// Reads a JSON-lines output of the run (`guest.jsonl`, `host.jsonl`, `joined.jsonl`).
+    pub fn jsonl(&self, name: &str) -> Result<Vec<serde_json::Value>> {
+        read_jsonl(&self.path(name))
+    }
+
+    pub fn workload_log(&self) -> String {
+        fs::read_to_string(self.path("workload.log")).unwrap_or_default()
+    }
+}
+
+/// Reads a JSON-lines file.
+pub fn read_jsonl(p: &Path) -> Result<Vec<serde_json::Value>> {
+    let f = File::open(p).with_context(|| format!("open {}", p.display()))?;
+    let mut v = Vec::new();
+    for (i, line) in BufReader::new(f).lines().enumerate() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        v.push(
+            serde_json::from_str(&line)
+                .with_context(|| format!("{}:{}: bad JSON", p.display(), i + 1))?,
+        );
+    }
+    Ok(v)
+}
+
+enum Event {
+    Line(Instant, String),
+    Eof,
+}
+
+const MARK_START: &str = "VIOTRACE-WORKLOAD-START";
+const MARK_END: &str = "VIOTRACE-WORKLOAD-END";
+const MARK_DONE: &str = "VIOTRACE-DONE";
+const MARK_ERROR: &str = "VIOTRACE-ERROR";
+const MARK_AGENT_FAILED: &str = "VIOTRACE-AGENT-FAILED";
+const MARK_AGENT_EXIT: &str = "VIOTRACE-AGENT-EXIT";
+
+/// The hybrid-vsock port the host agent listens on for guest agents.
+pub const AGENT_VSOCK_PORT: u32 = 5515;
+
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+fn kvm_usable() -> bool {
+    let cpu = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    Path::new("/dev/kvm").exists()
+        && cpu
+            .lines()
+            .any(|l| l.starts_with("flags") && (l.contains(" vmx") || l.contains(" svm")))
+}
+
+fn kernel_vhost_vsock_usable() -> bool {
+    fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/vhost-vsock")
+        .is_ok()
+}
+
+fn tail(p: &Path, n: usize) -> String {
+    let s = fs::read_to_string(p).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// The lab.
+pub struct Lab {
+    pub assets: Assets,
+    interrupt: Arc<AtomicBool>,
+}
+
+impl Lab {
+    /// Prepares (and caches) all assets.
+    pub fn new() -> Result<Lab> {
+        Ok(Lab {
+            assets: Assets::ensure()?,
+            interrupt: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    /// A flag that, once set (e.g. by a SIGINT handler), stops the run and tears the VM down.
+    pub fn interrupt_flag(&self) -> Arc<AtomicBool> {
+        self.interrupt.clone()
+    }
+
+    /// Boots a VM, runs `workload` (shell script text) inside it, and collects results into `out_dir`.
+    pub fn run(&self, cfg: &VmConfig, workload: &str, out_dir: &Path) -> Result<RunResult> {
+        fs::create_dir_all(out_dir).with_context(|| format!("create {}", out_dir.display()))?;
+        let out_dir = fs::canonicalize(out_dir)?;
+        for f in [
+            "serial.log",
+            "guest.jsonl",
+            "guest.log",
+            "host.jsonl",
+            "host.log",
+            "joined.jsonl",
+            "workload.log",
+            "summary.txt",
+            "summary.json",
+            "qemu.log",
+        ] {
+            let _ = fs::remove_file(out_dir.join(f));
+        }
+        let run_dir = tempfile::Builder::new()
+            .prefix("viotrace-lab-")
+            .tempdir_in(std::env::temp_dir())
+            .context("create run directory")?;
+        let rd = run_dir.path();
+        let res = self.run_in(cfg, workload, &out_dir, rd);
+        if let Err(e) = &res {
+            let _ = fs::write(out_dir.join("summary.txt"), format!("FAILED: {e:#}\n"));
+        }
+        res
+    }
+
+    fn run_in(&self, cfg: &VmConfig, workload: &str, out: &Path, rd: &Path) -> Result<RunResult> {
+        let t_all = Instant::now();
+        // Agents.
+        let guest_bin = if cfg.agents.guest() {
+            Some(assets::guest_agent_binary()?)
+        } else {
+            None
+        };
+        let host_bin = if cfg.agents.host() {
+            Some(assets::host_agent_binary()?)
+        } else {
+            None
+        };
+
+        // initrd = base + per-run overlay.
+        let initrd = rd.join("initrd.cpio");
+        fs::copy(&self.assets.base_initramfs, &initrd).context("copy base initramfs")?;
+        {
+            let mut f = fs::OpenOptions::new().append(true).open(&initrd)?;
+            let mut c = Cpio::new(Vec::new(), 1_000_000);
+            let disk = "vda";
+            let mut conf = String::new();
+            conf += &format!("VIOTRACE_DISK={disk}\n");
+            conf += &format!(
+                "VIOTRACE_GUEST_AGENT={}\n",
+                if guest_bin.is_some() { 1 } else { 0 }
+            );
+            let mut gargs = cfg.guest_args.clone();
+            if cfg.agents == Agents::Both {
+                gargs.push("--connect".into());
+                gargs.push(format!("vsock:2:{AGENT_VSOCK_PORT}"));
+            }
+            let q: Vec<String> = gargs.iter().map(|a| shell_quote(a)).collect();
+            conf += &format!("VIOTRACE_GUEST_ARGS={}\n", shell_quote(&q.join(" ")));
+            c.file("viotrace/config.sh", 0o644, conf.as_bytes())?;
+            c.file("viotrace/workload.sh", 0o755, workload.as_bytes())?;
+            if let Some(g) = &guest_bin {
+                c.host_file("bin/viotrace-guest", g)?;
+            }
+            f.write_all(&c.finish()?)?;
+        }
+
+        // Data disk.
+        let (golden, fmt) = match cfg.format {
+            DiskFormat::Raw => (&self.assets.golden_raw, "raw"),
+            DiskFormat::Qcow2 => (&self.assets.golden_qcow2, "qcow2"),
+        };
+        let disk = rd.join(format!("data.{fmt}"));
+        fs::copy(golden, &disk).context("copy golden data disk")?;
+
+        // vsock.
+        let vsock = match cfg.vsock {
+            VsockMode::Auto if kernel_vhost_vsock_usable() => VsockMode::Kernel,
+            VsockMode::Auto => {
+                if assets::find_vhost_vsock(&self.assets.cache).is_some() {
+                    VsockMode::VhostUser
+                } else if cfg.agents == Agents::Both {
+                    assets::install_vhost_vsock(&self.assets.cache)?;
+                    VsockMode::VhostUser
+                } else {
+                    VsockMode::None
+                }
+            }
+            m => m,
+        };
+        let uds = rd.join("vsock.sock");
+        let vhost_sock = rd.join("vhost.sock");
+        let mut backend = None;
+        if vsock == VsockMode::VhostUser {
+            let bin = assets::install_vhost_vsock(&self.assets.cache)?;
+            let log = File::create(out.join("vsock-backend.log"))?;
+            let mut b = Guarded::spawn(
+                "vhost-device-vsock",
+                Command::new(&bin)
+                    .arg("--vm")
+                    .arg(format!(
+                        "guest-cid={},socket={},uds-path={}",
+                        cfg.cid,
+                        vhost_sock.display(),
+                        uds.display()
+                    ))
+                    .stdin(Stdio::null())
+                    .stdout(log.try_clone()?)
+                    .stderr(log),
+            )?;
+            let t = Instant::now();
+            while !vhost_sock.exists() {
+                if let Some(st) = b.try_wait()? {
+                    bail!(
+                        "vhost-device-vsock exited ({st}): {}",
+                        tail(&out.join("vsock-backend.log"), 10)
+                    );
+                }
+                if t.elapsed() > Duration::from_secs(15) {
+                    bail!("vhost-device-vsock did not create {}", vhost_sock.display());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            backend = Some(b);
+        }
+
+        // QEMU.
+        let accel = match cfg.accel {
+            Accel::Auto if kvm_usable() => "kvm",
+            Accel::Auto | Accel::Tcg => "tcg",
+            Accel::Kvm => "kvm",
+        };
+        let qmp_path = rd.join("qmp.sock");
+        let paused = host_bin.is_some();
+        let mut q = Command::new("qemu-system-x86_64");
+        q.args([
+            "-name",
+            &cfg.name,
+            "-accel",
+            accel,
+            "-nodefaults",
+            "-no-reboot",
+        ])
+        .args(["-display", "none", "-monitor", "none", "-serial", "stdio"])
+        .args(["-cpu", if accel == "kvm" { "host" } else { "max" }])
+        .args(["-smp", &cfg.smp.to_string()])
+        .args(["-m", &format!("{}M", cfg.memory_mib)])
+        .arg("-object")
+        .arg(format!(
+            "memory-backend-memfd,id=mem,size={}M,share=on",
+            cfg.memory_mib
+        ))
+        .args(["-numa", "node,memdev=mem"])
+        .arg("-kernel")
+        .arg(&self.assets.vmlinuz)
+        .arg("-initrd")
+        .arg(&initrd)
+        .args([
+            "-append",
+            "console=ttyS0 panic=-1 quiet loglevel=3 rdinit=/init tsc=reliable \
+                 random.trust_cpu=on mitigations=off",
+        ])
+        .arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", qmp_path.display()));
+        let cache = if cfg.aio == Aio::Native {
+            "none"
+        } else {
+            cfg.cache.as_str()
+        };
+        q.arg("-drive").arg(format!(
+            "file={},if=none,id=data,format={fmt},aio={},cache={cache}",
+            disk.display(),
+            cfg.aio
+        ));
+        q.arg("-device").arg(format!(
+            "virtio-blk-pci,drive=data,id=vdata,num-queues={}",
+            cfg.queues
+        ));
+        q.args(["-device", "virtio-serial-pci,id=vser"])
+            .arg("-chardev")
+            .arg(format!(
+                "file,id=results,path={}",
+                rd.join("results.tar").display()
+            ))
+            .args([
+                "-device",
+                "virtserialport,bus=vser.0,chardev=results,name=viotrace.results",
+            ]);
+        match vsock {
+            VsockMode::VhostUser => {
+                q.arg("-chardev")
+                    .arg(format!("socket,id=vsockchr,path={}", vhost_sock.display()))
+                    .args(["-device", "vhost-user-vsock-pci,chardev=vsockchr"]);
+            }
+            VsockMode::Kernel => {
+                q.arg("-device")
+                    .arg(format!("vhost-vsock-pci,guest-cid={}", cfg.cid));
+            }
+            _ => {}
+        }
+        if paused {
+            q.arg("-S");
+        }
+        q.args(&cfg.qemu_args);
+        let qlog = File::create(out.join("qemu.log"))?;
+        q.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(qlog);
+        let t_qemu = Instant::now();
+        let mut qemu = Guarded::spawn("qemu-system-x86_64", &mut q)?;
+        let qemu_pid = qemu.pid();
+
+        // Serial reader.
+        let (tx, rx) = mpsc::channel();
+        let stdout = qemu.take_stdout().context("QEMU stdout")?;
+        let serial_path = out.join("serial.log");
+        let echo = cfg.console;
+        let reader = std::thread::spawn(move || -> Result<()> {
+            let mut log = BufWriter::new(File::create(&serial_path)?);
+            let mut r = BufReader::new(stdout);
+            let mut buf = Vec::new();
+            loop {
+                buf.clear();
+                if r.read_until(b'\n', &mut buf)? == 0 {
+                    break;
+                }
+                log.write_all(&buf)?;
+                log.flush()?;
+                let line = String::from_utf8_lossy(&buf).trim_end().to_string();
+                if echo {
+                    println!("{line}");
+                }
+                if tx.send(Event::Line(Instant::now(), line)).is_err() {
+                    break;
+                }
+            }
+            let _ = tx.send(Event::Eof);
+            Ok(())
+        });
+
+        // Host agent: attach before the guest runs.
+        let mut host_agent = None;
+        let mut t_resume = t_qemu;
+        if let Some(hb) = &host_bin {
+            let ready = rd.join("host.ready");
+            let mut cmd = Command::new(hb);
+            cmd.arg("--pid")
+                .arg(qemu_pid.to_string())
+                .arg("--json")
+                .arg("--ready-file")
+                .arg(&ready);
+            if cfg.agents == Agents::Both {
+                cmd.arg("--listen-uds")
+                    .arg(format!("{}_{AGENT_VSOCK_PORT}", uds.display()))
+                    .arg("--joined-out")
+                    .arg(out.join("joined.jsonl"));
+            }
+            cmd.args(&cfg.host_args)
+                .stdin(Stdio::null())
+                .stdout(File::create(out.join("host.jsonl"))?)
+                .stderr(File::create(out.join("host.log"))?);
+            let mut h = Guarded::spawn("viotrace-host", &mut cmd)?;
+            let t = Instant::now();
+            while !ready.exists() {
+                if let Some(st) = h.try_wait()? {
+                    bail!(
+                        "host agent exited before it was ready ({st}):\n{}",
+                        tail(&out.join("host.log"), 20)
+                    );
+                }
+                if t.elapsed() > Duration::from_secs(120) || self.interrupt.load(Ordering::SeqCst) {
+                    bail!(
+                        "host agent not ready after {:?}:\n{}",
+                        t.elapsed(),
+                        tail(&out.join("host.log"), 20)
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            host_agent = Some(h);
+            let mut qmp = Qmp::connect(&qmp_path, Duration::from_secs(10))?;
+            qmp.execute("cont")?;
+            t_resume = Instant::now();
+        }
+
+        // Wait for the guest.
+        let deadline = t_resume + cfg.timeout;
+        let mut t_start = None;
+        let mut t_end = None;
+        let mut rc = None;
+        let mut done = false;
+        let mut guest_errors = Vec::new();
+        let mut guest_agent_rc = None;
+        let mut eof = false;
+        let qemu_status = loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(Event::Line(t, line)) => {
+                    if line.contains(MARK_START) {
+                        t_start = Some(t);
+                    } else if let Some(r) = line.split_once(MARK_END) {
+                        t_end = Some(t);
+                        rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
+                    } else if line.contains(MARK_DONE) {
+                        done = true;
+                    } else if line.contains(MARK_ERROR) || line.contains(MARK_AGENT_FAILED) {
+                        guest_errors.push(line.trim().to_string());
+                    } else if let Some(r) = line.split_once(MARK_AGENT_EXIT) {
+                        guest_agent_rc =
+                            r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
+                    }
+                }
+                Ok(Event::Eof) => eof = true,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => eof = true,
+            }
+            if eof {
+                if let Some(st) = qemu.wait_timeout(Duration::from_secs(10))? {
+                    break st;
+                }
+            } else if let Some(st) = qemu.try_wait()? {
+                // Drain what the reader still has.
+                while let Ok(Event::Line(t, line)) = rx.recv_timeout(Duration::from_millis(200)) {
+                    if line.contains(MARK_DONE) {
+                        done = true;
+                    }
+                    if line.contains(MARK_END) && t_end.is_none() {
+                        t_end = Some(t);
+                    }
+                }
+                break st;
+            }
+            let interrupted = self.interrupt.load(Ordering::SeqCst);
+            if Instant::now() >= deadline || interrupted {
+                qemu.stop(Signal::SIGTERM, Duration::from_secs(2))?;
+                if let Some(mut h) = host_agent.take() {
+                    let _ = h.stop(Signal::SIGINT, Duration::from_secs(10));
+                }
+                if let Some(mut b) = backend.take() {
+                    let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
+                }
+                let _ = reader.join();
+                let what = if interrupted {
+                    "interrupted".to_string()
+                } else {
+                    format!(
+                        "timed out after {} ({})",
+                        humantime::format_duration(cfg.timeout),
+                        if t_start.is_some() {
+                            "the workload did not finish"
+                        } else {
+                            "the guest never started the workload"
+                        }
+                    )
+                };
+                bail!(
+                    "lab VM {what}; QEMU and helpers stopped. Last serial lines:\n{}",
+                    tail(&out.join("serial.log"), 25)
+                );
+            }
+        };
+        let _ = reader.join();
+        let mut host_agent_rc = None;
+        if let Some(mut h) = host_agent.take() {
+            let st = h.stop(Signal::SIGINT, Duration::from_secs(30))?;
+            host_agent_rc = st.code();
+        }
+        if let Some(mut b) = backend.take() {
+            let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
+        }
+
+        // Results shipped by the guest.
+        let tarball = rd.join("results.tar");
+        if tarball.exists() && fs::metadata(&tarball)?.len() > 0 {
+            let mut ar = tar::Archive::new(File::open(&tarball)?);
+            ar.unpack(out)
+                .context("unpack the results the guest shipped (truncated?)")?;
+        }
+        if !done || t_start.is_none() {
+            let qerr = tail(&out.join("qemu.log"), 10);
+            bail!(
+                "the guest did not complete the run (QEMU {qemu_status}){}{}. Last serial lines:\n{}",
+                if guest_errors.is_empty() {
+                    String::new()
+                } else {
+                    format!("; guest said: {}", guest_errors.join("; "))
+                },
+                if qerr.is_empty() {
+                    String::new()
+                } else {
+                    format!("; QEMU said: {qerr}")
+                },
+                tail(&out.join("serial.log"), 25)
+            );
+        }
+        if !guest_errors.is_empty() {
+            bail!(
+                "the guest reported errors: {}\nguest agent log:\n{}",
+                guest_errors.join("; "),
+                tail(&out.join("guest.log"), 20)
+            );
+        }
+        let t_start = t_start.unwrap_or(t_resume);
+        let t_end = t_end.unwrap_or(t_start);
+        let result = RunResult {
+            out_dir: out.to_path_buf(),
+            workload_rc: rc.unwrap_or(255),
+            boot_secs: (t_start - t_resume).as_secs_f64(),
+            workload_secs: (t_end - t_start).as_secs_f64(),
+            total_secs: t_all.elapsed().as_secs_f64(),
+            accel: accel.to_string(),
+            vsock: format!("{vsock:?}"),
+            qemu_pid,
+            guest_agent_rc,
+            host_agent_rc,
+            config: cfg.clone(),
+        };
+        write_summary(&result)?;
+        Ok(result)
+    }
+}
+
+fn write_summary(r: &RunResult) -> Result<()> {
+    let mut s = String::new();
+    s += &format!("workload exit status: {}\n", r.workload_rc);
+    s += &format!("boot to workload:     {:.2} s\n", r.boot_secs);
+    s += &format!("workload time:        {:.2} s\n", r.workload_secs);
+    s += &format!("total run time:       {:.2} s\n", r.total_secs);
+    s += &format!(
+        "vm: {} vCPU, {} queue(s), aio={}, cache={}, format={:?}, accel={}, vsock={}\n",
+        r.config.smp,
+        r.config.queues,
+        r.config.aio,
+        r.config.cache,
+        r.config.format,
+        r.accel,
+        r.vsock
+    );
+    s += &format!("agents: {:?}", r.config.agents);
+    if let Some(rc) = r.guest_agent_rc {
+        s += &format!(", guest agent exit {rc}");
+    }
+    if let Some(rc) = r.host_agent_rc {
+        s += &format!(", host agent exit {rc}");
+    }
+    s += "\n";
+    fs::write(r.path("summary.txt"), s)?;
+    fs::write(r.path("summary.json"), serde_json::to_vec_pretty(r)?)?;
+    Ok(())
+}
+
+impl FromStr for Agents {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        <Agents as clap::ValueEnum>::from_str(s, true).map_err(|e| anyhow::anyhow!(e))
+    }
+}

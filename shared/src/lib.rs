@@ -1,5 +1,6 @@
 //! viotrace-shared: record types, wire protocol, clock synchronisation and the
 //! guest↔host join engine. Pure Rust, no BPF.
 
+pub mod clock;
 pub mod proto;
 pub mod record;

@@ -269,7 +269,7 @@ impl Lab {
             let _ = fs::remove_file(out_dir.join(f));
         }
         let run_dir = tempfile::Builder::new()
-            .prefix("viotrace-lab-")
+            .prefix(&format!("viotrace-lab-{}-", cfg.name))
             .tempdir_in(std::env::temp_dir())
             .context("create run directory")?;
         let rd = run_dir.path();

@@ -1,0 +1,184 @@
+//! End-to-end tests of the lab itself (issue 2): real guests under QEMU.
+
+use std::process::Command;
+use std::time::Duration;
+
+use viotrace_vm_tests::{vm::read_jsonl, Agents, Lab, VmConfig};
+
+mod common;
+use common::{lab, lab_lock, out_dir, qemu_processes_named};
+
+/// 1000 random 4 KiB O_DIRECT writes with crc32c checksums, read back and verified in the guest.
+fn verify_workload() -> String {
+    "set -e\n\
+     fio --name=verify --filename=/data/verify.dat --size=64M --rw=randwrite --bs=4k --direct=1 \
+     --ioengine=psync --number_ios=1000 --norandommap=0 --randrepeat=0 --verify=crc32c \
+     --do_verify=1 --verify_fatal=1 --output-format=json --output=/tmp/fio.json\n\
+     cat /tmp/fio.json\n"
+        .to_string()
+}
+
+fn check_verify_run(cfg: &VmConfig, name: &str) {
+    let _g = lab_lock();
+    let lab = lab();
+    let out = out_dir(name);
+    let r = lab.run(cfg, &verify_workload(), &out).expect("lab run");
+    let log = r.workload_log();
+    assert_eq!(r.workload_rc, 0, "workload failed:\n{log}");
+    let json_start = log.find('{').expect("fio JSON in workload log");
+    let v: serde_json::Value = serde_json::from_str(&log[json_start..]).expect("fio JSON");
+    let job = &v["jobs"][0];
+    assert_eq!(job["error"], 0, "{job}");
+    assert_eq!(job["write"]["total_ios"], 1000, "writes: {}", job["write"]);
+    // Verification reads every written block back and checks its crc32c.
+    assert_eq!(
+        job["read"]["total_ios"], 1000,
+        "verify reads: {}",
+        job["read"]
+    );
+    assert!(
+        r.boot_secs > 0.0 && r.boot_secs < 120.0,
+        "boot {}",
+        r.boot_secs
+    );
+    let summary = std::fs::read_to_string(r.path("summary.txt")).unwrap();
+    assert!(summary.contains("boot to workload"), "{summary}");
+    assert!(r.path("serial.log").exists());
+}
+
+#[test]
+fn random_direct_writes_verify_one_queue() {
+    let cfg = VmConfig {
+        name: "vt-verify-1q".into(),
+        ..VmConfig::default()
+    };
+    check_verify_run(&cfg, "verify-1q");
+}
+
+#[test]
+fn random_direct_writes_verify_two_vcpus_two_queues() {
+    let cfg = VmConfig {
+        name: "vt-verify-2q".into(),
+        smp: 2,
+        queues: 2,
+        ..VmConfig::default()
+    };
+    check_verify_run(&cfg, "verify-2q");
+    // The guest really saw two queues.
+    let _g = lab_lock();
+    let out = out_dir("queues-2q");
+    let r = lab()
+        .run(
+            &VmConfig {
+                name: "vt-queues-2q".into(),
+                smp: 2,
+                queues: 2,
+                ..VmConfig::default()
+            },
+            "ls /sys/block/$VIOTRACE_DISK/mq\n",
+            &out,
+        )
+        .expect("lab run");
+    let log = r.workload_log();
+    let mut queues: Vec<&str> = log.split_whitespace().collect();
+    queues.sort();
+    assert_eq!(queues, ["0", "1"], "blk-mq hardware queues: {log}");
+}
+
+#[test]
+fn hanging_workload_is_stopped_at_timeout_without_leftovers() {
+    let _g = lab_lock();
+    let name = format!("vt-hang-{}", std::process::id());
+    let cfg = VmConfig {
+        name: name.clone(),
+        timeout: Duration::from_secs(25),
+        ..VmConfig::default()
+    };
+    let out = out_dir("hang");
+    let t = std::time::Instant::now();
+    let err = lab()
+        .run(&cfg, "echo about-to-hang\nsleep 100000\n", &out)
+        .expect_err("a hanging workload must fail");
+    let msg = format!("{err:#}");
+    assert!(msg.contains("timed out"), "{msg}");
+    assert!(
+        msg.contains("about-to-hang"),
+        "error shows the serial tail: {msg}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(90),
+        "took {:?}",
+        t.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        qemu_processes_named(&name),
+        Vec::<u32>::new(),
+        "QEMU left over"
+    );
+    assert_eq!(
+        qemu_processes_named(&format!("viotrace-lab-{name}-")),
+        Vec::<u32>::new(),
+        "vsock backend or other helper left over"
+    );
+}
+
+#[test]
+fn cli_runs_any_user_script_and_reuses_the_cache() {
+    let _g = lab_lock();
+    // Warm the cache, so the CLI run below must not download anything.
+    let _ = lab();
+    let dir = out_dir("cli");
+    let w = dir.join("w.sh");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        &w,
+        "echo hello from $(uname -r) on $VIOTRACE_DISK\ngrep -q ' /data ext4 ' /proc/mounts && echo data-mounted\nexit 3\n",
+    )
+    .unwrap();
+    let out = dir.join("d");
+    let o = Command::new(env!("CARGO_BIN_EXE_viotrace-vm"))
+        .args(["run", "--quiet", "--agents", "none", "--workload"])
+        .arg(&w)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(3), "stdout:{stdout}\nstderr:{stderr}");
+    assert!(
+        !stderr.contains("downloading"),
+        "cache not reused: {stderr}"
+    );
+    let log = std::fs::read_to_string(out.join("workload.log")).unwrap();
+    assert!(log.contains("hello from 6.1.0-"), "{log}");
+    assert!(log.contains("on vda"), "{log}");
+    assert!(log.contains("data-mounted"), "{log}");
+    let summary = std::fs::read_to_string(out.join("summary.txt")).unwrap();
+    assert!(summary.contains("workload exit status: 3"), "{summary}");
+    assert!(stdout.contains("boot to workload"), "{stdout}");
+    assert!(out.join("serial.log").exists());
+}
+
+#[test]
+fn agents_none_leaves_no_agent_outputs() {
+    let _g = lab_lock();
+    let out = out_dir("none");
+    let r = lab()
+        .run(
+            &VmConfig {
+                name: "vt-none".into(),
+                agents: Agents::None,
+                ..VmConfig::default()
+            },
+            "true\n",
+            &out,
+        )
+        .unwrap();
+    assert_eq!(r.workload_rc, 0);
+    assert!(!r.path("guest.jsonl").exists());
+    assert!(!r.path("host.jsonl").exists());
+    assert!(read_jsonl(&r.path("nonexistent.jsonl")).is_err());
+    let _: &Lab = lab();
+}

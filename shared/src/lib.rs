@@ -4,3 +4,4 @@
 pub mod clock;
 pub mod proto;
 pub mod record;
+pub mod stats;

@@ -77,12 +77,20 @@ if [ "$VIOTRACE_GUEST_AGENT" = 1 ]; then
 	[ -n "$AGENT_PID" ] && echo "VIOTRACE-AGENT-READY"
 fi
 
+# CPU time and memory of the agent over the workload (for overhead measurements).
+agent_sample() {
+	[ -n "$AGENT_PID" ] || return 0
+	cat /proc/$AGENT_PID/stat >/out/guest-agent.$1.stat 2>/dev/null
+	cat /proc/$AGENT_PID/status >/out/guest-agent.$1.status 2>/dev/null
+}
+agent_sample start
 echo "VIOTRACE-WORKLOAD-START"
 cd /data
 (sh /viotrace/workload.sh; echo $? >/tmp/workload.rc) 2>&1 | tee /out/workload.log
 cd /
 rc=$(cat /tmp/workload.rc 2>/dev/null || echo 255)
 echo "VIOTRACE-WORKLOAD-END rc=$rc"
+agent_sample end
 
 if [ -n "$AGENT_PID" ]; then
 	kill -INT $AGENT_PID 2>/dev/null

@@ -13,6 +13,7 @@
 //! ```
 
 pub mod assets;
+pub mod metrics;
 mod proc;
 mod qmp;
 pub mod vm;

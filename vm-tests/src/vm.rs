@@ -16,6 +16,7 @@ use nix::sys::signal::Signal;
 use serde::Serialize;
 
 use crate::assets::{self, Assets, Cpio};
+use crate::metrics::{ProcSample, RunMetrics, Usage};
 use crate::proc::Guarded;
 use crate::qmp::Qmp;
 
@@ -154,6 +155,8 @@ pub struct RunResult {
     pub qemu_pid: u32,
     pub guest_agent_rc: Option<i32>,
     pub host_agent_rc: Option<i32>,
+    /// CPU time and peak RSS of QEMU and the agents over the workload window.
+    pub metrics: RunMetrics,
     pub config: VmConfig,
 }
 
@@ -547,13 +550,23 @@ impl Lab {
         let mut guest_errors = Vec::new();
         let mut guest_agent_rc = None;
         let mut eof = false;
+        let host_agent_pid = host_agent.as_ref().map(|h| h.pid());
+        let sample = || {
+            (
+                ProcSample::of_pid(qemu_pid),
+                host_agent_pid.and_then(ProcSample::of_pid),
+            )
+        };
+        let (mut s_start, mut s_end) = ((None, None), (None, None));
         let qemu_status = loop {
             match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(Event::Line(t, line)) => {
                     if line.contains(MARK_START) {
                         t_start = Some(t);
+                        s_start = sample();
                     } else if let Some(r) = line.split_once(MARK_END) {
                         t_end = Some(t);
+                        s_end = sample();
                         rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
                     } else if line.contains(MARK_DONE) {
                         done = true;
@@ -667,6 +680,14 @@ impl Lab {
             qemu_pid,
             guest_agent_rc,
             host_agent_rc,
+            metrics: RunMetrics {
+                qemu: Usage::between(s_start.0, s_end.0),
+                host_agent: Usage::between(s_start.1, s_end.1),
+                guest_agent: Usage::between(
+                    ProcSample::from_files(out, "guest-agent.start"),
+                    ProcSample::from_files(out, "guest-agent.end"),
+                ),
+            },
             config: cfg.clone(),
         };
         write_summary(&result)?;
@@ -698,6 +719,19 @@ fn write_summary(r: &RunResult) -> Result<()> {
         s += &format!(", host agent exit {rc}");
     }
     s += "\n";
+    let m = &r.metrics;
+    for (what, u) in [
+        ("qemu", m.qemu),
+        ("host agent", m.host_agent),
+        ("guest agent", m.guest_agent),
+    ] {
+        if let Some(u) = u {
+            s += &format!(
+                "{what:<12} over the workload: {:.2} s CPU, peak RSS {} KiB\n",
+                u.cpu_secs, u.peak_rss_kib
+            );
+        }
+    }
     fs::write(r.path("summary.txt"), s)?;
     fs::write(r.path("summary.json"), serde_json::to_vec_pretty(r)?)?;
     Ok(())

@@ -1,0 +1,113 @@
+//! CPU time and memory of processes over the workload window, from `/proc/PID/stat`
+//! and `/proc/PID/status` (read live on the host, or shipped from the guest).
+
+use std::fs;
+use std::path::Path;
+
+use serde::Serialize;
+
+/// USER_HZ: the unit of utime/stime in /proc/PID/stat (100 on every Linux x86 ABI).
+const USER_HZ: f64 = 100.0;
+
+/// One sample of a process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct ProcSample {
+    /// utime + stime, seconds.
+    pub cpu_secs: f64,
+    /// Peak resident set size (VmHWM), KiB.
+    pub peak_rss_kib: u64,
+}
+
+impl ProcSample {
+    /// Parses the text of /proc/PID/stat and /proc/PID/status.
+    pub fn parse(stat: &str, status: &str) -> Option<ProcSample> {
+        // The comm field may contain spaces and parentheses: fields start after the last ')'.
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // rest[0] is field 3 (state); utime is field 14, stime field 15.
+        let utime: u64 = f.get(11)?.parse().ok()?;
+        let stime: u64 = f.get(12)?.parse().ok()?;
+        let peak_rss_kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        Some(ProcSample {
+            cpu_secs: (utime + stime) as f64 / USER_HZ,
+            peak_rss_kib,
+        })
+    }
+
+    /// Samples a live process.
+    pub fn of_pid(pid: u32) -> Option<ProcSample> {
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        Self::parse(&stat, &status)
+    }
+
+    /// Reads a sample the guest shipped as `<prefix>.stat` / `<prefix>.status`.
+    pub fn from_files(dir: &Path, prefix: &str) -> Option<ProcSample> {
+        let stat = fs::read_to_string(dir.join(format!("{prefix}.stat"))).ok()?;
+        let status = fs::read_to_string(dir.join(format!("{prefix}.status"))).ok()?;
+        Self::parse(&stat, &status)
+    }
+}
+
+/// A process's usage over the workload window.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Usage {
+    /// CPU seconds spent between the workload's start and end.
+    pub cpu_secs: f64,
+    /// Peak RSS at the end of the workload, KiB.
+    pub peak_rss_kib: u64,
+}
+
+impl Usage {
+    pub fn between(start: Option<ProcSample>, end: Option<ProcSample>) -> Option<Usage> {
+        let (s, e) = (start?, end?);
+        Some(Usage {
+            cpu_secs: (e.cpu_secs - s.cpu_secs).max(0.0),
+            peak_rss_kib: e.peak_rss_kib,
+        })
+    }
+}
+
+/// Usage of QEMU and the agents over the workload window.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RunMetrics {
+    pub qemu: Option<Usage>,
+    pub host_agent: Option<Usage>,
+    pub guest_agent: Option<Usage>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_stat_with_odd_comm() {
+        let stat = "42 (a (b) c) S 1 42 42 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0 5 1000 200";
+        let status = "Name:\tx\nVmHWM:\t   5120 kB\nVmRSS:\t 4000 kB\n";
+        let s = ProcSample::parse(stat, status).unwrap();
+        assert_eq!(s.cpu_secs, 3.0);
+        assert_eq!(s.peak_rss_kib, 5120);
+        assert!(ProcSample::parse("garbage", "").is_none());
+    }
+
+    #[test]
+    fn usage_is_a_difference() {
+        let a = ProcSample {
+            cpu_secs: 1.0,
+            peak_rss_kib: 10,
+        };
+        let b = ProcSample {
+            cpu_secs: 1.5,
+            peak_rss_kib: 12,
+        };
+        let u = Usage::between(Some(a), Some(b)).unwrap();
+        assert_eq!(u.cpu_secs, 0.5);
+        assert_eq!(u.peak_rss_kib, 12);
+        assert!(Usage::between(None, Some(b)).is_none());
+    }
+}

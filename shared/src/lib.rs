@@ -4,4 +4,5 @@
 pub mod clock;
 pub mod proto;
 pub mod record;
+pub mod stages;
 pub mod stats;

@@ -357,6 +357,92 @@ pub struct HostElem {
     pub ts: Points,
 }
 
+/// Why a record could not be joined with the other side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnmatchedReason {
+    /// No host element matched this guest request within the timeout.
+    NoHostRecord,
+    /// No guest request matched this host element within the timeout.
+    NoGuestRecord,
+    /// A record with the same queue/head overlapped in time, but op, sector or length differed.
+    MismatchOpSectorLen,
+    /// Dropped from the join's pending set because it hit its hard memory cap.
+    Evicted,
+}
+
+impl UnmatchedReason {
+    pub const fn name(self) -> &'static str {
+        match self {
+            UnmatchedReason::NoHostRecord => "no_host_record",
+            UnmatchedReason::NoGuestRecord => "no_guest_record",
+            UnmatchedReason::MismatchOpSectorLen => "mismatch_op_sector_len",
+            UnmatchedReason::Evicted => "evicted",
+        }
+    }
+}
+
+/// Clock domain of a record's timestamps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClockDomain {
+    Host,
+    Guest,
+}
+
+/// One request as seen end to end (`"kind":"io"`): a guest request joined with
+/// its host element, or an unmatched one of either side (`joined: false`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JoinedIo {
+    pub vm: String,
+    /// Guest disk name (`vda`), when the guest side is present.
+    pub disk: Option<String>,
+    /// Host virtio-blk device label, when the host side is present.
+    pub device: Option<String>,
+    pub queue: Option<u16>,
+    pub head: Option<u16>,
+    pub op: Op,
+    pub sector: u64,
+    pub bytes: u32,
+    // Guest attribution (absent for host-only records).
+    pub pid: Option<u32>,
+    pub tid: Option<u32>,
+    pub comm: Option<String>,
+    pub cgroup_id: Option<u64>,
+    pub inode: Option<u64>,
+    pub file_offset: Option<u64>,
+    pub kicked: Option<bool>,
+    pub error: Option<i32>,
+    // Host side.
+    pub qemu_pid: Option<u32>,
+    pub backend: Option<Backend>,
+    pub merge_id: Option<u64>,
+    pub status: Option<u8>,
+    /// Every guest and host point; guest points mapped onto the host clock
+    /// unless `ts_domain` says `guest` (no clock estimate for that VM yet).
+    pub ts: Points,
+    pub ts_domain: ClockDomain,
+    /// Derived durations (see `stages`): they add up to `total_ns`.
+    pub stages: crate::stages::Stages,
+    /// Finer informative durations (not part of the partition).
+    pub substages: crate::stages::Stages,
+    pub total_ns: Option<i64>,
+    /// Uncertainty (±ns) of the guest→host mapping used for the guest points.
+    pub clock_uncertainty_ns: Option<u64>,
+    pub joined: bool,
+    pub reason: Option<UnmatchedReason>,
+}
+
+/// Any JSON-lines record, tagged with `"kind"`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Record {
+    GuestRq(GuestRq),
+    GuestIo(GuestIo),
+    HostElem(HostElem),
+    Io(JoinedIo),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,367 @@
+//! Derived per-request durations ("stages") with stable names.
+//!
+//! The main path of a request is cut at a fixed list of *anchor* points; the
+//! stages are the gaps between consecutive anchors, so they always add up to
+//! `total_ns` (last anchor − first anchor). Stage names:
+//!
+//! | stage            | from              | to                |
+//! |------------------|-------------------|-------------------|
+//! | `guest_fs`       | `g.syscall_enter` | `g.bio_queue`     |
+//! | `guest_queue`    | `g.bio_queue`     | `g.rq_issue`      |
+//! | `guest_driver`   | `g.rq_issue`      | `g.kick`          |
+//! | `kick_to_pop`    | `g.kick`          | `h.pop`           |
+//! | `qemu_submit`    | `h.pop`           | `h.submit`        |
+//! | `host_io`        | `h.submit`        | `h.complete_cb`   |
+//! | `qemu_complete`  | `h.complete_cb`   | `h.push`          |
+//! | `push_to_irq`    | `h.push`          | `g.irq`           |
+//! | `guest_complete` | `g.irq`           | `g.rq_complete`   |
+//! | `guest_return`   | `g.rq_complete`   | `g.syscall_exit`  |
+//!
+//! When an anchor is missing, a neighbouring point may stand in for it (first
+//! present wins): `g.bio_queue` ← `g.rq_insert`; `g.kick` ← `g.vq_add`,
+//! `g.queue_rq`; `h.pop` ← `h.notify`; `h.submit` ← `h.io_issue`;
+//! `h.complete_cb` ← `h.io_complete`; `h.push` ← `h.irq`; `g.irq` ←
+//! `g.driver_complete`; `g.rq_complete` ← `g.driver_complete`, `g.bio_complete`.
+//! When an anchor has no stand-in, the two stages around it merge into one named
+//! `a+b` (e.g. `guest_queue+guest_driver`); the merge of everything between
+//! `g.kick` and `g.irq` (a guest-only record) is named `device`, so guest-only
+//! and host-only records use the same names as joined ones.
+//!
+//! Sub-stages split some stages further; they are informative and are not part
+//! of the partition: `kick_to_pop.exit` (`g.kick`→`h.notify`),
+//! `kick_to_pop.notify` (`h.notify`→`h.pop`), `host_io.queue`
+//! (`h.submit`→`h.io_issue`), `host_io.kernel` (`h.io_issue`→`h.io_complete`),
+//! `host_io.disk` (`h.disk_issue`→`h.disk_complete`), `host_io.reap`
+//! (`h.io_complete`→`h.complete_cb`), `push_to_irq.notify` (`h.push`→`h.irq`),
+//! `push_to_irq.delivery` (`h.irq`→`g.irq`), `guest_queue.insert`
+//! (`g.rq_insert`→`g.rq_issue`), `guest_driver.add` (`g.rq_issue`→`g.vq_add`).
+//!
+//! Values are signed: with clock uncertainty (or a device polling the ring
+//! before the guest's kick) a cross-domain stage can be slightly negative.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::OnceLock;
+
+use serde::de::{MapAccess, Visitor};
+use serde::ser::SerializeMap;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::record::{Point, Points};
+
+/// Anchor points of the partition with their stand-ins, in path order.
+const ANCHORS: &[(Point, &[Point])] = &[
+    (Point::SyscallEnter, &[]),
+    (Point::BioQueue, &[Point::RqInsert]),
+    (Point::RqIssue, &[]),
+    (Point::Kick, &[Point::VqAdd, Point::QueueRq]),
+    (Point::HostPop, &[Point::HostNotify]),
+    (Point::HostSubmit, &[Point::HostIoIssue]),
+    (Point::HostCompleteCb, &[Point::HostIoComplete]),
+    (Point::HostPush, &[Point::HostIrq]),
+    (Point::Irq, &[Point::DriverComplete]),
+    (
+        Point::RqComplete,
+        &[Point::DriverComplete, Point::BioComplete],
+    ),
+    (Point::SyscallExit, &[]),
+];
+
+/// Name of the stage from anchor `i` to anchor `i + 1`.
+pub const STAGE_NAMES: &[&str] = &[
+    "guest_fs",
+    "guest_queue",
+    "guest_driver",
+    "kick_to_pop",
+    "qemu_submit",
+    "host_io",
+    "qemu_complete",
+    "push_to_irq",
+    "guest_complete",
+    "guest_return",
+];
+
+/// Name of the merged stage for the guest's view of the device.
+pub const DEVICE_STAGE: &str = "device";
+
+const KICK: usize = 3;
+const IRQ: usize = 8;
+
+/// Informative sub-stages (not part of the partition).
+pub const SUBSTAGES: &[(&str, Point, Point)] = &[
+    ("guest_queue.insert", Point::RqInsert, Point::RqIssue),
+    ("guest_driver.add", Point::RqIssue, Point::VqAdd),
+    ("kick_to_pop.exit", Point::Kick, Point::HostNotify),
+    ("kick_to_pop.notify", Point::HostNotify, Point::HostPop),
+    ("host_io.queue", Point::HostSubmit, Point::HostIoIssue),
+    ("host_io.kernel", Point::HostIoIssue, Point::HostIoComplete),
+    (
+        "host_io.disk",
+        Point::HostDiskIssue,
+        Point::HostDiskComplete,
+    ),
+    ("host_io.reap", Point::HostIoComplete, Point::HostCompleteCb),
+    ("push_to_irq.notify", Point::HostPush, Point::HostIrq),
+    ("push_to_irq.delivery", Point::HostIrq, Point::Irq),
+];
+
+fn merged_names() -> &'static Vec<Vec<String>> {
+    static NAMES: OnceLock<Vec<Vec<String>>> = OnceLock::new();
+    NAMES.get_or_init(|| {
+        let n = ANCHORS.len();
+        let mut t = vec![vec![String::new(); n]; n];
+        for (i, row) in t.iter_mut().enumerate() {
+            for (j, cell) in row.iter_mut().enumerate().skip(i + 1) {
+                *cell = if i == KICK && j == IRQ {
+                    DEVICE_STAGE.to_string()
+                } else {
+                    STAGE_NAMES[i..j].join("+")
+                };
+            }
+        }
+        t
+    })
+}
+
+/// The name of the stage spanning anchors `i..j` (`i < j`).
+fn stage_name(i: usize, j: usize) -> &'static str {
+    if j == i + 1 {
+        STAGE_NAMES[i]
+    } else {
+        merged_names()[i][j].as_str()
+    }
+}
+
+/// An ordered list of named durations (ns). JSON: an object in path order.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Stages(pub Vec<(Cow<'static, str>, i64)>);
+
+impl Stages {
+    pub fn get(&self, name: &str) -> Option<i64> {
+        self.0.iter().find(|(n, _)| n == name).map(|e| e.1)
+    }
+    pub fn iter(&self) -> impl Iterator<Item = (&str, i64)> {
+        self.0.iter().map(|(n, v)| (n.as_ref(), *v))
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+    pub fn sum(&self) -> i64 {
+        self.0.iter().map(|e| e.1).sum()
+    }
+}
+
+impl fmt::Debug for Stages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl Serialize for Stages {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (n, v) in &self.0 {
+            m.serialize_entry(n.as_ref(), v)?;
+        }
+        m.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Stages {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Stages;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map of stage name to ns")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Stages, A::Error> {
+                let mut v = Vec::new();
+                while let Some((k, n)) = a.next_entry::<String, i64>()? {
+                    v.push((Cow::Owned(k), n));
+                }
+                Ok(Stages(v))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// Stages, sub-stages and total of one request.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Breakdown {
+    pub stages: Stages,
+    pub substages: Stages,
+    /// Last anchor − first anchor; `None` with fewer than two anchors.
+    pub total_ns: Option<i64>,
+}
+
+fn diff(a: u64, b: u64) -> i64 {
+    (b as i128 - a as i128).clamp(i64::MIN as i128, i64::MAX as i128) as i64
+}
+
+/// Derives the breakdown from a point set (joined, guest-only or host-only;
+/// all points must be in one clock domain).
+pub fn derive(ts: &Points) -> Breakdown {
+    // Resolve anchors (with stand-ins, each point used at most once).
+    let mut present: [Option<u64>; 11] = [None; 11];
+    let mut used: [Option<Point>; 11] = [None; 11];
+    for (i, (p, alts)) in ANCHORS.iter().enumerate() {
+        if let Some(t) = ts.get(*p) {
+            present[i] = Some(t);
+            used[i] = Some(*p);
+            continue;
+        }
+        for a in alts.iter() {
+            // A point stands in at most once (g.driver_complete serves two anchors).
+            if used.contains(&Some(*a)) {
+                continue;
+            }
+            if let Some(t) = ts.get(*a) {
+                present[i] = Some(t);
+                used[i] = Some(*a);
+                break;
+            }
+        }
+    }
+    let mut stages = Vec::with_capacity(8);
+    let mut first: Option<(usize, u64)> = None;
+    let mut prev: Option<(usize, u64)> = None;
+    for (j, t) in present.iter().enumerate() {
+        let Some(t) = *t else { continue };
+        if let Some((i, pt)) = prev {
+            stages.push((Cow::Borrowed(stage_name(i, j)), diff(pt, t)));
+        }
+        if first.is_none() {
+            first = Some((j, t));
+        }
+        prev = Some((j, t));
+    }
+    let total_ns = match (first, prev) {
+        (Some((i, a)), Some((j, b))) if j > i => Some(diff(a, b)),
+        _ => None,
+    };
+    let mut substages = Vec::new();
+    for (name, a, b) in SUBSTAGES {
+        if let (Some(x), Some(y)) = (ts.get(*a), ts.get(*b)) {
+            substages.push((Cow::Borrowed(*name), diff(x, y)));
+        }
+    }
+    Breakdown {
+        stages: Stages(stages),
+        substages: Stages(substages),
+        total_ns,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pts(v: &[(Point, u64)]) -> Points {
+        v.iter().copied().collect()
+    }
+
+    #[test]
+    fn full_path_partitions_total() {
+        let ts = pts(&[
+            (Point::SyscallEnter, 100),
+            (Point::BioQueue, 110),
+            (Point::RqInsert, 115),
+            (Point::RqIssue, 120),
+            (Point::QueueRq, 121),
+            (Point::VqAdd, 125),
+            (Point::Kick, 130),
+            (Point::HostNotify, 140),
+            (Point::HostPop, 150),
+            (Point::HostSubmit, 160),
+            (Point::HostIoIssue, 170),
+            (Point::HostIoComplete, 270),
+            (Point::HostCompleteCb, 280),
+            (Point::HostPush, 290),
+            (Point::HostIrq, 295),
+            (Point::Irq, 310),
+            (Point::DriverComplete, 315),
+            (Point::RqComplete, 320),
+            (Point::BioComplete, 322),
+            (Point::SyscallExit, 330),
+        ]);
+        let b = derive(&ts);
+        let names: Vec<&str> = b.stages.iter().map(|e| e.0).collect();
+        assert_eq!(names, STAGE_NAMES);
+        assert_eq!(b.total_ns, Some(230));
+        assert_eq!(b.stages.sum(), 230);
+        assert_eq!(b.stages.get("host_io"), Some(120));
+        assert_eq!(b.stages.get("kick_to_pop"), Some(20));
+        assert_eq!(b.substages.get("host_io.kernel"), Some(100));
+        assert_eq!(b.substages.get("push_to_irq.delivery"), Some(15));
+        let j = serde_json::to_string(&b.stages).unwrap();
+        assert!(j.starts_with(r#"{"guest_fs":10,"guest_queue":10,"#), "{j}");
+        let back: Stages = serde_json::from_str(&j).unwrap();
+        assert_eq!(back, b.stages);
+    }
+
+    #[test]
+    fn guest_only_has_device_stage() {
+        let ts = pts(&[
+            (Point::BioQueue, 10),
+            (Point::RqIssue, 20),
+            (Point::Kick, 25),
+            (Point::Irq, 125),
+            (Point::RqComplete, 130),
+        ]);
+        let b = derive(&ts);
+        let names: Vec<&str> = b.stages.iter().map(|e| e.0).collect();
+        assert_eq!(
+            names,
+            ["guest_queue", "guest_driver", "device", "guest_complete"]
+        );
+        assert_eq!(b.stages.sum(), b.total_ns.unwrap());
+        assert_eq!(b.total_ns, Some(120));
+    }
+
+    #[test]
+    fn host_only_and_standins_and_merges() {
+        let ts = pts(&[
+            (Point::HostPop, 1000),
+            (Point::HostSubmit, 1010),
+            (Point::HostIoIssue, 1020),
+            (Point::HostIoComplete, 1500),
+            (Point::HostPush, 1530),
+        ]);
+        let b = derive(&ts);
+        let names: Vec<&str> = b.stages.iter().map(|e| e.0).collect();
+        // complete_cb absent: io_complete stands in.
+        assert_eq!(names, ["qemu_submit", "host_io", "qemu_complete"]);
+        assert_eq!(b.stages.get("host_io"), Some(490));
+        assert_eq!(b.total_ns, Some(530));
+        // No rq_issue and no stand-in: merged name.
+        let ts = pts(&[
+            (Point::BioQueue, 0),
+            (Point::Kick, 30),
+            (Point::HostPop, 40),
+        ]);
+        let b = derive(&ts);
+        assert_eq!(b.stages.get("guest_queue+guest_driver"), Some(30));
+        assert_eq!(b.stages.get("kick_to_pop"), Some(10));
+        // Single point: nothing.
+        let b = derive(&pts(&[(Point::Irq, 5)]));
+        assert!(b.stages.is_empty());
+        assert_eq!(b.total_ns, None);
+    }
+
+    #[test]
+    fn negative_stage_keeps_the_sum() {
+        let ts = pts(&[
+            (Point::Kick, 100),
+            (Point::HostPop, 90),
+            (Point::HostPush, 300),
+        ]);
+        let b = derive(&ts);
+        assert_eq!(b.stages.get("kick_to_pop"), Some(-10));
+        assert_eq!(b.stages.sum(), b.total_ns.unwrap());
+    }
+}

@@ -13,6 +13,7 @@
 //! ```
 
 pub mod assets;
+pub mod bench;
 pub mod metrics;
 mod proc;
 mod qmp;

@@ -40,6 +40,19 @@ enum Cmd {
         #[arg(short, long, default_value = "lab-out/demo")]
         out: PathBuf,
     },
+    /// fio in the guest under alternated conditions (none, guest, host, both): IOPS, latency and agent costs.
+    Bench {
+        #[command(flatten)]
+        vm: VmArgs,
+        /// Rounds of A B C D.
+        #[arg(long, default_value_t = 3)]
+        rounds: u32,
+        /// Seconds per fio job.
+        #[arg(long, default_value_t = 5)]
+        runtime: u32,
+        #[arg(short, long, default_value = "lab-out/bench")]
+        out: PathBuf,
+    },
     /// Build and cache the lab's assets (guest kernel, initramfs, disk, vsock backend) without booting.
     Prepare,
 }
@@ -131,6 +144,28 @@ fn real_main() -> Result<ExitCode> {
             let lab = Lab::new()?;
             viotrace_vm_tests::assets::install_vhost_vsock(&lab.assets.cache)?;
             println!("lab assets ready in {}", lab.assets.cache.display());
+            return Ok(ExitCode::SUCCESS);
+        }
+        Cmd::Bench {
+            vm,
+            rounds,
+            runtime,
+            out,
+        } => {
+            let lab = Lab::new()?;
+            let flag = lab.interrupt_flag();
+            signal_hook::flag::register(signal_hook::consts::SIGINT, flag.clone())?;
+            signal_hook::flag::register(signal_hook::consts::SIGTERM, flag)?;
+            let cfg = viotrace_vm_tests::bench::BenchConfig {
+                rounds,
+                runtime_secs: runtime,
+                vm: VmConfig {
+                    console: false,
+                    ..vm.config(Agents::None, "viotrace-bench")?
+                },
+            };
+            viotrace_vm_tests::bench::run(&lab, &cfg, &out)?;
+            println!("results in {}", out.display());
             return Ok(ExitCode::SUCCESS);
         }
         Cmd::Run { workload, vm, out } => {

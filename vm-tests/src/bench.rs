@@ -1,0 +1,328 @@
+//! `viotrace-vm bench`: fio in the lab guest under four alternated conditions (no agents,
+//! guest agent, host agent, both joined), with the cost of each agent.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::vm::{read_jsonl, Agents, Lab, RunResult, VmConfig};
+
+/// One fio job of the bench.
+#[derive(Clone, Debug, Serialize)]
+pub struct Job {
+    pub name: &'static str,
+    pub args: &'static str,
+}
+
+/// The bench's fio jobs.
+pub const JOBS: &[Job] = &[
+    Job {
+        name: "randread-4k-qd1",
+        args: "--rw=randread --bs=4k --ioengine=psync --iodepth=1",
+    },
+    Job {
+        name: "randread-4k-qd32",
+        args: "--rw=randread --bs=4k --ioengine=libaio --iodepth=32",
+    },
+    Job {
+        name: "randwrite-4k-qd32",
+        args: "--rw=randwrite --bs=4k --ioengine=libaio --iodepth=32",
+    },
+    Job {
+        name: "seqread-128k",
+        args: "--rw=read --bs=128k --ioengine=libaio --iodepth=4",
+    },
+];
+
+pub const CONDITIONS: &[Agents] = &[Agents::None, Agents::Guest, Agents::Host, Agents::Both];
+
+/// Bench parameters.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchConfig {
+    pub rounds: u32,
+    /// Seconds per fio job.
+    pub runtime_secs: u32,
+    pub vm: VmConfig,
+}
+
+/// Per (condition, job) samples over rounds.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Samples {
+    pub iops: Vec<f64>,
+    pub p50_us: Vec<f64>,
+    pub p99_us: Vec<f64>,
+    pub ios: Vec<u64>,
+}
+
+/// Per condition costs over rounds.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Costs {
+    pub guest_agent_cpu_us_per_io: Vec<f64>,
+    pub host_agent_cpu_us_per_io: Vec<f64>,
+    pub qemu_cpu_us_per_io: Vec<f64>,
+    pub guest_agent_peak_rss_kib: Vec<u64>,
+    pub host_agent_peak_rss_kib: Vec<u64>,
+    pub drops: Vec<u64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BenchResult {
+    pub config: Option<BenchConfig>,
+    /// condition → job → samples.
+    pub jobs: BTreeMap<String, BTreeMap<String, Samples>>,
+    pub costs: BTreeMap<String, Costs>,
+}
+
+fn workload(runtime: u32) -> String {
+    let mut s = String::from(
+        "set -e\nfio --name=prep --filename=/data/bench.dat --size=128M --rw=write --bs=1M \
+         --direct=1 --output=/dev/null\n",
+    );
+    for j in JOBS {
+        let _ = writeln!(
+            s,
+            "fio --name={n} --filename=/data/bench.dat --size=128M --direct=1 {a} \
+             --runtime={runtime} --time_based --output-format=json --output=/out/fio-{n}.json",
+            n = j.name,
+            a = j.args
+        );
+    }
+    s
+}
+
+/// Reads fio's JSON result of one job: (IOPS, p50 µs, p99 µs, I/Os).
+pub fn parse_fio(p: &Path) -> Result<(f64, f64, f64, u64)> {
+    let text = fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?;
+    let start = text.find('{').context("no JSON in fio output")?;
+    let v: Value = serde_json::from_str(&text[start..]).context("fio JSON")?;
+    let job = &v["jobs"][0];
+    let mut iops = 0.0;
+    let mut ios = 0;
+    let mut p50 = 0.0f64;
+    let mut p99 = 0.0f64;
+    for dir in ["read", "write"] {
+        let d = &job[dir];
+        let n = d["total_ios"].as_u64().unwrap_or(0);
+        if n == 0 {
+            continue;
+        }
+        iops += d["iops"].as_f64().unwrap_or(0.0);
+        ios += n;
+        let pct = &d["clat_ns"]["percentile"];
+        p50 = p50.max(pct["50.000000"].as_f64().unwrap_or(0.0) / 1e3);
+        p99 = p99.max(pct["99.000000"].as_f64().unwrap_or(0.0) / 1e3);
+    }
+    if ios == 0 {
+        bail!("fio job in {} did no I/O", p.display());
+    }
+    Ok((iops, p50, p99, ios))
+}
+
+/// Sums drop/loss counters from the agents' `"kind":"stats"` lines.
+fn drops(r: &RunResult) -> u64 {
+    let mut total = 0;
+    for f in ["guest.jsonl", "host.jsonl"] {
+        let Ok(lines) = read_jsonl(&r.path(f)) else {
+            continue;
+        };
+        // The last stats line carries the final counters.
+        if let Some(Value::Object(m)) = lines.iter().rev().find(|v| v["kind"] == "stats").cloned() {
+            total += sum_counters(&Value::Object(m));
+        }
+    }
+    total
+}
+
+fn sum_counters(v: &Value) -> u64 {
+    match v {
+        Value::Object(m) => m
+            .iter()
+            .map(|(k, v)| match v {
+                Value::Number(n) if k.contains("drop") || k.contains("lost") => {
+                    n.as_u64().unwrap_or(0)
+                }
+                Value::Object(_) => sum_counters(v),
+                _ => 0,
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[s.len() / 2]
+}
+
+/// Runs the bench; writes `bench.json` and `bench.txt` into `out`.
+pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
+    fs::create_dir_all(out)?;
+    let mut res = BenchResult {
+        config: Some(cfg.clone()),
+        ..Default::default()
+    };
+    let wl = workload(cfg.runtime_secs);
+    for round in 0..cfg.rounds {
+        for &cond in CONDITIONS {
+            let name = format!("{cond:?}").to_lowercase();
+            let dir: PathBuf = out.join(format!("round{round}-{name}"));
+            let vm = VmConfig {
+                agents: cond,
+                name: format!("viotrace-bench-{name}"),
+                console: false,
+                ..cfg.vm.clone()
+            };
+            eprintln!(
+                "bench: round {} of {}, condition {name}",
+                round + 1,
+                cfg.rounds
+            );
+            let r = lab
+                .run(&vm, &wl, &dir)
+                .with_context(|| format!("bench round {round} condition {name}"))?;
+            if r.workload_rc != 0 {
+                bail!(
+                    "bench workload failed (rc {}):\n{}",
+                    r.workload_rc,
+                    r.workload_log()
+                );
+            }
+            let mut total_ios = 0u64;
+            for j in JOBS {
+                let (iops, p50, p99, ios) = parse_fio(&dir.join(format!("fio-{}.json", j.name)))?;
+                total_ios += ios;
+                let s = res
+                    .jobs
+                    .entry(name.clone())
+                    .or_default()
+                    .entry(j.name.to_string())
+                    .or_default();
+                s.iops.push(iops);
+                s.p50_us.push(p50);
+                s.p99_us.push(p99);
+                s.ios.push(ios);
+            }
+            let c = res.costs.entry(name.clone()).or_default();
+            let per_io = |secs: f64| secs * 1e6 / total_ios.max(1) as f64;
+            if let Some(u) = r.metrics.qemu {
+                c.qemu_cpu_us_per_io.push(per_io(u.cpu_secs));
+            }
+            if let Some(u) = r.metrics.guest_agent {
+                c.guest_agent_cpu_us_per_io.push(per_io(u.cpu_secs));
+                c.guest_agent_peak_rss_kib.push(u.peak_rss_kib);
+            }
+            if let Some(u) = r.metrics.host_agent {
+                c.host_agent_cpu_us_per_io.push(per_io(u.cpu_secs));
+                c.host_agent_peak_rss_kib.push(u.peak_rss_kib);
+            }
+            c.drops.push(drops(&r));
+            fs::write(out.join("bench.json"), serde_json::to_vec_pretty(&res)?)?;
+        }
+    }
+    let table = render(&res);
+    fs::write(out.join("bench.txt"), &table)?;
+    fs::write(out.join("bench.json"), serde_json::to_vec_pretty(&res)?)?;
+    print!("{table}");
+    Ok(res)
+}
+
+/// The readable table: medians over rounds and ratios to "no agents".
+pub fn render(res: &BenchResult) -> String {
+    let mut s = String::new();
+    let base = res.jobs.get("none");
+    let _ = writeln!(
+        s,
+        "{:<8} {:<18} {:>10} {:>7} {:>10} {:>10} {:>7}",
+        "agents", "job", "IOPS", "ratio", "p50 µs", "p99 µs", "p99 x"
+    );
+    for cond in CONDITIONS {
+        let name = format!("{cond:?}").to_lowercase();
+        let Some(jobs) = res.jobs.get(&name) else {
+            continue;
+        };
+        for j in JOBS {
+            let Some(sm) = jobs.get(j.name) else { continue };
+            let b = base.and_then(|b| b.get(j.name));
+            let iops = median(&sm.iops);
+            let p99 = median(&sm.p99_us);
+            let ratio = b.map(|b| iops / median(&b.iops)).unwrap_or(f64::NAN);
+            let p99r = b.map(|b| p99 / median(&b.p99_us)).unwrap_or(f64::NAN);
+            let _ = writeln!(
+                s,
+                "{name:<8} {:<18} {iops:>10.0} {ratio:>7.3} {:>10.0} {p99:>10.0} {p99r:>7.3}",
+                j.name,
+                median(&sm.p50_us)
+            );
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\n{:<8} {:>16} {:>16} {:>16} {:>14} {:>14} {:>7}",
+        "agents",
+        "guest µs CPU/IO",
+        "host µs CPU/IO",
+        "QEMU µs CPU/IO",
+        "guest RSS KiB",
+        "host RSS KiB",
+        "drops"
+    );
+    let qbase = res.costs.get("none").map(|c| median(&c.qemu_cpu_us_per_io));
+    for cond in CONDITIONS {
+        let name = format!("{cond:?}").to_lowercase();
+        let Some(c) = res.costs.get(&name) else {
+            continue;
+        };
+        let q = median(&c.qemu_cpu_us_per_io);
+        let qx = qbase
+            .map(|b| format!("{q:.1} ({:+.1})", q - b))
+            .unwrap_or_default();
+        let rss = |v: &Vec<u64>| v.iter().max().map(|x| x.to_string()).unwrap_or("-".into());
+        let _ = writeln!(
+            s,
+            "{name:<8} {:>16.2} {:>16.2} {qx:>16} {:>14} {:>14} {:>7}",
+            median(&c.guest_agent_cpu_us_per_io),
+            median(&c.host_agent_cpu_us_per_io),
+            rss(&c.guest_agent_peak_rss_kib),
+            rss(&c.host_agent_peak_rss_kib),
+            c.drops.iter().sum::<u64>()
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_nested_drop_counters() {
+        let v: Value = serde_json::from_str(
+            r#"{"kind":"stats","ringbuf_drops":3,"maps":{"lost_full":2,"entries":9},"total":100}"#,
+        )
+        .unwrap();
+        assert_eq!(sum_counters(&v), 5);
+    }
+
+    #[test]
+    fn median_of_samples() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn workload_runs_every_job() {
+        let w = workload(3);
+        for j in JOBS {
+            assert!(w.contains(&format!("--output=/out/fio-{}.json", j.name)));
+        }
+    }
+}

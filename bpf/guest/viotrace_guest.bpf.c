@@ -1,15 +1,28 @@
 // SPDX-License-Identifier: GPL-2.0
+/*
+ * viotrace guest object: syscall → bio → request → virtio-blk → completion.
+ *
+ * Loaded once. Programs are grouped by concern in the headers below:
+ *   guest_common.h  – configuration (filters), maps, stats, shared helpers
+ *   guest_task.h    – syscall entry/exit (raw syscall tracepoints, every mode)
+ *   guest_block.h   – block layer tracepoints (raw_tp, every mode)
+ *   guest_virtio.h  – virtio-blk / virtio_ring hooks: fentry/fexit ("?fentry"
+ *                     optional programs) or kprobes ("?kprobe"), chosen at start
+ *
+ * State lives in hash maps keyed by kernel object pointers (bio, request,
+ * virtqueue) or by thread id for in-flight syscalls, and is deleted when the
+ * object completes. One ring buffer record per finished request and one per
+ * finished syscall.
+ */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
+
+#include "viotrace_guest.h"
+#include "guest_common.h"
+#include "guest_task.h"
+#include "guest_block.h"
+#include "guest_virtio.h"
 
 char LICENSE[] SEC("license") = "GPL";
-
-__u64 rq_issued = 0;
-
-SEC("tp_btf/block_rq_issue")
-int BPF_PROG(on_rq_issue)
-{
-	__sync_fetch_and_add(&rq_issued, 1);
-	return 0;
-}

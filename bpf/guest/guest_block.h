@@ -1,0 +1,426 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * Block layer: bio queued/split/merged, request inserted/issued/completed.
+ * Raw tracepoints (pointer arguments, CO-RE reads) work in every mode.
+ *
+ * Attribution happens once, when a bio is queued: a bio queued inside a traced
+ * syscall belongs to that syscall's task and file; a page-cache bio queued by a
+ * kernel worker (write-back, read-ahead) belongs to the file its first page
+ * maps, to the cgroup that owns the bio, and to the task that last dirtied
+ * that file when known. Requests take the identity of their first tracked bio
+ * and absorb all their bios' state when issued (rq->bio … bi_next chain).
+ */
+#ifndef VIOTRACE_GUEST_BLOCK_H
+#define VIOTRACE_GUEST_BLOCK_H
+
+#define VT_PAGE_SHIFT 12
+#define VT_PF_KTHREAD 0x00200000
+
+struct request___old {
+	struct gendisk *rq_disk;
+} __attribute__((preserve_access_index));
+
+static __always_inline struct gendisk *rq_disk(struct request *rq)
+{
+	struct request___old *o = (void *)rq;
+
+	if (bpf_core_field_exists(rq->q->disk))
+		return BPF_CORE_READ(rq, q, disk);
+	if (bpf_core_field_exists(o->rq_disk))
+		return BPF_CORE_READ(o, rq_disk);
+	return NULL;
+}
+
+/* File (inode, byte offset) of a bio's first page when it is a page-cache page. */
+static __always_inline bool bio_page_file(struct bio *bio, __u64 *ino, __u64 *off)
+{
+	struct page *page = BPF_CORE_READ(bio, bi_io_vec, bv_page);
+	struct folio *folio = (struct folio *)page;
+	struct address_space *mapping;
+
+	if (!page)
+		return false;
+	mapping = BPF_CORE_READ(folio, mapping);
+	/* low bits set: anonymous / movable / KSM, not a file mapping */
+	if (!mapping || ((unsigned long)mapping & 3))
+		return false;
+	*ino = BPF_CORE_READ(mapping, host, i_ino);
+	*off = (BPF_CORE_READ(folio, index) << VT_PAGE_SHIFT) +
+	       BPF_CORE_READ(bio, bi_io_vec, bv_offset);
+	return *ino != 0;
+}
+
+SEC("raw_tp/block_bio_queue")
+int BPF_PROG(bio_queue, struct bio *bio)
+{
+	struct gendisk *disk = BPF_CORE_READ(bio, bi_bdev, bd_disk);
+	__u64 pt = bpf_get_current_pid_tgid();
+	__u32 tid = (__u32)pt;
+	struct sys_state *s;
+	struct bio_state b = {};
+	__u64 key = (__u64)bio;
+	__u64 pino = 0, poff = 0;
+	bool paged;
+
+	if (!disk_ok(disk) || (pt >> 32) == self_pid)
+		return 0;
+	/* only blk-mq disks produce requests */
+	if (!BPF_CORE_READ(disk, queue, mq_ops))
+		return 0;
+
+	b.queue_ts = bpf_ktime_get_ns();
+	paged = bio_page_file(bio, &pino, &poff);
+	s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	if (s) {
+		b.id = s->id;
+		b.owner_tid = tid;
+		b.owner_enter_ts = s->enter_ts;
+		if (paged && !s->direct) {
+			b.inode = pino;
+			b.offset = poff;
+			b.has_offset = 1;
+		} else {
+			b.inode = s->inode;
+			if (s->has_offset) {
+				b.offset = s->offset + s->dio_queued;
+				b.has_offset = 1;
+			}
+			s->dio_queued += BPF_CORE_READ(bio, bi_iter.bi_size);
+		}
+	} else {
+		struct ident *w = NULL;
+
+		current_ident(&b.id);
+		if (paged) {
+			b.inode = pino;
+			b.offset = poff;
+			b.has_offset = 1;
+			w = bpf_map_lookup_elem(&inode_writer, &pino);
+		}
+		/* a kernel worker writing back someone's pages: the dirtier */
+		if (w) {
+			struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+
+			if (BPF_CORE_READ(t, flags) & VT_PF_KTHREAD)
+				b.id = *w;
+		}
+	}
+	{
+		__u64 cg = bio_cgroup_id(bio);
+
+		if (cg)
+			b.id.cgroup_id = cg;
+	}
+	if (!ident_ok(&b.id))
+		return 0;
+	if (bpf_map_update_elem(&bios, &key, &b, BPF_ANY))
+		stat_inc(S_FULL_BIO);
+	else
+		stat_inc(S_BIO_QUEUED);
+	return 0;
+}
+
+/* block_split(split, new_sector): split is the front part, chained to its parent. */
+SEC("raw_tp/block_split")
+int BPF_PROG(bio_split, struct bio *split)
+{
+	__u64 parent = (__u64)BPF_CORE_READ(split, bi_private);
+	__u64 key = (__u64)split;
+	struct bio_state *p = bpf_map_lookup_elem(&bios, &parent);
+
+	if (!p)
+		return 0;
+	stat_inc(S_BIO_SPLIT);
+	if (bpf_map_update_elem(&bios, &key, p, BPF_ANY))
+		stat_inc(S_FULL_BIO);
+	return 0;
+}
+
+SEC("raw_tp/block_bio_backmerge")
+int BPF_PROG(bio_backmerge, struct bio *bio)
+{
+	__u64 key = (__u64)bio;
+
+	if (bpf_map_lookup_elem(&bios, &key))
+		stat_inc(S_BIO_BACKMERGE);
+	return 0;
+}
+
+SEC("raw_tp/block_bio_frontmerge")
+int BPF_PROG(bio_frontmerge, struct bio *bio)
+{
+	__u64 key = (__u64)bio;
+
+	if (bpf_map_lookup_elem(&bios, &key))
+		stat_inc(S_BIO_FRONTMERGE);
+	return 0;
+}
+
+static __always_inline void emit_rq(__u64 key, struct rq_state *st);
+
+/*
+ * The state of a request, created on first sight (insert, issue or queue_rq).
+ * Identity: the first tracked bio in its chain; for a request without tracked
+ * bios (flush), the traced syscall running now, if any.
+ */
+static __always_inline struct rq_state *rq_track(struct request *rq)
+{
+	__u64 key = (__u64)rq;
+	struct rq_state *st = bpf_map_lookup_elem(&rqs, &key);
+	struct bio_state *first = NULL;
+	struct sys_state *s = NULL;
+	struct gendisk *disk;
+	struct bio *bio;
+	__u32 tid;
+
+	if (st) {
+		if (!st->ev.ts[P_RQ_COMPLETE])
+			return st;
+		/* the tag was reused: the previous use completed unseen by the emitter */
+		stat_inc(S_RQ_LATE);
+		emit_rq(key, st);
+	}
+	disk = rq_disk(rq);
+	if (!disk_ok(disk))
+		return NULL;
+	bio = BPF_CORE_READ(rq, bio);
+	for (int i = 0; i < CHAIN_MAX && bio; i++) {
+		__u64 bk = (__u64)bio;
+
+		first = bpf_map_lookup_elem(&bios, &bk);
+		if (first)
+			break;
+		bio = BPF_CORE_READ(bio, bi_next);
+	}
+	if (!first) {
+		tid = (__u32)bpf_get_current_pid_tgid();
+		s = bpf_map_lookup_elem(&sys_inflight, &tid);
+		if (!s && task_filter_on())
+			return NULL;
+	}
+	st = map_create(&rqs, &key, &zero_rq, S_FULL_RQ);
+	if (!st)
+		return NULL;
+	st->ev.kind = K_RQ;
+	st->ev.dev = (BPF_CORE_READ(disk, major) << 20) | BPF_CORE_READ(disk, first_minor);
+	BPF_CORE_READ_STR_INTO(&st->ev.disk, disk, disk_name);
+	if (first) {
+		st->ev.pid = first->id.pid;
+		st->ev.tid = first->id.tid;
+		st->ev.cgroup_id = first->id.cgroup_id;
+		__builtin_memcpy(st->ev.comm, first->id.comm, VT_COMM);
+		st->ev.inode = first->inode;
+		st->ev.file_offset = first->offset;
+		st->ev.has_file_offset = first->has_offset;
+		st->ev.ts[P_SYSCALL_ENTER] = first->owner_enter_ts;
+		st->owner_tid = first->owner_tid;
+		st->owner_enter_ts = first->owner_enter_ts;
+	} else if (s) {
+		st->ev.pid = s->id.pid;
+		st->ev.tid = s->id.tid;
+		st->ev.cgroup_id = s->id.cgroup_id;
+		__builtin_memcpy(st->ev.comm, s->id.comm, VT_COMM);
+		st->ev.inode = s->inode;
+		st->ev.ts[P_SYSCALL_ENTER] = s->enter_ts;
+		st->owner_tid = tid;
+		st->owner_enter_ts = s->enter_ts;
+	}
+	return st;
+}
+
+/* Adds a reference to this request to the syscall that caused it. */
+static __always_inline void add_ref(__u32 owner_tid, __u64 owner_enter_ts, struct rq_state *st)
+{
+	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, &owner_tid);
+	__u32 n;
+
+	if (!s || s->enter_ts != owner_enter_ts)
+		return;
+	n = s->nrefs;
+	if (n > 0 && n <= VT_MAX_REFS && s->refs[n - 1].sector == st->ev.sector &&
+	    s->refs[n - 1].dev == st->ev.dev)
+		return;
+	if (n >= VT_MAX_REFS) {
+		s->refs_dropped++;
+		stat_inc(S_REFS_TRUNC);
+		return;
+	}
+	s->refs[n].sector = st->ev.sector;
+	s->refs[n].dev = st->ev.dev;
+	s->refs[n].bytes = st->ev.bytes;
+	s->nrefs = n + 1;
+}
+
+/* At issue: final geometry, and the request absorbs its bios' state. */
+static __always_inline void rq_absorb(struct request *rq, struct rq_state *st)
+{
+	struct bio *bio = BPF_CORE_READ(rq, bio);
+	__u32 n = 0;
+	int i;
+
+	st->ev.sector = BPF_CORE_READ(rq, __sector);
+	st->ev.bytes = BPF_CORE_READ(rq, __data_len);
+	st->ev.cmd_flags = BPF_CORE_READ(rq, cmd_flags);
+	if (st->owner_tid)
+		add_ref(st->owner_tid, st->owner_enter_ts, st);
+	for (i = 0; i < CHAIN_MAX && bio; i++) {
+		__u64 bk = (__u64)bio;
+		struct bio_state *b = bpf_map_lookup_elem(&bios, &bk);
+
+		n++;
+		if (b) {
+			if (!st->ev.ts[P_BIO_QUEUE] || b->queue_ts < st->ev.ts[P_BIO_QUEUE])
+				st->ev.ts[P_BIO_QUEUE] = b->queue_ts;
+			if (b->owner_tid && (b->owner_tid != st->owner_tid ||
+					     b->owner_enter_ts != st->owner_enter_ts))
+				add_ref(b->owner_tid, b->owner_enter_ts, st);
+			bpf_map_delete_elem(&bios, &bk);
+		}
+		bio = BPF_CORE_READ(bio, bi_next);
+	}
+	if (bio)
+		stat_inc(S_CHAIN_TRUNC);
+	st->ev.bios = n;
+}
+
+SEC("raw_tp/block_rq_insert")
+int BPF_PROG(rq_insert, struct request *rq)
+{
+	struct rq_state *st = rq_track(rq);
+
+	if (st)
+		st->ev.ts[P_RQ_INSERT] = bpf_ktime_get_ns();
+	return 0;
+}
+
+SEC("raw_tp/block_rq_issue")
+int BPF_PROG(rq_issue, struct request *rq)
+{
+	struct rq_state *st = rq_track(rq);
+
+	if (!st)
+		return 0;
+	st->ev.ts[P_RQ_ISSUE] = bpf_ktime_get_ns();
+	rq_absorb(rq, st);
+	return 0;
+}
+
+SEC("raw_tp/block_rq_requeue")
+int BPF_PROG(rq_requeue, struct request *rq)
+{
+	__u64 key = (__u64)rq;
+
+	if (bpf_map_lookup_elem(&rqs, &key))
+		stat_inc(S_RQ_REQUEUE);
+	return 0;
+}
+
+/* A request merged into another one: its bios now belong to that one. */
+SEC("raw_tp/block_rq_merge")
+int BPF_PROG(rq_merge, struct request *rq)
+{
+	__u64 key = (__u64)rq;
+
+	if (bpf_map_delete_elem(&rqs, &key) == 0)
+		stat_inc(S_RQ_MERGED);
+	return 0;
+}
+
+static __always_inline void emit_rq(__u64 key, struct rq_state *st)
+{
+	struct vt_rq_event *e;
+
+	if (st->vq) {
+		__u64 vk = (__u64)st->vq;
+		struct vq_state *v = bpf_map_lookup_elem(&vqs, &vk);
+
+		if (v) {
+			__u64 seq = st->kick_seq + 1;
+			struct kick_slot *k = &v->slots[seq & (KICK_SLOTS - 1)];
+
+			if (k->seq == seq) {
+				st->ev.ts[P_KICK] = k->ts;
+				st->ev.kicked = k->notified ? KICK_NOTIFIED : KICK_SUPPRESSED;
+			} else if (v->kick_seq >= seq) {
+				stat_inc(S_KICK_LOST);
+			}
+		}
+	}
+	e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
+	if (e) {
+		__builtin_memcpy(e, &st->ev, sizeof(*e));
+		bpf_ringbuf_submit(e, rb_flags());
+		stat_inc(S_RQ_EMITTED);
+	} else {
+		stat_inc(S_RB_DROP_RQ);
+	}
+	bpf_map_delete_elem(&rqs, &key);
+}
+
+/* block_rq_complete(rq, error, nr_bytes) */
+SEC("raw_tp/block_rq_complete")
+int BPF_PROG(rq_complete, struct request *rq, int error, unsigned int nr_bytes)
+{
+	__u64 key = (__u64)rq;
+	struct rq_state *st = bpf_map_lookup_elem(&rqs, &key);
+
+	if (!st)
+		return 0;
+	st->ev.ts[P_RQ_COMPLETE] = bpf_ktime_get_ns();
+	st->ev.status = error & 0xff;
+	/* Without a hook after the bios end, emit when the last bytes complete. */
+	if (emit_at_rq_complete && nr_bytes >= BPF_CORE_READ(rq, __data_len))
+		emit_rq(key, st);
+	return 0;
+}
+
+/* fentry/kprobe modes: blk_update_request returned false = all bios ended. */
+static __always_inline void update_done(struct request *rq, bool more)
+{
+	__u64 key = (__u64)rq;
+	struct rq_state *st;
+
+	if (more)
+		return;
+	st = bpf_map_lookup_elem(&rqs, &key);
+	if (!st)
+		return;
+	if (st->ev.bios)
+		st->ev.ts[P_BIO_COMPLETE] = bpf_ktime_get_ns();
+	emit_rq(key, st);
+}
+
+SEC("?fexit/blk_update_request")
+int BPF_PROG(fx_update_request, struct request *rq, int error, unsigned int nr_bytes, bool ret)
+{
+	update_done(rq, ret);
+	return 0;
+}
+
+SEC("?kprobe/blk_update_request")
+int BPF_KPROBE(kp_update_request, struct request *rq)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 key = (__u64)rq;
+
+	if (!bpf_map_lookup_elem(&rqs, &key))
+		return 0;
+	if (bpf_map_update_elem(&update_args, &tid, &key, BPF_ANY))
+		stat_inc(S_FULL_ARGS);
+	return 0;
+}
+
+SEC("?kretprobe/blk_update_request")
+int BPF_KRETPROBE(krp_update_request, bool ret)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 *rq = bpf_map_lookup_elem(&update_args, &tid);
+
+	if (!rq)
+		return 0;
+	update_done((struct request *)*rq, ret);
+	bpf_map_delete_elem(&update_args, &tid);
+	return 0;
+}
+
+#endif

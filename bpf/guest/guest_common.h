@@ -1,0 +1,245 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* Configuration, maps and helpers shared by every guest program. */
+#ifndef VIOTRACE_GUEST_COMMON_H
+#define VIOTRACE_GUEST_COMMON_H
+
+/* ---- configuration, written by userspace before load (.rodata) ---- */
+const volatile __u32 self_pid = 0;	/* the agent itself: never traced */
+const volatile __u32 filter_pid = 0;	/* tgid, 0 = any */
+const volatile __u32 filter_tid = 0;	/* 0 = any */
+const volatile __u8 filter_comm_on = 0;
+const volatile char filter_comm[VT_COMM] = {};
+const volatile __u64 filter_cgroup = 0;	/* cgroup v2 id, 0 = any */
+const volatile __u8 filter_disk_on = 0;
+const volatile __s32 filter_disk_major = 0;
+const volatile __s32 filter_disk_minor = 0;
+/* 1: tracepoint mode, emit request records at block_rq_complete. */
+const volatile __u8 emit_at_rq_complete = 0;
+/* Wake the reader once this many bytes are pending (else it polls). */
+const volatile __u64 wakeup_bytes = 64 * 1024;
+
+#define MAX_INFLIGHT_SYS 8192
+#define MAX_BIOS 16384
+#define MAX_RQS 8192
+#define MAX_VQS 256
+#define CHAIN_MAX 64
+#define KICK_SLOTS 64
+
+struct ident {
+	__u64 cgroup_id;
+	__u32 pid;
+	__u32 tid;
+	char comm[VT_COMM];
+};
+
+struct sys_state {
+	struct ident id;
+	__u64 enter_ts;
+	__u64 inode;
+	__u64 offset;
+	__u64 bytes;
+	__u64 dio_queued;	/* bytes of direct-I/O bios queued so far */
+	__u32 nr;
+	__u8 has_offset;
+	__u8 direct;
+	__u8 pad[2];
+	__u32 nrefs;
+	__u32 refs_dropped;
+	struct vt_rq_ref refs[VT_MAX_REFS];
+};
+
+struct bio_state {
+	struct ident id;
+	__u64 queue_ts;
+	__u64 inode;
+	__u64 offset;
+	__u64 owner_enter_ts;	/* enter ts of the owning syscall, 0 = none */
+	__u32 owner_tid;
+	__u8 has_offset;
+	__u8 pad[3];
+};
+
+struct rq_state {
+	struct vt_rq_event ev;
+	struct virtqueue *vq;	/* set at virtqueue_add_sgs */
+	__u64 kick_seq;		/* vq kick sequence number at add time */
+	__u64 owner_enter_ts;
+	__u32 owner_tid;
+	__u32 pad;
+};
+
+struct kick_slot {
+	__u64 seq;
+	__u64 ts;
+	__u64 notified;
+};
+
+struct vq_state {
+	__u64 kick_seq;
+	__u64 irq_ts;
+	struct kick_slot slots[KICK_SLOTS];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 20);
+} events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, S_NR);
+	__type(key, __u32);
+	__type(value, __u64);
+} stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_INFLIGHT_SYS);
+	__type(key, __u32);	/* tid */
+	__type(value, struct sys_state);
+} sys_inflight SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_BIOS);
+	__type(key, __u64);	/* struct bio * */
+	__type(value, struct bio_state);
+} bios SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_RQS);
+	__type(key, __u64);	/* struct request * */
+	__type(value, struct rq_state);
+} rqs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_VQS);
+	__type(key, __u64);	/* struct virtqueue * */
+	__type(value, struct vq_state);
+} vqs SEC(".maps");
+
+/* Last buffered writer of an inode: write-back is attributed to it. A cache. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);	/* inode number */
+	__type(value, struct ident);
+} inode_writer SEC(".maps");
+
+/* kprobe mode: entry argument kept for the matching kretprobe. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);	/* tid */
+	__type(value, __u64);
+} kick_args SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);	/* tid */
+	__type(value, __u64);
+} update_args SEC(".maps");
+
+/* Zero values used to create map entries without big stack copies. */
+const struct sys_state zero_sys = {};
+const struct rq_state zero_rq = {};
+const struct vq_state zero_vq = {};
+
+static __always_inline void stat_inc(__u32 id)
+{
+	__u64 *v = bpf_map_lookup_elem(&stats, &id);
+
+	if (v)
+		*v += 1;
+}
+
+/* Creates (or returns) the entry for key; counts a full map. */
+static __always_inline void *map_create(void *map, const void *key, const void *zero, __u32 full_stat)
+{
+	void *v = bpf_map_lookup_elem(map, key);
+
+	if (v)
+		return v;
+	if (bpf_map_update_elem(map, key, zero, BPF_NOEXIST)) {
+		v = bpf_map_lookup_elem(map, key);
+		if (!v)
+			stat_inc(full_stat);
+		return v;
+	}
+	return bpf_map_lookup_elem(map, key);
+}
+
+static __always_inline __u64 rb_flags(void)
+{
+	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= wakeup_bytes)
+		return BPF_RB_FORCE_WAKEUP;
+	return BPF_RB_NO_WAKEUP;
+}
+
+static __always_inline bool comm_ok(const char *comm)
+{
+	if (!filter_comm_on)
+		return true;
+#pragma unroll
+	for (int i = 0; i < VT_COMM; i++) {
+		if (comm[i] != filter_comm[i])
+			return false;
+		if (!comm[i])
+			break;
+	}
+	return true;
+}
+
+/* Task filters, applied to the task an I/O is attributed to. */
+static __always_inline bool ident_ok(const struct ident *id)
+{
+	if (filter_pid && id->pid != filter_pid)
+		return false;
+	if (filter_tid && id->tid != filter_tid)
+		return false;
+	if (filter_cgroup && id->cgroup_id != filter_cgroup)
+		return false;
+	return comm_ok(id->comm);
+}
+
+static __always_inline bool task_filter_on(void)
+{
+	return filter_pid || filter_tid || filter_cgroup || filter_comm_on;
+}
+
+static __always_inline bool disk_ok(struct gendisk *disk)
+{
+	if (!disk)
+		return false;
+	if (!filter_disk_on)
+		return true;
+	return BPF_CORE_READ(disk, major) == filter_disk_major &&
+	       BPF_CORE_READ(disk, first_minor) == filter_disk_minor;
+}
+
+static __always_inline void current_ident(struct ident *id)
+{
+	__u64 pt = bpf_get_current_pid_tgid();
+
+	id->pid = pt >> 32;
+	id->tid = (__u32)pt;
+	id->cgroup_id = bpf_get_current_cgroup_id();
+	bpf_get_current_comm(id->comm, sizeof(id->comm));
+}
+
+/* cgroup owning a bio (bio->bi_blkg->blkcg->css.cgroup->kn->id), 0 if none. */
+static __always_inline __u64 bio_cgroup_id(struct bio *bio)
+{
+	if (!bpf_core_field_exists(bio->bi_blkg))
+		return 0;
+	struct blkcg_gq *blkg = BPF_CORE_READ(bio, bi_blkg);
+
+	if (!blkg)
+		return 0;
+	return BPF_CORE_READ(blkg, blkcg, css.cgroup, kn, id);
+}
+
+#endif

@@ -1,0 +1,244 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * Task side: entry and exit of the I/O syscalls (x86-64 numbers), through the
+ * raw syscall tracepoints, which every mode can use. The file (inode, offset,
+ * direct or buffered) is resolved from the fd at entry.
+ */
+#ifndef VIOTRACE_GUEST_TASK_H
+#define VIOTRACE_GUEST_TASK_H
+
+#define NR_read 0
+#define NR_write 1
+#define NR_pread64 17
+#define NR_pwrite64 18
+#define NR_readv 19
+#define NR_writev 20
+#define NR_fsync 74
+#define NR_fdatasync 75
+#define NR_io_submit 209
+#define NR_sync_file_range 277
+#define NR_preadv 295
+#define NR_pwritev 296
+#define NR_preadv2 327
+#define NR_pwritev2 328
+#define NR_io_uring_enter 426
+
+#define VT_O_DIRECT 040000
+#define VT_S_IFMT 00170000
+#define VT_S_IFREG 0100000
+#define VT_S_IFBLK 0060000
+#define AIO_BATCH 16
+
+static __always_inline struct file *fd_file(int fd)
+{
+	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+	struct fdtable *fdt = BPF_CORE_READ(t, files, fdt);
+	struct file **fda;
+	struct file *f = NULL;
+
+	if (!fdt || fd < 0 || (unsigned int)fd >= BPF_CORE_READ(fdt, max_fds))
+		return NULL;
+	fda = BPF_CORE_READ(fdt, fd);
+	bpf_core_read(&f, sizeof(f), &fda[fd]);
+	return f;
+}
+
+/* What sys_enter learns before it creates the in-flight entry. */
+struct sys_info {
+	__u64 inode;
+	__u64 offset;
+	__u64 bytes;
+	__u8 has_offset;
+	__u8 direct;
+};
+
+/* Fills inode/offset/direct from an fd; false when it is not a file or disk. */
+static __always_inline bool sys_file(struct sys_info *s, int fd, bool use_pos)
+{
+	struct file *f = fd_file(fd);
+	struct inode *ino;
+	__u16 mode;
+
+	if (!f)
+		return false;
+	ino = BPF_CORE_READ(f, f_inode);
+	mode = BPF_CORE_READ(ino, i_mode) & VT_S_IFMT;
+	if (mode != VT_S_IFREG && mode != VT_S_IFBLK)
+		return false;
+	s->inode = BPF_CORE_READ(ino, i_ino);
+	s->direct = (BPF_CORE_READ(f, f_flags) & VT_O_DIRECT) != 0;
+	if (use_pos) {
+		s->offset = BPF_CORE_READ(f, f_pos);
+		s->has_offset = 1;
+	}
+	return true;
+}
+
+static __always_inline bool is_write_nr(__u32 nr)
+{
+	return nr == NR_write || nr == NR_pwrite64 || nr == NR_writev || nr == NR_pwritev ||
+	       nr == NR_pwritev2;
+}
+
+SEC("raw_tp/sys_enter")
+int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
+{
+	__u64 pt = bpf_get_current_pid_tgid();
+	__u32 pid = pt >> 32, tid = (__u32)pt;
+	__u32 nr = id;
+
+	/* Cheap filters first. */
+	if (pid == self_pid || (filter_pid && pid != filter_pid) || (filter_tid && tid != filter_tid))
+		return 0;
+	switch (nr) {
+	case NR_read: case NR_write: case NR_pread64: case NR_pwrite64: case NR_readv:
+	case NR_writev: case NR_fsync: case NR_fdatasync: case NR_io_submit:
+	case NR_sync_file_range: case NR_preadv: case NR_pwritev: case NR_preadv2:
+	case NR_pwritev2: case NR_io_uring_enter:
+		break;
+	default:
+		return 0;
+	}
+	if (filter_cgroup && bpf_get_current_cgroup_id() != filter_cgroup)
+		return 0;
+
+	struct sys_state *s;
+	long a0 = PT_REGS_PARM1_CORE_SYSCALL(regs);
+	long a1 = PT_REGS_PARM2_CORE_SYSCALL(regs);
+	long a2 = PT_REGS_PARM3_CORE_SYSCALL(regs);
+	long a3 = PT_REGS_PARM4_CORE_SYSCALL(regs);
+	struct sys_info tmp_hdr = {};
+	bool ok = false;
+
+	switch (nr) {
+	case NR_read: case NR_write: case NR_readv: case NR_writev:
+		ok = sys_file(&tmp_hdr, a0, true);
+		tmp_hdr.bytes = (nr == NR_read || nr == NR_write) ? a2 : 0;
+		break;
+	case NR_pread64: case NR_pwrite64:
+		ok = sys_file(&tmp_hdr, a0, false);
+		tmp_hdr.bytes = a2;
+		tmp_hdr.offset = a3;
+		tmp_hdr.has_offset = 1;
+		break;
+	case NR_preadv: case NR_pwritev: case NR_preadv2: case NR_pwritev2:
+		ok = sys_file(&tmp_hdr, a0, false);
+		/* offset -1 on preadv2/pwritev2 means "current position" */
+		if (a3 != -1) {
+			tmp_hdr.offset = a3;
+			tmp_hdr.has_offset = 1;
+		}
+		break;
+	case NR_fsync: case NR_fdatasync:
+		ok = sys_file(&tmp_hdr, a0, false);
+		break;
+	case NR_sync_file_range:
+		ok = sys_file(&tmp_hdr, a0, false);
+		tmp_hdr.offset = a1;
+		tmp_hdr.has_offset = 1;
+		tmp_hdr.bytes = a2;
+		break;
+	case NR_io_submit: {
+		/* io_submit(ctx, nr, iocbpp): describe the first iocb's file, sum the sizes. */
+		struct iocb **uv = (struct iocb **)a2;
+		long n = a1;
+
+		if (n <= 0)
+			return 0;
+		ok = true;
+		for (int i = 0; i < AIO_BATCH; i++) {
+			struct iocb *up = NULL;
+			struct iocb cb = {};
+
+			if (i >= n)
+				break;
+			if (bpf_probe_read_user(&up, sizeof(up), &uv[i]) ||
+			    bpf_probe_read_user(&cb, sizeof(cb), up))
+				break;
+			tmp_hdr.bytes += cb.aio_nbytes;
+			if (i == 0) {
+				sys_file(&tmp_hdr, cb.aio_fildes, false);
+				tmp_hdr.offset = cb.aio_offset;
+				tmp_hdr.has_offset = 1;
+			}
+		}
+		break;
+	}
+	case NR_io_uring_enter:
+		/* io_uring_enter(fd, to_submit, ...): only submissions are I/O. */
+		ok = a1 > 0;
+		break;
+	}
+	if (!ok)
+		return 0;
+
+	struct ident who;
+
+	current_ident(&who);
+	if (!comm_ok(who.comm))
+		return 0;
+
+	s = map_create(&sys_inflight, &tid, &zero_sys, S_FULL_SYS);
+	if (!s)
+		return 0;
+	s->id = who;
+	s->enter_ts = bpf_ktime_get_ns();
+	s->nr = nr;
+	s->inode = tmp_hdr.inode;
+	s->offset = tmp_hdr.offset;
+	s->has_offset = tmp_hdr.has_offset;
+	s->bytes = tmp_hdr.bytes;
+	s->direct = tmp_hdr.direct;
+	s->dio_queued = 0;
+	s->nrefs = 0;
+	s->refs_dropped = 0;
+
+	/* Remember who dirtied the page cache of this inode (for write-back). */
+	if (is_write_nr(nr) && !tmp_hdr.direct && tmp_hdr.inode)
+		bpf_map_update_elem(&inode_writer, &tmp_hdr.inode, &who, BPF_ANY);
+	return 0;
+}
+
+SEC("raw_tp/sys_exit")
+int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
+{
+	__u64 pt = bpf_get_current_pid_tgid();
+	__u32 pid = pt >> 32, tid = (__u32)pt;
+	struct sys_state *s;
+	struct vt_io_event *e;
+
+	if (pid == self_pid || (filter_pid && pid != filter_pid) || (filter_tid && tid != filter_tid))
+		return 0;
+	s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	if (!s)
+		return 0;
+	e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
+	if (!e) {
+		stat_inc(S_RB_DROP_IO);
+		bpf_map_delete_elem(&sys_inflight, &tid);
+		return 0;
+	}
+	e->kind = K_IO;
+	e->nr = s->nr;
+	e->enter_ts = s->enter_ts;
+	e->exit_ts = bpf_ktime_get_ns();
+	e->ret = ret;
+	e->bytes = s->bytes;
+	e->inode = s->inode;
+	e->file_offset = s->offset;
+	e->has_file_offset = s->has_offset;
+	e->cgroup_id = s->id.cgroup_id;
+	e->pid = s->id.pid;
+	e->tid = s->id.tid;
+	__builtin_memcpy(e->comm, s->id.comm, VT_COMM);
+	e->nrefs = s->nrefs;
+	e->refs_dropped = s->refs_dropped;
+	__builtin_memcpy(e->refs, s->refs, sizeof(e->refs));
+	__builtin_memset(e->pad, 0, sizeof(e->pad));
+	bpf_ringbuf_submit(e, rb_flags());
+	stat_inc(S_IO_EMITTED);
+	bpf_map_delete_elem(&sys_inflight, &tid);
+	return 0;
+}
+
+#endif

@@ -1,0 +1,249 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * virtio-blk and virtio_ring (modules in most guests: CO-RE and attach targets
+ * resolve against module BTF). Each hook has a fentry/fexit and a kprobe
+ * flavour; all are optional ("?") and userspace enables one flavour.
+ *
+ *   virtio_queue_rq / virtio_queue_rqs  g.queue_rq (both blk-mq submit paths)
+ *   virtqueue_add_sgs                   g.vq_add, queue index, descriptor head
+ *   virtqueue_kick_prepare (return)     kick sequence; notify or suppressed
+ *   virtqueue_notify                    g.kick (the real notification)
+ *   vring_interrupt                     per-virtqueue interrupt time
+ *   blk_mq_complete_request             g.driver_complete (+ g.irq of its vq)
+ *
+ * Kicks are per virtqueue (many adds, one kick): each vq keeps a kick sequence
+ * number and a small ring of recent kicks; a request remembers the sequence at
+ * add time and takes the next kick when it is emitted.
+ */
+#ifndef VIOTRACE_GUEST_VIRTIO_H
+#define VIOTRACE_GUEST_VIRTIO_H
+
+static __always_inline void on_queue_rq(struct request *rq)
+{
+	struct rq_state *st = rq_track(rq);
+
+	if (st)
+		st->ev.ts[P_QUEUE_RQ] = bpf_ktime_get_ns();
+}
+
+/* virtio_queue_rqs(struct request **rqlist) (≤6.10) or (struct rq_list *): the
+ * first word is the list head either way; requests are linked by rq_next. */
+static __always_inline void on_queue_rqs(void *list)
+{
+	struct request *rq = NULL;
+	__u64 now = bpf_ktime_get_ns();
+
+	bpf_probe_read_kernel(&rq, sizeof(rq), list);
+	for (int i = 0; i < CHAIN_MAX && rq; i++) {
+		struct rq_state *st = rq_track(rq);
+
+		if (st)
+			st->ev.ts[P_QUEUE_RQ] = now;
+		rq = BPF_CORE_READ(rq, rq_next);
+	}
+}
+
+static __always_inline void on_add_sgs(struct virtqueue *vq, void *data)
+{
+	/* virtblk_req is the request's pdu: it directly follows struct request */
+	__u64 key = (__u64)data - bpf_core_type_size(struct request);
+	struct rq_state *st = bpf_map_lookup_elem(&rqs, &key);
+	struct vring_virtqueue *vvq;
+	struct vq_state *v;
+	__u64 vk = (__u64)vq;
+
+	if (!st)
+		return;
+	vvq = (void *)vq - bpf_core_field_offset(struct vring_virtqueue, vq);
+	st->ev.ts[P_VQ_ADD] = bpf_ktime_get_ns();
+	st->ev.queue = BPF_CORE_READ(vq, index);
+	st->ev.has_queue = 1;
+	/* split ring: the chain's head descriptor; packed ring: the buffer id */
+	st->ev.head = BPF_CORE_READ(vvq, free_head);
+	st->ev.has_head = 1;
+	st->vq = vq;
+	v = map_create(&vqs, &vk, &zero_vq, S_FULL_VQ);
+	st->kick_seq = v ? v->kick_seq : 0;
+}
+
+static __always_inline void on_kick_prepare(struct virtqueue *vq, bool notify)
+{
+	__u64 vk = (__u64)vq;
+	struct vq_state *v = bpf_map_lookup_elem(&vqs, &vk);
+	struct kick_slot *k;
+	__u64 seq;
+
+	if (!v)
+		return;
+	seq = v->kick_seq + 1;
+	v->kick_seq = seq;
+	k = &v->slots[seq & (KICK_SLOTS - 1)];
+	k->seq = seq;
+	k->ts = bpf_ktime_get_ns();
+	k->notified = notify;
+}
+
+static __always_inline void on_notify(struct virtqueue *vq)
+{
+	__u64 vk = (__u64)vq;
+	struct vq_state *v = bpf_map_lookup_elem(&vqs, &vk);
+	struct kick_slot *k;
+
+	if (!v)
+		return;
+	k = &v->slots[v->kick_seq & (KICK_SLOTS - 1)];
+	if (k->seq == v->kick_seq && k->notified)
+		k->ts = bpf_ktime_get_ns();
+}
+
+static __always_inline void on_interrupt(void *vq)
+{
+	__u64 vk = (__u64)vq;
+	struct vq_state *v = bpf_map_lookup_elem(&vqs, &vk);
+
+	if (v)
+		v->irq_ts = bpf_ktime_get_ns();
+}
+
+static __always_inline void on_driver_complete(struct request *rq)
+{
+	__u64 key = (__u64)rq;
+	struct rq_state *st = bpf_map_lookup_elem(&rqs, &key);
+
+	if (!st)
+		return;
+	st->ev.ts[P_DRIVER_COMPLETE] = bpf_ktime_get_ns();
+	if (st->vq) {
+		__u64 vk = (__u64)st->vq;
+		struct vq_state *v = bpf_map_lookup_elem(&vqs, &vk);
+
+		/* called from the vq callback inside vring_interrupt */
+		if (v && v->irq_ts >= st->ev.ts[P_VQ_ADD])
+			st->ev.ts[P_IRQ] = v->irq_ts;
+	}
+}
+
+/* ---- fentry / fexit flavour ---- */
+
+SEC("?fentry/virtio_queue_rq")
+int BPF_PROG(fe_queue_rq, struct blk_mq_hw_ctx *hctx, const struct blk_mq_queue_data *bd)
+{
+	on_queue_rq(BPF_CORE_READ(bd, rq));
+	return 0;
+}
+
+SEC("?fentry/virtio_queue_rqs")
+int BPF_PROG(fe_queue_rqs, void *list)
+{
+	on_queue_rqs(list);
+	return 0;
+}
+
+SEC("?fentry/virtqueue_add_sgs")
+int BPF_PROG(fe_add_sgs, struct virtqueue *vq, struct scatterlist **sgs, unsigned int out_sgs,
+	     unsigned int in_sgs, void *data)
+{
+	on_add_sgs(vq, data);
+	return 0;
+}
+
+SEC("?fexit/virtqueue_kick_prepare")
+int BPF_PROG(fx_kick_prepare, struct virtqueue *vq, bool ret)
+{
+	on_kick_prepare(vq, ret);
+	return 0;
+}
+
+SEC("?fentry/virtqueue_notify")
+int BPF_PROG(fe_notify, struct virtqueue *vq)
+{
+	on_notify(vq);
+	return 0;
+}
+
+SEC("?fentry/vring_interrupt")
+int BPF_PROG(fe_vring_interrupt, int irq, void *vq)
+{
+	on_interrupt(vq);
+	return 0;
+}
+
+SEC("?fentry/blk_mq_complete_request")
+int BPF_PROG(fe_complete_request, struct request *rq)
+{
+	on_driver_complete(rq);
+	return 0;
+}
+
+/* ---- kprobe flavour ---- */
+
+SEC("?kprobe/virtio_queue_rq")
+int BPF_KPROBE(kp_queue_rq, struct blk_mq_hw_ctx *hctx, const struct blk_mq_queue_data *bd)
+{
+	on_queue_rq(BPF_CORE_READ(bd, rq));
+	return 0;
+}
+
+SEC("?kprobe/virtio_queue_rqs")
+int BPF_KPROBE(kp_queue_rqs, void *list)
+{
+	on_queue_rqs(list);
+	return 0;
+}
+
+SEC("?kprobe/virtqueue_add_sgs")
+int BPF_KPROBE(kp_add_sgs, struct virtqueue *vq, struct scatterlist **sgs, unsigned int out_sgs,
+	       unsigned int in_sgs, void *data)
+{
+	on_add_sgs(vq, data);
+	return 0;
+}
+
+SEC("?kprobe/virtqueue_kick_prepare")
+int BPF_KPROBE(kp_kick_prepare, struct virtqueue *vq)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 vk = (__u64)vq;
+
+	if (!bpf_map_lookup_elem(&vqs, &vk))
+		return 0;
+	if (bpf_map_update_elem(&kick_args, &tid, &vk, BPF_ANY))
+		stat_inc(S_FULL_ARGS);
+	return 0;
+}
+
+SEC("?kretprobe/virtqueue_kick_prepare")
+int BPF_KRETPROBE(krp_kick_prepare, bool ret)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 *vq = bpf_map_lookup_elem(&kick_args, &tid);
+
+	if (!vq)
+		return 0;
+	on_kick_prepare((struct virtqueue *)*vq, ret);
+	bpf_map_delete_elem(&kick_args, &tid);
+	return 0;
+}
+
+SEC("?kprobe/virtqueue_notify")
+int BPF_KPROBE(kp_notify, struct virtqueue *vq)
+{
+	on_notify(vq);
+	return 0;
+}
+
+SEC("?kprobe/vring_interrupt")
+int BPF_KPROBE(kp_vring_interrupt, int irq, void *vq)
+{
+	on_interrupt(vq);
+	return 0;
+}
+
+SEC("?kprobe/blk_mq_complete_request")
+int BPF_KPROBE(kp_complete_request, struct request *rq)
+{
+	on_driver_complete(rq);
+	return 0;
+}
+
+#endif

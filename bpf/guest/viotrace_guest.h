@@ -1,0 +1,121 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * Records the guest BPF object sends to userspace through the ring buffer.
+ * The layout is decoded field by field in guest-agent/src/raw.rs: keep both in
+ * sync (the _Static_asserts pin the sizes).
+ */
+#ifndef VIOTRACE_GUEST_H
+#define VIOTRACE_GUEST_H
+
+/* Point ids: identical to `Point` in shared/src/record.rs (g.* points). */
+enum vt_point {
+	P_SYSCALL_ENTER = 0,
+	P_BIO_QUEUE = 1,
+	P_RQ_INSERT = 2,
+	P_RQ_ISSUE = 3,
+	P_QUEUE_RQ = 4,
+	P_VQ_ADD = 5,
+	P_KICK = 6,
+	P_IRQ = 7,
+	P_DRIVER_COMPLETE = 8,
+	P_RQ_COMPLETE = 9,
+	P_BIO_COMPLETE = 10,
+	P_SYSCALL_EXIT = 11,
+	P_NR = 12,
+};
+
+enum vt_kind {
+	K_RQ = 1,
+	K_IO = 2,
+};
+
+enum vt_kick {
+	KICK_UNKNOWN = 0,
+	KICK_NOTIFIED = 1,
+	KICK_SUPPRESSED = 2,
+};
+
+/* Counters in the `stats` per-CPU array (names in guest-agent/src/raw.rs). */
+enum vt_stat_id {
+	S_RB_DROP_RQ = 0,	/* ring buffer full: block request record lost */
+	S_RB_DROP_IO,		/* ring buffer full: syscall record lost */
+	S_FULL_SYS,		/* in-flight syscall map full */
+	S_FULL_BIO,		/* bio map full */
+	S_FULL_RQ,		/* request map full */
+	S_FULL_VQ,		/* virtqueue map full */
+	S_FULL_ARGS,		/* kprobe entry/return argument map full */
+	S_RQ_EMITTED,
+	S_IO_EMITTED,
+	S_BIO_QUEUED,
+	S_BIO_SPLIT,
+	S_BIO_BACKMERGE,
+	S_BIO_FRONTMERGE,
+	S_RQ_MERGED,		/* request merged into another one (state dropped) */
+	S_RQ_REQUEUE,
+	S_RQ_LATE,		/* completion seen, record emitted only on tag reuse */
+	S_REFS_TRUNC,		/* syscall caused more requests than a record lists */
+	S_KICK_LOST,		/* kick slot overwritten before the request completed */
+	S_CHAIN_TRUNC,		/* request with more bios than the walk limit */
+	S_NR,
+};
+
+#define VT_COMM 16
+#define VT_DISK 32
+#define VT_MAX_REFS 16
+
+struct vt_rq_event {
+	__u32 kind;		/* K_RQ */
+	__u32 dev;		/* major << 20 | first_minor of the disk */
+	__u64 ts[P_NR];		/* CLOCK_MONOTONIC ns, 0 = not seen */
+	__u64 sector;
+	__u64 cgroup_id;
+	__u64 inode;
+	__u64 file_offset;
+	__u32 bytes;
+	__u32 cmd_flags;
+	__u32 pid;
+	__u32 tid;
+	__u32 bios;
+	__s32 status;		/* blk_status_t of the completion */
+	__u16 queue;
+	__u16 head;
+	__u8 has_queue;
+	__u8 has_head;
+	__u8 kicked;		/* enum vt_kick */
+	__u8 has_file_offset;
+	char comm[VT_COMM];
+	char disk[VT_DISK];
+};
+
+struct vt_rq_ref {
+	__u64 sector;
+	__u32 dev;
+	__u32 bytes;
+};
+
+struct vt_io_event {
+	__u32 kind;		/* K_IO */
+	__u32 nr;		/* x86-64 syscall number */
+	__u64 enter_ts;
+	__u64 exit_ts;
+	__s64 ret;
+	__u64 bytes;
+	__u64 inode;
+	__u64 file_offset;
+	__u64 cgroup_id;
+	__u32 pid;
+	__u32 tid;
+	__u32 nrefs;
+	__u32 refs_dropped;
+	__u8 has_file_offset;
+	__u8 pad[7];
+	char comm[VT_COMM];
+	struct vt_rq_ref refs[VT_MAX_REFS];
+};
+
+_Static_assert(sizeof(struct vt_rq_event) == 8 + 8 * P_NR + 32 + 24 + 4 + 4 + VT_COMM + VT_DISK,
+	       "vt_rq_event layout");
+_Static_assert(sizeof(struct vt_io_event) == 8 + 56 + 16 + 8 + VT_COMM + 16 * VT_MAX_REFS,
+	       "vt_io_event layout");
+
+#endif

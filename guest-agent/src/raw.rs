@@ -1,0 +1,399 @@
+//! Decoding of the raw ring-buffer records written by `bpf/guest` (layouts in
+//! `bpf/guest/viotrace_guest.h`) into [`GuestRq`] / [`GuestIo`].
+
+use std::collections::HashMap;
+
+use thiserror::Error;
+use viotrace_shared::record::{GuestIo, GuestRq, Op, Point, Points, RqRef};
+
+pub const K_RQ: u32 = 1;
+pub const K_IO: u32 = 2;
+/// `sizeof(struct vt_rq_event)`.
+pub const RQ_SIZE: usize = 216;
+/// `sizeof(struct vt_io_event)`.
+pub const IO_SIZE: usize = 360;
+const NPOINTS: usize = 12;
+const MAX_REFS: usize = 16;
+
+/// Names of the BPF `stats` counters, indexed like `enum vt_stat_id`.
+pub const STAT_NAMES: &[&str] = &[
+    "ringbuf_drop_rq",
+    "ringbuf_drop_io",
+    "map_full_syscalls",
+    "map_full_bios",
+    "map_full_requests",
+    "map_full_virtqueues",
+    "map_full_kprobe_args",
+    "rq_emitted",
+    "io_emitted",
+    "bio_queued",
+    "bio_split",
+    "bio_backmerge",
+    "bio_frontmerge",
+    "rq_merged",
+    "rq_requeued",
+    "rq_late_emitted",
+    "io_refs_truncated",
+    "kick_slot_lost",
+    "bio_chain_truncated",
+];
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("record too short: {got} bytes, need {need}")]
+    Short { got: usize, need: usize },
+    #[error("unknown record kind {0}")]
+    Kind(u32),
+}
+
+/// Kick outcome recorded for a request.
+fn kicked(v: u8) -> Option<bool> {
+    match v {
+        1 => Some(true),
+        2 => Some(false),
+        _ => None,
+    }
+}
+
+/// Linux `blk_status_t` → negative errno (`blk_status_to_errno`).
+pub fn blk_status_errno(st: i32) -> i32 {
+    match st {
+        0 => 0,
+        1 => -95,  // NOTSUPP: EOPNOTSUPP
+        2 => -110, // TIMEOUT: ETIMEDOUT
+        3 => -28,  // NOSPC
+        4 => -67,  // TRANSPORT: ENOLINK
+        5 => -121, // TARGET: EREMOTEIO
+        6 => -52,  // NEXUS / RESV_CONFLICT: EBADE
+        7 => -61,  // MEDIUM: ENODATA
+        8 => -84,  // PROTECTION: EILSEQ
+        9 => -12,  // RESOURCE: ENOMEM
+        12 => -11, // AGAIN
+        _ => -5,   // IOERR and the rest: EIO
+    }
+}
+
+/// x86-64 syscall number → name (the ones the BPF side traces).
+pub fn syscall_name(nr: u32) -> String {
+    match nr {
+        0 => "read",
+        1 => "write",
+        17 => "pread64",
+        18 => "pwrite64",
+        19 => "readv",
+        20 => "writev",
+        74 => "fsync",
+        75 => "fdatasync",
+        209 => "io_submit",
+        277 => "sync_file_range",
+        295 => "preadv",
+        296 => "pwritev",
+        327 => "preadv2",
+        328 => "pwritev2",
+        426 => "io_uring_enter",
+        n => return format!("syscall_{n}"),
+    }
+    .to_owned()
+}
+
+/// Little helper reading native-endian fields at fixed offsets.
+struct Rd<'a>(&'a [u8]);
+
+impl Rd<'_> {
+    fn u8(&self, o: usize) -> u8 {
+        self.0[o]
+    }
+    fn u16(&self, o: usize) -> u16 {
+        u16::from_ne_bytes([self.0[o], self.0[o + 1]])
+    }
+    fn u32(&self, o: usize) -> u32 {
+        let mut b = [0u8; 4];
+        b.copy_from_slice(&self.0[o..o + 4]);
+        u32::from_ne_bytes(b)
+    }
+    fn u64(&self, o: usize) -> u64 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&self.0[o..o + 8]);
+        u64::from_ne_bytes(b)
+    }
+    /// NUL-terminated string in a fixed-size field (lossy UTF-8).
+    fn cstr(&self, o: usize, len: usize) -> String {
+        let f = &self.0[o..o + len];
+        let end = f.iter().position(|&c| c == 0).unwrap_or(len);
+        String::from_utf8_lossy(&f[..end]).into_owned()
+    }
+}
+
+/// A decoded record.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Record {
+    Rq(Box<GuestRq>),
+    Io(Box<GuestIo>),
+}
+
+/// Decodes records; remembers `dev_t → disk name` to name syscall references.
+#[derive(Default)]
+pub struct Decoder {
+    disks: HashMap<u32, String>,
+}
+
+impl Decoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Names a kernel dev_t (`major << 20 | minor`): known from earlier request
+    /// records, else from `/sys/dev/block`, else `major:minor`.
+    fn disk_name(&mut self, dev: u32) -> String {
+        if let Some(n) = self.disks.get(&dev) {
+            return n.clone();
+        }
+        let (maj, min) = (dev >> 20, dev & 0xf_ffff);
+        let name = std::fs::read_to_string(format!("/sys/dev/block/{maj}:{min}/uevent"))
+            .ok()
+            .and_then(|u| {
+                u.lines()
+                    .find_map(|l| l.strip_prefix("DEVNAME=").map(str::to_owned))
+            })
+            .unwrap_or_else(|| format!("{maj}:{min}"));
+        self.disks.insert(dev, name.clone());
+        name
+    }
+
+    pub fn decode(&mut self, b: &[u8]) -> Result<Record, DecodeError> {
+        if b.len() < 4 {
+            return Err(DecodeError::Short {
+                got: b.len(),
+                need: 4,
+            });
+        }
+        match Rd(b).u32(0) {
+            K_RQ => self.decode_rq(b).map(|r| Record::Rq(Box::new(r))),
+            K_IO => self.decode_io(b).map(|r| Record::Io(Box::new(r))),
+            k => Err(DecodeError::Kind(k)),
+        }
+    }
+
+    fn decode_rq(&mut self, b: &[u8]) -> Result<GuestRq, DecodeError> {
+        if b.len() < RQ_SIZE {
+            return Err(DecodeError::Short {
+                got: b.len(),
+                need: RQ_SIZE,
+            });
+        }
+        let r = Rd(b);
+        let mut ts = Points::new();
+        for i in 0..NPOINTS {
+            if let Some(p) = Point::from_id(i as u8) {
+                ts.set_nonzero(p, r.u64(8 + 8 * i));
+            }
+        }
+        let dev = r.u32(4);
+        let disk = r.cstr(184, 32);
+        if !disk.is_empty() {
+            self.disks.entry(dev).or_insert_with(|| disk.clone());
+        }
+        Ok(GuestRq {
+            disk,
+            op: Op::from_linux_req_op(r.u32(140)),
+            sector: r.u64(104),
+            bytes: r.u32(136),
+            queue: (r.u8(164) != 0).then(|| r.u16(160)),
+            head: (r.u8(165) != 0).then(|| r.u16(162)),
+            pid: r.u32(144),
+            tid: r.u32(148),
+            comm: r.cstr(168, 16),
+            cgroup_id: r.u64(112),
+            inode: r.u64(120),
+            file_offset: (r.u8(167) != 0).then(|| r.u64(128)),
+            kicked: kicked(r.u8(166)),
+            bios: r.u32(152),
+            error: blk_status_errno(r.u32(156) as i32),
+            ts,
+        })
+    }
+
+    fn decode_io(&mut self, b: &[u8]) -> Result<GuestIo, DecodeError> {
+        if b.len() < IO_SIZE {
+            return Err(DecodeError::Short {
+                got: b.len(),
+                need: IO_SIZE,
+            });
+        }
+        let r = Rd(b);
+        let mut ts = Points::new();
+        ts.set_nonzero(Point::SyscallEnter, r.u64(8));
+        ts.set_nonzero(Point::SyscallExit, r.u64(16));
+        let nrefs = (r.u32(72) as usize).min(MAX_REFS);
+        let requests = (0..nrefs)
+            .map(|i| {
+                let o = 104 + 16 * i;
+                RqRef {
+                    disk: self.disk_name(r.u32(o + 8)),
+                    sector: r.u64(o),
+                    bytes: r.u32(o + 12),
+                }
+            })
+            .collect();
+        Ok(GuestIo {
+            syscall: syscall_name(r.u32(4)),
+            pid: r.u32(64),
+            tid: r.u32(68),
+            comm: r.cstr(88, 16),
+            cgroup_id: r.u64(56),
+            inode: r.u64(40),
+            file_offset: (r.u8(80) != 0).then(|| r.u64(48)),
+            bytes: r.u64(32),
+            ret: r.u64(24) as i64,
+            requests,
+            ts,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(b: &mut [u8], o: usize, v: &[u8]) {
+        b[o..o + v.len()].copy_from_slice(v);
+    }
+
+    fn raw_rq() -> Vec<u8> {
+        let mut b = vec![0u8; RQ_SIZE];
+        put(&mut b, 0, &K_RQ.to_ne_bytes());
+        put(&mut b, 4, &((253u32 << 20) | 16).to_ne_bytes());
+        put(&mut b, 8 + 8 * 1, &1000u64.to_ne_bytes()); // bio_queue
+        put(&mut b, 8 + 8 * 3, &2000u64.to_ne_bytes()); // rq_issue
+        put(&mut b, 8 + 8 * 5, &2100u64.to_ne_bytes()); // vq_add
+        put(&mut b, 8 + 8 * 9, &9000u64.to_ne_bytes()); // rq_complete
+        put(&mut b, 104, &2048u64.to_ne_bytes());
+        put(&mut b, 112, &77u64.to_ne_bytes());
+        put(&mut b, 120, &12u64.to_ne_bytes());
+        put(&mut b, 128, &8192u64.to_ne_bytes());
+        put(&mut b, 136, &4096u32.to_ne_bytes());
+        put(&mut b, 140, &(1u32 | 1 << 11).to_ne_bytes()); // write | sync flag
+        put(&mut b, 144, &100u32.to_ne_bytes());
+        put(&mut b, 148, &101u32.to_ne_bytes());
+        put(&mut b, 152, &2u32.to_ne_bytes());
+        put(&mut b, 160, &1u16.to_ne_bytes());
+        put(&mut b, 162, &37u16.to_ne_bytes());
+        b[164] = 1; // has_queue
+        b[165] = 1; // has_head
+        b[166] = 2; // suppressed
+        b[167] = 1; // has_file_offset
+        put(&mut b, 168, b"fio\0");
+        put(&mut b, 184, b"vdb\0");
+        b
+    }
+
+    #[test]
+    fn decodes_request_record() {
+        let mut d = Decoder::new();
+        let Record::Rq(r) = d.decode(&raw_rq()).unwrap() else {
+            panic!("not a request")
+        };
+        assert_eq!(r.disk, "vdb");
+        assert_eq!(r.op, Op::Write);
+        assert_eq!((r.sector, r.bytes, r.bios), (2048, 4096, 2));
+        assert_eq!((r.queue, r.head), (Some(1), Some(37)));
+        assert_eq!((r.pid, r.tid, r.comm.as_str()), (100, 101, "fio"));
+        assert_eq!((r.cgroup_id, r.inode, r.file_offset), (77, 12, Some(8192)));
+        assert_eq!(r.kicked, Some(false));
+        assert_eq!(r.error, 0);
+        // unseen points are absent, not 0
+        assert_eq!(r.ts.len(), 4);
+        assert_eq!(r.ts.get(Point::RqIssue), Some(2000));
+        assert_eq!(r.ts.get(Point::Kick), None);
+        let j = serde_json::to_string(&r.ts).unwrap();
+        assert!(!j.contains("g.kick") && j.contains("\"g.vq_add\":2100"));
+    }
+
+    #[test]
+    fn absent_optionals_and_errors() {
+        let mut b = raw_rq();
+        b[164] = 0;
+        b[165] = 0;
+        b[166] = 0;
+        b[167] = 0;
+        put(&mut b, 156, &10u32.to_ne_bytes()); // BLK_STS_IOERR
+        let Record::Rq(r) = Decoder::new().decode(&b).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (r.queue, r.head, r.kicked, r.file_offset),
+            (None, None, None, None)
+        );
+        assert_eq!(r.error, -5);
+    }
+
+    #[test]
+    fn rejects_short_and_unknown() {
+        let mut d = Decoder::new();
+        assert_eq!(
+            d.decode(&raw_rq()[..100]),
+            Err(DecodeError::Short {
+                got: 100,
+                need: RQ_SIZE
+            })
+        );
+        assert!(matches!(d.decode(&[1, 2]), Err(DecodeError::Short { .. })));
+        assert_eq!(d.decode(&[9, 0, 0, 0, 0]), Err(DecodeError::Kind(9)));
+    }
+
+    #[test]
+    fn decodes_syscall_record_and_names_refs_from_seen_requests() {
+        let mut d = Decoder::new();
+        d.decode(&raw_rq()).unwrap(); // teaches dev → "vdb"
+        let mut b = vec![0u8; IO_SIZE];
+        put(&mut b, 0, &K_IO.to_ne_bytes());
+        put(&mut b, 4, &18u32.to_ne_bytes()); // pwrite64
+        put(&mut b, 8, &500u64.to_ne_bytes());
+        put(&mut b, 16, &9500u64.to_ne_bytes());
+        put(&mut b, 24, &4096i64.to_ne_bytes());
+        put(&mut b, 32, &4096u64.to_ne_bytes());
+        put(&mut b, 40, &12u64.to_ne_bytes());
+        put(&mut b, 48, &8192u64.to_ne_bytes());
+        put(&mut b, 56, &77u64.to_ne_bytes());
+        put(&mut b, 64, &100u32.to_ne_bytes());
+        put(&mut b, 68, &101u32.to_ne_bytes());
+        put(&mut b, 72, &1u32.to_ne_bytes());
+        put(&mut b, 76, &3u32.to_ne_bytes());
+        b[80] = 1;
+        put(&mut b, 88, b"fio\0");
+        put(&mut b, 104, &2048u64.to_ne_bytes());
+        put(&mut b, 112, &((253u32 << 20) | 16).to_ne_bytes());
+        put(&mut b, 116, &4096u32.to_ne_bytes());
+        let Record::Io(io) = d.decode(&b).unwrap() else {
+            panic!()
+        };
+        assert_eq!(io.syscall, "pwrite64");
+        assert_eq!(
+            (io.ret, io.bytes, io.inode, io.file_offset),
+            (4096, 4096, 12, Some(8192))
+        );
+        assert_eq!(
+            io.requests,
+            vec![RqRef {
+                disk: "vdb".into(),
+                sector: 2048,
+                bytes: 4096
+            }]
+        );
+        assert_eq!(io.ts.get(Point::SyscallEnter), Some(500));
+        assert_eq!(io.ts.get(Point::SyscallExit), Some(9500));
+        // negative return values survive
+        put(&mut b, 24, &(-5i64).to_ne_bytes());
+        let Record::Io(io) = d.decode(&b).unwrap() else {
+            panic!()
+        };
+        assert_eq!(io.ret, -5);
+    }
+
+    #[test]
+    fn syscall_names() {
+        assert_eq!(syscall_name(426), "io_uring_enter");
+        assert_eq!(syscall_name(999), "syscall_999");
+        assert_eq!(STAT_NAMES.len(), 19);
+    }
+}

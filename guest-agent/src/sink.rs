@@ -1,0 +1,331 @@
+//! Where decoded records go: JSON lines, per-stage tables, slow-I/O waterfalls.
+
+use std::collections::HashMap;
+use std::io::{self, BufWriter, Stdout, Write};
+use std::time::Duration;
+
+use serde::Serialize;
+use viotrace_shared::record::{GuestIo, GuestRq, Point, Points};
+use viotrace_shared::stats::{render_waterfall, Aggregator, Summary};
+
+use crate::raw::{Decoder, Record};
+
+/// Label under which syscall-level latencies are aggregated.
+const SYSCALL_LABEL: &str = "syscalls";
+/// Requests remembered to draw syscall waterfalls.
+const RECENT_RQS: usize = 4096;
+
+pub struct Sink {
+    json: bool,
+    threshold_ns: Option<u64>,
+    mode: String,
+    out: BufWriter<Stdout>,
+    decoder: Decoder,
+    interval: Aggregator,
+    total: Aggregator,
+    /// (disk, sector) → points of recently finished requests.
+    recent: HashMap<(String, u64), Points>,
+    pub rqs: u64,
+    pub ios: u64,
+    pub decode_errors: u64,
+    interval_records: u64,
+}
+
+/// `{"kind":K, ...fields of v}` on one line.
+fn json_line<T: Serialize>(kind: &str, v: &T) -> Option<String> {
+    let body = serde_json::to_string(v).ok()?;
+    let rest = body.strip_prefix('{')?;
+    Some(if rest == "}" {
+        format!("{{\"kind\":\"{kind}\"}}")
+    } else {
+        format!("{{\"kind\":\"{kind}\",{rest}")
+    })
+}
+
+fn first_last(p: &Points) -> Option<u64> {
+    let (mut lo, mut hi) = (u64::MAX, 0);
+    for (_, t) in p.iter() {
+        lo = lo.min(t);
+        hi = hi.max(t);
+    }
+    (hi >= lo).then(|| hi - lo)
+}
+
+fn rq_header(r: &GuestRq) -> String {
+    let mut h = format!(
+        "slow request: {} {} sector {} {}B  pid {} tid {} ({}) cgroup {} inode {}",
+        r.disk, r.op, r.sector, r.bytes, r.pid, r.tid, r.comm, r.cgroup_id, r.inode
+    );
+    if let Some(o) = r.file_offset {
+        h += &format!(" off {o}");
+    }
+    if let Some(q) = r.queue {
+        h += &format!(" queue {q}");
+    }
+    if let Some(hd) = r.head {
+        h += &format!(" head {hd}");
+    }
+    match r.kicked {
+        Some(true) => h += " kick notified",
+        Some(false) => h += " kick suppressed",
+        None => {}
+    }
+    h += &format!(" bios {}", r.bios);
+    if r.error != 0 {
+        h += &format!(" error {}", r.error);
+    }
+    h
+}
+
+fn io_header(io: &GuestIo) -> String {
+    let mut h = format!(
+        "slow {}: pid {} tid {} ({}) cgroup {} inode {}",
+        io.syscall, io.pid, io.tid, io.comm, io.cgroup_id, io.inode
+    );
+    if let Some(o) = io.file_offset {
+        h += &format!(" off {o}");
+    }
+    h += &format!(" size {} ret {}", io.bytes, io.ret);
+    if !io.requests.is_empty() {
+        let refs: Vec<String> = io
+            .requests
+            .iter()
+            .map(|r| format!("{}@{}+{}", r.disk, r.sector, r.bytes))
+            .collect();
+        h += &format!(" requests {}", refs.join(","));
+    }
+    h
+}
+
+#[derive(Serialize)]
+struct StageLine<'a> {
+    label: &'a str,
+    stage: &'a str,
+    #[serde(flatten)]
+    summary: Summary,
+}
+
+#[derive(Serialize)]
+struct StatsLine<'a> {
+    #[serde(rename = "final")]
+    is_final: bool,
+    mode: &'a str,
+    elapsed_ns: u64,
+    guest_rq: u64,
+    guest_io: u64,
+    decode_errors: u64,
+    counters: HashMap<&'a str, u64>,
+    stages: Vec<StageLine<'a>>,
+}
+
+impl Sink {
+    pub fn new(json: bool, threshold: Option<Duration>, mode: String) -> Self {
+        Sink {
+            json,
+            threshold_ns: threshold.map(|d| d.as_nanos().min(u128::from(u64::MAX)) as u64),
+            mode,
+            out: BufWriter::with_capacity(64 * 1024, io::stdout()),
+            decoder: Decoder::new(),
+            interval: Aggregator::new(),
+            total: Aggregator::new(),
+            recent: HashMap::new(),
+            rqs: 0,
+            ios: 0,
+            decode_errors: 0,
+            interval_records: 0,
+        }
+    }
+
+    /// Human text: stdout, or stderr in JSON mode.
+    fn human(&mut self, s: &str) {
+        if self.json {
+            let _ = io::stderr().write_all(s.as_bytes());
+        } else {
+            let _ = self.out.write_all(s.as_bytes());
+        }
+    }
+
+    fn line(&mut self, l: &str) {
+        let _ = self.out.write_all(l.as_bytes());
+        let _ = self.out.write_all(b"\n");
+    }
+
+    /// One raw ring-buffer record.
+    pub fn handle(&mut self, data: &[u8]) {
+        let rec = match self.decoder.decode(data) {
+            Ok(r) => r,
+            Err(e) => {
+                self.decode_errors += 1;
+                if self.decode_errors <= 5 {
+                    eprintln!("viotrace-guest: bad record: {e}");
+                }
+                return;
+            }
+        };
+        self.interval_records += 1;
+        match rec {
+            Record::Rq(r) => self.on_rq(&r),
+            Record::Io(io) => self.on_io(&io),
+        }
+    }
+
+    fn on_rq(&mut self, r: &GuestRq) {
+        self.rqs += 1;
+        if self.json {
+            if let Some(l) = json_line("guest_rq", r) {
+                self.line(&l);
+            }
+        }
+        self.interval.record_points(&r.disk, &r.ts);
+        self.total.record_points(&r.disk, &r.ts);
+        if let Some(th) = self.threshold_ns {
+            if first_last(&r.ts).is_some_and(|d| d >= th) {
+                let w = render_waterfall(&rq_header(r), &r.ts);
+                self.human(&w);
+            }
+            if self.recent.len() >= RECENT_RQS {
+                self.recent.clear();
+            }
+            self.recent.insert((r.disk.clone(), r.sector), r.ts.clone());
+        }
+    }
+
+    fn on_io(&mut self, io: &GuestIo) {
+        self.ios += 1;
+        if self.json {
+            if let Some(l) = json_line("guest_io", io) {
+                self.line(&l);
+            }
+        }
+        let (Some(a), Some(b)) = (
+            io.ts.get(Point::SyscallEnter),
+            io.ts.get(Point::SyscallExit),
+        ) else {
+            return;
+        };
+        let d = b.saturating_sub(a);
+        self.interval.record(SYSCALL_LABEL, &io.syscall, d);
+        self.total.record(SYSCALL_LABEL, &io.syscall, d);
+        if let Some(th) = self.threshold_ns {
+            if d >= th {
+                // The syscall's points plus those of the slowest request it caused.
+                let mut pts = io.ts.clone();
+                let slowest = io
+                    .requests
+                    .iter()
+                    .filter_map(|r| self.recent.get(&(r.disk.clone(), r.sector)))
+                    .max_by_key(|p| first_last(p).unwrap_or(0));
+                if let Some(p) = slowest {
+                    for (pt, t) in p.iter() {
+                        if pt != Point::SyscallEnter {
+                            pts.set(pt, t);
+                        }
+                    }
+                }
+                let w = render_waterfall(&io_header(io), &pts);
+                self.human(&w);
+            }
+        }
+    }
+
+    /// The per-stage table of the interval that just ended (skipped when idle).
+    pub fn interval_table(&mut self, elapsed: Duration) {
+        if self.interval_records == 0 {
+            return;
+        }
+        let t = self.interval.render_table(&format!(
+            "--- interval ending at {:.1}s ---",
+            elapsed.as_secs_f64()
+        ));
+        self.human(&t);
+        self.interval.clear();
+        self.interval_records = 0;
+    }
+
+    pub fn flush(&mut self) {
+        let _ = self.out.flush();
+    }
+
+    /// Final table, counters, and the `"kind":"stats"` line in JSON mode.
+    pub fn finish(&mut self, elapsed: Duration, counters: &[(&'static str, u64)]) {
+        let mut t = self.total.render_table(&format!(
+            "=== viotrace-guest totals ({} mode, {:.1}s, {} requests, {} syscalls) ===",
+            self.mode,
+            elapsed.as_secs_f64(),
+            self.rqs,
+            self.ios
+        ));
+        t += "  counters:";
+        for (n, v) in counters {
+            t += &format!(" {n}={v}");
+        }
+        t += &format!(" decode_errors={}\n", self.decode_errors);
+        self.human(&t);
+        if self.json {
+            let summaries = self.total.summaries();
+            let line = StatsLine {
+                is_final: true,
+                mode: &self.mode,
+                elapsed_ns: elapsed.as_nanos().min(u128::from(u64::MAX)) as u64,
+                guest_rq: self.rqs,
+                guest_io: self.ios,
+                decode_errors: self.decode_errors,
+                counters: counters.iter().copied().collect(),
+                stages: summaries
+                    .iter()
+                    .map(|(l, s, summary)| StageLine {
+                        label: l,
+                        stage: s,
+                        summary: *summary,
+                    })
+                    .collect(),
+            };
+            if let Some(l) = json_line("stats", &line) {
+                self.line(&l);
+            }
+        }
+        self.flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use viotrace_shared::record::Op;
+
+    #[test]
+    fn json_lines_carry_kind_first_and_only_seen_points() {
+        let mut ts = Points::new();
+        ts.set(Point::RqIssue, 5);
+        let r = GuestRq {
+            disk: "vda".into(),
+            op: Op::Read,
+            sector: 8,
+            bytes: 512,
+            queue: None,
+            head: Some(3),
+            pid: 1,
+            tid: 1,
+            comm: "dd".into(),
+            cgroup_id: 1,
+            inode: 0,
+            file_offset: None,
+            kicked: None,
+            bios: 1,
+            error: 0,
+            ts,
+        };
+        let l = json_line("guest_rq", &r).unwrap();
+        assert!(
+            l.starts_with("{\"kind\":\"guest_rq\",\"disk\":\"vda\""),
+            "{l}"
+        );
+        assert!(l.contains("\"ts\":{\"g.rq_issue\":5}"));
+        let v: serde_json::Value = serde_json::from_str(&l).unwrap();
+        assert_eq!(v["head"], 3);
+        assert!(v["queue"].is_null());
+        let back: GuestRq = serde_json::from_value(v).unwrap();
+        assert_eq!(back, r);
+        assert_eq!(crate::raw::syscall_name(0), "read");
+    }
+}

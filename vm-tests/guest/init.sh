@@ -54,6 +54,8 @@ while [ -z "$RESULTS" ]; do
 	[ -z "$RESULTS" ] && sleep 0.1
 done
 
+sh /viotrace/setup.sh </dev/null >/out/setup.log 2>&1 || fail "setup script failed: $(tail -n 5 /out/setup.log)"
+
 AGENT_PID=
 if [ "$VIOTRACE_GUEST_AGENT" = 1 ]; then
 	echo "VIOTRACE-AGENT-START"

@@ -20,4 +20,6 @@ mod qmp;
 pub mod vm;
 pub mod workloads;
 
-pub use vm::{read_jsonl, Accel, Agents, Aio, DiskFormat, Lab, RunResult, VmConfig, VsockMode};
+pub use vm::{
+    read_jsonl, Accel, Agents, Aio, DiskFormat, HostAttach, Lab, RunResult, VmConfig, VsockMode,
+};

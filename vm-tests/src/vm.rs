@@ -89,6 +89,18 @@ pub enum Accel {
     Tcg,
 }
 
+/// When the host agent attaches to QEMU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostAttach {
+    /// QEMU starts paused (-S); the agent attaches by pid; then the VM is resumed.
+    Paused,
+    /// The agent starts first in discovery mode (no pid) and must find QEMU by itself.
+    BeforeQemu,
+    /// The agent attaches by pid to a running VM once the workload has started.
+    Running,
+}
+
 /// Everything about one lab run.
 #[derive(Clone, Debug, Serialize)]
 pub struct VmConfig {
@@ -102,8 +114,15 @@ pub struct VmConfig {
     pub cache: String,
     pub format: DiskFormat,
     pub agents: Agents,
-    pub guest_args: Vec<String>,
+    /// Extra guest agent arguments: shell words evaluated by the guest's shell when the
+    /// agent starts (after `setup`), so `--pid $(cat /run/x.pid)` works.
+    pub guest_args: String,
     pub host_args: Vec<String>,
+    pub host_attach: HostAttach,
+    /// Shell script run in the guest before the guest agent starts (e.g. create cgroups).
+    pub setup: Option<String>,
+    /// Size of an extra blank raw virtio-blk disk (`vdb`, not formatted), MiB.
+    pub extra_disk_mib: Option<u32>,
     pub timeout: Duration,
     pub vsock: VsockMode,
     pub accel: Accel,
@@ -126,8 +145,11 @@ impl Default for VmConfig {
             cache: "writeback".into(),
             format: DiskFormat::Raw,
             agents: Agents::None,
-            guest_args: Vec::new(),
+            guest_args: String::new(),
             host_args: Vec::new(),
+            host_attach: HostAttach::Paused,
+            setup: None,
+            extra_disk_mib: None,
             timeout: Duration::from_secs(600),
             vsock: VsockMode::Auto,
             accel: Accel::Auto,
@@ -312,12 +334,15 @@ impl Lab {
             );
             let mut gargs = cfg.guest_args.clone();
             if cfg.agents == Agents::Both {
-                gargs.push("--connect".into());
-                gargs.push(format!("vsock:2:{AGENT_VSOCK_PORT}"));
+                gargs += &format!(" --connect vsock:2:{AGENT_VSOCK_PORT}");
             }
-            let q: Vec<String> = gargs.iter().map(|a| shell_quote(a)).collect();
-            conf += &format!("VIOTRACE_GUEST_ARGS={}\n", shell_quote(&q.join(" ")));
+            conf += &format!("VIOTRACE_GUEST_ARGS={}\n", shell_quote(&gargs));
             c.file("viotrace/config.sh", 0o644, conf.as_bytes())?;
+            c.file(
+                "viotrace/setup.sh",
+                0o755,
+                cfg.setup.as_deref().unwrap_or("").as_bytes(),
+            )?;
             c.file("viotrace/workload.sh", 0o755, workload.as_bytes())?;
             if let Some(g) = &guest_bin {
                 c.host_file("bin/viotrace-guest", g)?;
@@ -391,7 +416,7 @@ impl Lab {
             Accel::Kvm => "kvm",
         };
         let qmp_path = rd.join("qmp.sock");
-        let paused = host_bin.is_some();
+        let paused = host_bin.is_some() && cfg.host_attach == HostAttach::Paused;
         let mut q = Command::new("qemu-system-x86_64");
         q.args([
             "-name",
@@ -436,6 +461,19 @@ impl Lab {
             "virtio-blk-pci,drive=data,id=vdata,num-queues={}",
             cfg.queues
         ));
+        if let Some(mib) = cfg.extra_disk_mib {
+            let extra = rd.join("extra.raw");
+            File::create(&extra)?.set_len(u64::from(mib) << 20)?;
+            q.arg("-drive").arg(format!(
+                "file={},if=none,id=extra,format=raw,aio={},cache={cache}",
+                extra.display(),
+                cfg.aio
+            ));
+            q.arg("-device").arg(format!(
+                "virtio-blk-pci,drive=extra,id=vextra,num-queues={}",
+                cfg.queues
+            ));
+        }
         q.args(["-device", "virtio-serial-pci,id=vser"])
             .arg("-chardev")
             .arg(format!(
@@ -464,6 +502,12 @@ impl Lab {
         q.args(&cfg.qemu_args);
         let qlog = File::create(out.join("qemu.log"))?;
         q.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(qlog);
+
+        // Host agent in discovery mode: up before QEMU exists.
+        let mut host_agent = None;
+        if let (Some(hb), HostAttach::BeforeQemu) = (&host_bin, cfg.host_attach) {
+            host_agent = Some(self.start_host_agent(cfg, hb, None, out, rd, &uds)?);
+        }
         let t_qemu = Instant::now();
         let mut qemu = Guarded::spawn("qemu-system-x86_64", &mut q)?;
         let qemu_pid = qemu.pid();
@@ -496,46 +540,10 @@ impl Lab {
             Ok(())
         });
 
-        // Host agent: attach before the guest runs.
-        let mut host_agent = None;
+        // Host agent by pid on the paused VM, then resume.
         let mut t_resume = t_qemu;
-        if let Some(hb) = &host_bin {
-            let ready = rd.join("host.ready");
-            let mut cmd = Command::new(hb);
-            cmd.arg("--pid")
-                .arg(qemu_pid.to_string())
-                .arg("--json")
-                .arg("--ready-file")
-                .arg(&ready);
-            if cfg.agents == Agents::Both {
-                cmd.arg("--listen-uds")
-                    .arg(format!("{}_{AGENT_VSOCK_PORT}", uds.display()))
-                    .arg("--joined-out")
-                    .arg(out.join("joined.jsonl"));
-            }
-            cmd.args(&cfg.host_args)
-                .stdin(Stdio::null())
-                .stdout(File::create(out.join("host.jsonl"))?)
-                .stderr(File::create(out.join("host.log"))?);
-            let mut h = Guarded::spawn("viotrace-host", &mut cmd)?;
-            let t = Instant::now();
-            while !ready.exists() {
-                if let Some(st) = h.try_wait()? {
-                    bail!(
-                        "host agent exited before it was ready ({st}):\n{}",
-                        tail(&out.join("host.log"), 20)
-                    );
-                }
-                if t.elapsed() > Duration::from_secs(120) || self.interrupt.load(Ordering::SeqCst) {
-                    bail!(
-                        "host agent not ready after {:?}:\n{}",
-                        t.elapsed(),
-                        tail(&out.join("host.log"), 20)
-                    );
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            host_agent = Some(h);
+        if let (Some(hb), HostAttach::Paused) = (&host_bin, cfg.host_attach) {
+            host_agent = Some(self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, &uds)?);
             let mut qmp = Qmp::connect(&qmp_path, Duration::from_secs(10))?;
             qmp.execute("cont")?;
             t_resume = Instant::now();
@@ -550,11 +558,11 @@ impl Lab {
         let mut guest_errors = Vec::new();
         let mut guest_agent_rc = None;
         let mut eof = false;
-        let host_agent_pid = host_agent.as_ref().map(|h| h.pid());
-        let sample = || {
+        let mut host_agent_pid = host_agent.as_ref().map(|h| h.pid());
+        let sample = |hp: Option<u32>| {
             (
                 ProcSample::of_pid(qemu_pid),
-                host_agent_pid.and_then(ProcSample::of_pid),
+                hp.and_then(ProcSample::of_pid),
             )
         };
         let (mut s_start, mut s_end) = ((None, None), (None, None));
@@ -563,10 +571,16 @@ impl Lab {
                 Ok(Event::Line(t, line)) => {
                     if line.contains(MARK_START) {
                         t_start = Some(t);
-                        s_start = sample();
+                        if let (Some(hb), HostAttach::Running) = (&host_bin, cfg.host_attach) {
+                            let h =
+                                self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, &uds)?;
+                            host_agent_pid = Some(h.pid());
+                            host_agent = Some(h);
+                        }
+                        s_start = sample(host_agent_pid);
                     } else if let Some(r) = line.split_once(MARK_END) {
                         t_end = Some(t);
-                        s_end = sample();
+                        s_end = sample(host_agent_pid);
                         rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
                     } else if line.contains(MARK_DONE) {
                         done = true;
@@ -692,6 +706,55 @@ impl Lab {
         };
         write_summary(&result)?;
         Ok(result)
+    }
+}
+
+impl Lab {
+    /// Starts the host agent (by pid, or in discovery mode) and waits until it is ready.
+    fn start_host_agent(
+        &self,
+        cfg: &VmConfig,
+        bin: &Path,
+        pid: Option<u32>,
+        out: &Path,
+        rd: &Path,
+        uds: &Path,
+    ) -> Result<Guarded> {
+        let ready = rd.join("host.ready");
+        let mut cmd = Command::new(bin);
+        if let Some(pid) = pid {
+            cmd.arg("--pid").arg(pid.to_string());
+        }
+        cmd.arg("--json").arg("--ready-file").arg(&ready);
+        if cfg.agents == Agents::Both {
+            cmd.arg("--listen-uds")
+                .arg(format!("{}_{AGENT_VSOCK_PORT}", uds.display()))
+                .arg("--joined-out")
+                .arg(out.join("joined.jsonl"));
+        }
+        cmd.args(&cfg.host_args)
+            .stdin(Stdio::null())
+            .stdout(File::create(out.join("host.jsonl"))?)
+            .stderr(File::create(out.join("host.log"))?);
+        let mut h = Guarded::spawn("viotrace-host", &mut cmd)?;
+        let t = Instant::now();
+        while !ready.exists() {
+            if let Some(st) = h.try_wait()? {
+                bail!(
+                    "host agent exited before it was ready ({st}):\n{}",
+                    tail(&out.join("host.log"), 20)
+                );
+            }
+            if t.elapsed() > Duration::from_secs(120) || self.interrupt.load(Ordering::SeqCst) {
+                bail!(
+                    "host agent not ready after {:?}:\n{}",
+                    t.elapsed(),
+                    tail(&out.join("host.log"), 20)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(h)
     }
 }
 

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use viotrace_vm_tests::{workloads, Accel, Agents, Aio, DiskFormat, Lab, VmConfig, VsockMode};
+use viotrace_vm_tests::{
+    workloads, Accel, Agents, Aio, DiskFormat, HostAttach, Lab, VmConfig, VsockMode,
+};
 
 #[derive(Parser)]
 #[command(
@@ -77,7 +79,7 @@ struct VmArgs {
     /// Agents to run.
     #[arg(long, value_enum)]
     agents: Option<Agents>,
-    /// Extra guest agent arguments (one shell-quoted string).
+    /// Extra guest agent arguments, as shell words evaluated in the guest.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     guest_args: String,
     /// Extra host agent arguments (one shell-quoted string).
@@ -96,6 +98,15 @@ struct VmArgs {
     /// Guest vsock CID.
     #[arg(long, default_value_t = 3)]
     cid: u32,
+    /// When the host agent attaches.
+    #[arg(long, value_enum, default_value_t = HostAttach::Paused)]
+    host_attach: HostAttach,
+    /// Script run in the guest before the guest agent starts.
+    #[arg(long)]
+    setup: Option<PathBuf>,
+    /// Add a blank raw disk of this many MiB as the second virtio-blk disk (vdb).
+    #[arg(long)]
+    extra_disk: Option<u32>,
     /// Do not echo the guest console.
     #[arg(long)]
     quiet: bool,
@@ -115,7 +126,7 @@ impl VmArgs {
             cache: self.cache.clone(),
             format: self.format,
             agents: self.agents.unwrap_or(default_agents),
-            guest_args: split(&self.guest_args, "guest-args")?,
+            guest_args: self.guest_args.clone(),
             host_args: split(&self.host_args, "host-args")?,
             timeout: self.timeout,
             vsock: self.vsock,
@@ -123,6 +134,15 @@ impl VmArgs {
             console: !self.quiet,
             cid: self.cid,
             qemu_args: Vec::new(),
+            host_attach: self.host_attach,
+            setup: match &self.setup {
+                Some(p) => Some(
+                    std::fs::read_to_string(p)
+                        .with_context(|| format!("read setup script {}", p.display()))?,
+                ),
+                None => None,
+            },
+            extra_disk_mib: self.extra_disk,
         })
     }
 }

@@ -1,15 +1,838 @@
 // SPDX-License-Identifier: GPL-2.0
+/*
+ * viotrace host side: follows every virtio-blk virtqueue element through QEMU
+ * (stock binary, exported symbols only) and the host kernel.
+ *
+ * Uprobes (attached per QEMU process by the agent, also filtered by tgid here):
+ *   virtio_blk_handle_vq   entry   h.notify (per kick), registers the virtio-blk queue
+ *   virtqueue_pop          entry   remembers the VirtQueue argument per thread
+ *   virtqueue_pop          return  h.pop: element state (head, header, sizes)
+ *   blk_aio_*              entry   h.submit: backend I/O (merge chain via mr_next)
+ *   virtqueue_push         entry   h.push, status byte, host I/O points copied in
+ *   virtio_notify_irqfd    entry   arms h.irq; the eventfd write (sys_enter_write) confirms it
+ * Kernel tracepoints: pread/pwrite(v), fdatasync, io_submit, io_uring submit/complete,
+ * block_rq_issue/complete, write (guest notifier), sched_process_exit.
+ *
+ * One ring-buffer record per element, emitted when the guest is notified
+ * (or when the pending list of its queue overflows, or by userspace at exit).
+ */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
+#include "viotrace_host.bpf.h"
 
 char LICENSE[] SEC("license") = "GPL";
 
-__u64 rq_issued = 0;
+#define MAX_ELEMS 16384
+#define MAX_SG 16        /* iovecs summed per direction */
+#define MAX_CHAIN 32     /* VIRTIO_BLK_MAX_MERGE_REQS */
+#define MAX_PENDING 256  /* pushed elements waiting for a notification, per queue */
+#define VIRTIO_BLK_OUTHDR 16
+
+struct tg_ptr {
+	__u32 tgid;
+	__u32 pad;
+	__u64 ptr;
+};
+
+struct vq_state {
+	__u64 dev;
+	__u64 last_kick;
+	__u64 push_seq;  /* next sequence number for a pushed element */
+	__u64 flush_seq; /* first pushed element not yet emitted */
+	__u16 queue;
+	__u16 pad[3];
+};
+
+struct pushed_key {
+	__u32 tgid;
+	__u32 pad;
+	__u64 vq;
+	__u64 seq;
+};
+
+struct io_state {
+	__u64 ts[HP_NR]; /* only the host I/O points are used */
+	__u64 buf;
+	__u32 refs;
+	__u32 pad;
+};
+
+struct tid_io {
+	__u32 tgid;
+	__u32 pad;
+	__u64 merge_id;
+};
+
+struct irq_arm {
+	__u64 vq;
+	__s32 wfd;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 256);
+	__type(key, __u32); /* tgid */
+	__type(value, struct qemu_layout);
+} qemu_procs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct tg_ptr); /* VirtQueue * */
+	__type(value, struct vq_state);
+} vqs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32); /* tid */
+	__type(value, __u64); /* VirtQueue * */
+} pop_arg SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, struct tg_ptr); /* VirtQueueElement * == VirtIOBlockReq * */
+	__type(value, struct host_rec);
+} elems SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, struct pushed_key);
+	__type(value, struct host_rec);
+} pushed SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, struct tg_ptr); /* ptr = merge id */
+	__type(value, struct io_state);
+} ios SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, struct tg_ptr); /* ptr = first data buffer (0: flush) */
+	__type(value, __u64);       /* merge id */
+} io_by_buf SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32); /* tid inside a matched I/O syscall */
+	__type(value, struct tid_io);
+} tid_ios SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, __u64); /* struct request * */
+	__type(value, struct tid_io);
+} rq_ios SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, __u64); /* io_uring user_data (LuringAIOCB *) */
+	__type(value, struct tid_io);
+} uring_ios SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32); /* tid */
+	__type(value, struct irq_arm);
+} irq_armed SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, ST_NR);
+	__type(key, __u32);
+	__type(value, __u64);
+} stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 4 << 20);
+} events SEC(".maps");
+
+/* scratch for building a record (too big for the stack together with loops) */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct host_rec);
+} scratch SEC(".maps");
+
+__u64 next_merge_id = 0;
+
+static __always_inline void stat_inc(__u32 idx)
+{
+	__u64 *v = bpf_map_lookup_elem(&stats, &idx);
+	if (v)
+		__sync_fetch_and_add(v, 1);
+}
+
+static __always_inline struct qemu_layout *this_proc(__u32 *tgid)
+{
+	*tgid = bpf_get_current_pid_tgid() >> 32;
+	return bpf_map_lookup_elem(&qemu_procs, tgid);
+}
+
+static __always_inline __u64 read_u64(__u64 addr)
+{
+	__u64 v = 0;
+	bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+	return v;
+}
+
+static __always_inline __u32 read_u32(__u64 addr)
+{
+	__u32 v = 0;
+	bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+	return v;
+}
+
+static __always_inline void emit(struct host_rec *r)
+{
+	if (bpf_ringbuf_output(&events, r, sizeof(*r), 0)) {
+		stat_inc(ST_RINGBUF_DROP);
+		return;
+	}
+	stat_inc(ST_RECORDS);
+}
+
+/* ---- QEMU uprobes ---- */
+
+SEC("uprobe")
+int BPF_KPROBE(handle_vq, void *s, void *vq)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l)
+		return 0;
+	struct tg_ptr k = { .tgid = tgid, .ptr = (__u64)vq };
+	__u64 now = bpf_ktime_get_ns();
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &k);
+	if (st) {
+		st->last_kick = now;
+		return 0;
+	}
+	struct vq_state n = { .dev = (__u64)s, .last_kick = now };
+	__u16 qi = 0xffff;
+	bpf_probe_read_user(&qi, sizeof(qi), (void *)((__u64)vq + l->vq_queue_index));
+	if (qi >= 1024) { /* VIRTIO_QUEUE_MAX */
+		stat_inc(ST_BAD_QUEUE_INDEX);
+		qi = 0xffff;
+	}
+	n.queue = qi;
+	bpf_map_update_elem(&vqs, &k, &n, BPF_NOEXIST);
+	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(pop_enter, void *vq)
+{
+	__u32 tgid;
+	if (!this_proc(&tgid))
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 v = (__u64)vq;
+	bpf_map_update_elem(&pop_arg, &tid, &v, BPF_ANY);
+	return 0;
+}
+
+static __always_inline __u32 sg_bytes(__u64 sg, __u32 n)
+{
+	__u32 total = 0;
+	if (n > MAX_SG)
+		n = MAX_SG;
+	for (int i = 0; i < MAX_SG; i++) {
+		if (i >= n)
+			break;
+		total += (__u32)read_u64(sg + i * 16 + 8); /* iov_len */
+	}
+	return total;
+}
+
+SEC("uretprobe")
+int BPF_KRETPROBE(pop_ret, void *ret)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l)
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 *vqp = bpf_map_lookup_elem(&pop_arg, &tid);
+	if (!vqp)
+		return 0;
+	__u64 vq = *vqp;
+	bpf_map_delete_elem(&pop_arg, &tid);
+	if (!ret)
+		return 0;
+	struct tg_ptr vk = { .tgid = tgid, .ptr = vq };
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
+	if (!st) {
+		stat_inc(ST_POP_OTHER);
+		return 0;
+	}
+	__u32 z = 0;
+	struct host_rec *r = bpf_map_lookup_elem(&scratch, &z);
+	if (!r)
+		return 0;
+	__builtin_memset(r, 0, sizeof(*r));
+	__u64 e = (__u64)ret;
+	r->ts[HP_NOTIFY] = st->last_kick;
+	r->ts[HP_POP] = bpf_ktime_get_ns();
+	r->tgid = tgid;
+	r->vq = vq;
+	r->dev = st->dev;
+	r->queue = st->queue;
+	r->head = (__u16)read_u32(e + l->elem_index);
+	__u32 out_num = read_u32(e + l->elem_out_num);
+	__u32 in_num = read_u32(e + l->elem_in_num);
+	__u64 out_sg = read_u64(e + l->elem_out_sg);
+	__u64 in_sg = read_u64(e + l->elem_in_sg);
+	struct {
+		__u32 type;
+		__u32 ioprio;
+		__u64 sector;
+	} hdr = {};
+	__u64 hdr_addr = out_num ? read_u64(out_sg) : 0;
+	if (!hdr_addr || bpf_probe_read_user(&hdr, sizeof(hdr), (void *)hdr_addr)) {
+		stat_inc(ST_HDR_FAULT);
+		r->flags |= HR_HDR_FAULT;
+	}
+	r->type = hdr.type;
+	r->sector = hdr.sector;
+	__u32 out_b = sg_bytes(out_sg, out_num);
+	__u32 in_b = sg_bytes(in_sg, in_num);
+	out_b = out_b > VIRTIO_BLK_OUTHDR ? out_b - VIRTIO_BLK_OUTHDR : 0;
+	in_b = in_b > 1 ? in_b - 1 : 0; /* status byte */
+	r->bytes = out_b + in_b;
+	struct tg_ptr ek = { .tgid = tgid, .ptr = e };
+	if (bpf_map_update_elem(&elems, &ek, r, BPF_ANY))
+		stat_inc(ST_ELEMS_FULL);
+	return 0;
+}
+
+struct chain_ctx {
+	__u32 tgid;
+	__u32 n;
+	__u32 mr_next_off;
+	__u8 merged;
+	__u8 follow;
+	__u16 pad;
+	__u64 req;
+	__u64 id;
+	__u64 now;
+};
+
+static long chain_one(__u64 i, void *data)
+{
+	struct chain_ctx *c = data;
+	struct tg_ptr ek = { .tgid = c->tgid, .ptr = c->req };
+	struct host_rec *r = bpf_map_lookup_elem(&elems, &ek);
+	if (r) {
+		r->ts[HP_SUBMIT] = c->now;
+		r->merge_id = c->id;
+		if (c->merged)
+			r->flags |= HR_MERGED;
+		c->n++;
+	}
+	if (!c->follow)
+		return 1;
+	c->req = read_u64(c->req + c->mr_next_off);
+	return c->req ? 0 : 1;
+}
+
+/* A backend request for opaque (the first VirtIOBlockReq of a possibly merged chain). */
+static __always_inline int on_submit(__u64 opaque, __u64 buf, int has_buf)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l)
+		return 0;
+	struct tg_ptr ek = { .tgid = tgid, .ptr = opaque };
+	if (!bpf_map_lookup_elem(&elems, &ek))
+		return 0; /* not a virtio-blk element we track */
+	struct chain_ctx c = {
+		.tgid = tgid,
+		.mr_next_off = l->req_mr_next,
+		.follow = (l->flags & QL_HAVE_MR_NEXT) ? 1 : 0,
+		.req = opaque,
+		.now = bpf_ktime_get_ns(),
+	};
+	c.id = __sync_fetch_and_add(&next_merge_id, 1) + 1;
+	if (c.follow && read_u64(opaque + c.mr_next_off))
+		c.merged = 1;
+	bpf_loop(MAX_CHAIN, chain_one, &c, 0);
+	if (c.req && c.follow)
+		stat_inc(ST_CHAIN_LONG);
+	if (c.merged) {
+		__u32 idx = ST_SUBMIT_MERGED;
+		__u64 *v = bpf_map_lookup_elem(&stats, &idx);
+		if (v)
+			__sync_fetch_and_add(v, c.n);
+	}
+	struct io_state io = { .refs = c.n, .buf = buf };
+	struct tg_ptr ik = { .tgid = tgid, .ptr = c.id };
+	if (bpf_map_update_elem(&ios, &ik, &io, BPF_ANY)) {
+		stat_inc(ST_IOS_FULL);
+		return 0;
+	}
+	if (has_buf) {
+		struct tg_ptr bk = { .tgid = tgid, .ptr = buf };
+		bpf_map_update_elem(&io_by_buf, &bk, &c.id, BPF_ANY);
+	}
+	return 0;
+}
+
+static __always_inline __u64 qiov_first_buf(__u64 qiov)
+{
+	__u64 iov = read_u64(qiov); /* QEMUIOVector.iov */
+	return iov ? read_u64(iov) : 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(submit_rw, void *blk, __s64 offset, void *qiov, int flags, void *cb, void *opaque)
+{
+	return on_submit((__u64)opaque, qiov_first_buf((__u64)qiov), 1);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(submit_flush, void *blk, void *cb, void *opaque)
+{
+	return on_submit((__u64)opaque, 0, 1);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(submit_discard, void *blk, __s64 offset, __s64 bytes, void *cb, void *opaque)
+{
+	return on_submit((__u64)opaque, 0, 0);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(submit_wzeroes, void *blk, __s64 offset, __s64 bytes, int flags, void *cb, void *opaque)
+{
+	return on_submit((__u64)opaque, 0, 0);
+}
+
+static __always_inline void io_release(__u32 tgid, __u64 id, struct host_rec *r)
+{
+	struct tg_ptr ik = { .tgid = tgid, .ptr = id };
+	struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
+	if (!io)
+		return;
+	r->ts[HP_IO_ISSUE] = io->ts[HP_IO_ISSUE];
+	r->ts[HP_DISK_ISSUE] = io->ts[HP_DISK_ISSUE];
+	r->ts[HP_DISK_COMPLETE] = io->ts[HP_DISK_COMPLETE];
+	r->ts[HP_IO_COMPLETE] = io->ts[HP_IO_COMPLETE];
+	if (io->refs > 1) {
+		io->refs--;
+		return;
+	}
+	struct tg_ptr bk = { .tgid = tgid, .ptr = io->buf };
+	__u64 *cur = bpf_map_lookup_elem(&io_by_buf, &bk);
+	if (cur && *cur == id)
+		bpf_map_delete_elem(&io_by_buf, &bk);
+	bpf_map_delete_elem(&ios, &ik);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l)
+		return 0;
+	struct tg_ptr ek = { .tgid = tgid, .ptr = (__u64)elem };
+	struct host_rec *r = bpf_map_lookup_elem(&elems, &ek);
+	if (!r) {
+		struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
+		if (bpf_map_lookup_elem(&vqs, &vk))
+			stat_inc(ST_PUSH_UNKNOWN);
+		return 0;
+	}
+	r->ts[HP_PUSH] = bpf_ktime_get_ns();
+	r->in_len = len;
+	if (l->flags & QL_HAVE_REQ_IN) {
+		__u64 in = read_u64((__u64)elem + l->req_in);
+		if (in && !bpf_probe_read_user(&r->status, 1, (void *)in))
+			r->has_status = 1;
+	}
+	if (r->merge_id)
+		io_release(tgid, r->merge_id, r);
+
+	struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
+	if (!st || !(l->flags & QL_HAVE_NOTIFIER)) {
+		emit(r);
+		bpf_map_delete_elem(&elems, &ek);
+		return 0;
+	}
+	struct pushed_key pk = { .tgid = tgid, .vq = (__u64)vq, .seq = st->push_seq };
+	if (bpf_map_update_elem(&pushed, &pk, r, BPF_ANY)) {
+		stat_inc(ST_PUSHED_FULL);
+		emit(r);
+		bpf_map_delete_elem(&elems, &ek);
+		return 0;
+	}
+	st->push_seq++;
+	bpf_map_delete_elem(&elems, &ek);
+	if (st->push_seq - st->flush_seq > MAX_PENDING) {
+		/* notifications suppressed for too long: emit the oldest without h.irq */
+		pk.seq = st->flush_seq;
+		struct host_rec *old = bpf_map_lookup_elem(&pushed, &pk);
+		if (old) {
+			old->flags |= HR_IRQ_EVICTED;
+			emit(old);
+			bpf_map_delete_elem(&pushed, &pk);
+		}
+		st->flush_seq++;
+		stat_inc(ST_PENDING_EVICT);
+	}
+	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(notify_irqfd, void *vdev, void *vq)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l || !(l->flags & QL_HAVE_NOTIFIER))
+		return 0;
+	struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
+	if (!bpf_map_lookup_elem(&vqs, &vk))
+		return 0;
+	struct irq_arm a = { .vq = (__u64)vq, .wfd = -1 };
+	bpf_probe_read_user(&a.wfd, sizeof(a.wfd), (void *)((__u64)vq + l->vq_guest_notifier_wfd));
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	bpf_map_update_elem(&irq_armed, &tid, &a, BPF_ANY);
+	return 0;
+}
+
+struct flush_ctx {
+	__u32 tgid;
+	__u64 vq;
+	__u64 seq;
+	__u64 now;
+};
+
+static long flush_one(__u64 i, void *data)
+{
+	struct flush_ctx *c = data;
+	struct pushed_key pk = { .tgid = c->tgid, .vq = c->vq, .seq = c->seq + i };
+	struct host_rec *r = bpf_map_lookup_elem(&pushed, &pk);
+	if (r) {
+		r->ts[HP_IRQ] = c->now;
+		emit(r);
+		bpf_map_delete_elem(&pushed, &pk);
+	}
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_write")
+int irq_write(struct trace_event_raw_sys_enter *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
+		return 0;
+	struct irq_arm *a = bpf_map_lookup_elem(&irq_armed, &tid);
+	if (!a)
+		return 0;
+	if ((__s32)ctx->args[0] != a->wfd)
+		return 0;
+	struct tg_ptr vk = { .tgid = tgid, .ptr = a->vq };
+	bpf_map_delete_elem(&irq_armed, &tid);
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
+	if (!st)
+		return 0;
+	stat_inc(ST_IRQ);
+	__u64 n = st->push_seq - st->flush_seq;
+	if (n > MAX_PENDING)
+		n = MAX_PENDING;
+	struct flush_ctx c = { .tgid = tgid, .vq = vk.ptr, .seq = st->flush_seq, .now = bpf_ktime_get_ns() };
+	st->flush_seq += n;
+	bpf_loop(n, flush_one, &c, 0);
+	return 0;
+}
+
+/* ---- host I/O: syscalls of QEMU's threads ---- */
+
+static __always_inline int io_enter(__u64 buf)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
+		return 0;
+	struct tg_ptr bk = { .tgid = tgid, .ptr = buf };
+	__u64 *mid = bpf_map_lookup_elem(&io_by_buf, &bk);
+	if (!mid)
+		return 0;
+	struct tg_ptr ik = { .tgid = tgid, .ptr = *mid };
+	struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
+	if (!io)
+		return 0;
+	if (!io->ts[HP_IO_ISSUE])
+		io->ts[HP_IO_ISSUE] = bpf_ktime_get_ns();
+	stat_inc(ST_IO_MATCHED);
+	struct tid_io t = { .tgid = tgid, .merge_id = *mid };
+	bpf_map_update_elem(&tid_ios, &tid, &t, BPF_ANY);
+	return 0;
+}
+
+static __always_inline int io_exit(int complete)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tid = (__u32)id;
+	struct tid_io *t = bpf_map_lookup_elem(&tid_ios, &tid);
+	if (!t)
+		return 0;
+	if (complete) {
+		struct tg_ptr ik = { .tgid = t->tgid, .ptr = t->merge_id };
+		struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
+		if (io && !io->ts[HP_IO_COMPLETE])
+			io->ts[HP_IO_COMPLETE] = bpf_ktime_get_ns();
+	}
+	bpf_map_delete_elem(&tid_ios, &tid);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_pread64")
+int pread_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	return io_enter(ctx->args[1]);
+}
+
+SEC("tracepoint/syscalls/sys_enter_pwrite64")
+int pwrite_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	return io_enter(ctx->args[1]);
+}
+
+static __always_inline int iov_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
+		return 0;
+	return io_enter(read_u64(ctx->args[1])); /* iov[0].iov_base */
+}
+
+SEC("tracepoint/syscalls/sys_enter_preadv")
+int preadv_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	return iov_enter(ctx);
+}
+
+SEC("tracepoint/syscalls/sys_enter_pwritev")
+int pwritev_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	return iov_enter(ctx);
+}
+
+SEC("tracepoint/syscalls/sys_enter_preadv2")
+int preadv2_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	return iov_enter(ctx);
+}
+
+SEC("tracepoint/syscalls/sys_enter_pwritev2")
+int pwritev2_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	return iov_enter(ctx);
+}
+
+SEC("tracepoint/syscalls/sys_enter_fdatasync")
+int fdatasync_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	return io_enter(0);
+}
+
+SEC("tracepoint/syscalls/sys_enter_fsync")
+int fsync_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	return io_enter(0);
+}
+
+SEC("tracepoint/syscalls/sys_exit_pread64")
+int pread_exit(void *ctx)
+{
+	return io_exit(1);
+}
+
+SEC("tracepoint/syscalls/sys_exit_pwrite64")
+int pwrite_exit(void *ctx)
+{
+	return io_exit(1);
+}
+
+SEC("tracepoint/syscalls/sys_exit_preadv")
+int preadv_exit(void *ctx)
+{
+	return io_exit(1);
+}
+
+SEC("tracepoint/syscalls/sys_exit_pwritev")
+int pwritev_exit(void *ctx)
+{
+	return io_exit(1);
+}
+
+SEC("tracepoint/syscalls/sys_exit_preadv2")
+int preadv2_exit(void *ctx)
+{
+	return io_exit(1);
+}
+
+SEC("tracepoint/syscalls/sys_exit_pwritev2")
+int pwritev2_exit(void *ctx)
+{
+	return io_exit(1);
+}
+
+SEC("tracepoint/syscalls/sys_exit_fdatasync")
+int fdatasync_exit(void *ctx)
+{
+	return io_exit(1);
+}
+
+SEC("tracepoint/syscalls/sys_exit_fsync")
+int fsync_exit(void *ctx)
+{
+	return io_exit(1);
+}
+
+/* aio=native: io_submit(ctx, nr, iocbpp); completions are reaped from the
+ * user-mapped ring without a syscall, so h.io_complete is not seen. */
+SEC("tracepoint/syscalls/sys_enter_io_submit")
+int io_submit_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
+		return 0;
+	__s64 nr = ctx->args[1];
+	if (nr != 1)
+		return 0; /* block requests of a batch cannot be told apart: skip */
+	__u64 iocb = read_u64(ctx->args[2]);
+	if (!iocb)
+		return 0;
+	__u16 opcode = 0;
+	bpf_probe_read_user(&opcode, sizeof(opcode), (void *)(iocb + 16));
+	__u64 buf = read_u64(iocb + 24);
+	if (opcode == 7 || opcode == 8) /* IOCB_CMD_PREADV/PWRITEV: buf is the iovec array */
+		buf = read_u64(buf);
+	else if (opcode == 2 || opcode == 3) /* FSYNC/FDSYNC */
+		buf = 0;
+	return io_enter(buf);
+}
+
+SEC("tracepoint/syscalls/sys_exit_io_submit")
+int io_submit_exit(void *ctx)
+{
+	return io_exit(0);
+}
+
+/* aio=io_uring: user_data is QEMU's LuringAIOCB, which holds a copy of the SQE. */
+SEC("tracepoint/io_uring/io_uring_submit_req")
+int uring_submit(struct trace_event_raw_io_uring_submit_req *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct qemu_layout *l = bpf_map_lookup_elem(&qemu_procs, &tgid);
+	if (!l || !(l->flags & QL_HAVE_LURING))
+		return 0;
+	__u64 ud = ctx->user_data;
+	__u8 opcode = ctx->opcode;
+	__u64 buf;
+	if (opcode == 1 || opcode == 2) /* IORING_OP_READV/WRITEV: sqe.addr = iovec array */
+		buf = read_u64(read_u64(ud + l->luring_sqe + 16));
+	else if (opcode == 3) /* IORING_OP_FSYNC */
+		buf = 0;
+	else
+		return 0;
+	io_enter(buf);
+	struct tid_io *t = bpf_map_lookup_elem(&tid_ios, &tid);
+	if (t)
+		bpf_map_update_elem(&uring_ios, &ud, t, BPF_ANY);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_exit_io_uring_enter")
+int uring_enter_exit(void *ctx)
+{
+	return io_exit(0);
+}
+
+SEC("tracepoint/io_uring/io_uring_complete")
+int uring_complete(struct trace_event_raw_io_uring_complete *ctx)
+{
+	__u64 ud = ctx->user_data;
+	struct tid_io *t = bpf_map_lookup_elem(&uring_ios, &ud);
+	if (!t)
+		return 0;
+	struct tg_ptr ik = { .tgid = t->tgid, .ptr = t->merge_id };
+	struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
+	if (io && !io->ts[HP_IO_COMPLETE])
+		io->ts[HP_IO_COMPLETE] = bpf_ktime_get_ns();
+	bpf_map_delete_elem(&uring_ios, &ud);
+	return 0;
+}
+
+/* ---- host block layer ---- */
 
 SEC("tp_btf/block_rq_issue")
-int BPF_PROG(on_rq_issue)
+int BPF_PROG(disk_issue, struct request *rq)
 {
-	__sync_fetch_and_add(&rq_issued, 1);
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct tid_io *t = bpf_map_lookup_elem(&tid_ios, &tid);
+	if (!t)
+		return 0;
+	struct tg_ptr ik = { .tgid = t->tgid, .ptr = t->merge_id };
+	struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
+	if (!io)
+		return 0;
+	if (!io->ts[HP_DISK_ISSUE])
+		io->ts[HP_DISK_ISSUE] = bpf_ktime_get_ns();
+	__u64 k = (__u64)rq;
+	bpf_map_update_elem(&rq_ios, &k, t, BPF_ANY);
+	stat_inc(ST_DISK_MATCHED);
+	return 0;
+}
+
+SEC("tp_btf/block_rq_complete")
+int BPF_PROG(disk_complete, struct request *rq, blk_status_t error, unsigned int nr_bytes)
+{
+	__u64 k = (__u64)rq;
+	struct tid_io *t = bpf_map_lookup_elem(&rq_ios, &k);
+	if (!t)
+		return 0;
+	struct tg_ptr ik = { .tgid = t->tgid, .ptr = t->merge_id };
+	struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
+	if (io)
+		io->ts[HP_DISK_COMPLETE] = bpf_ktime_get_ns(); /* the last one */
+	bpf_map_delete_elem(&rq_ios, &k);
+	return 0;
+}
+
+/* ---- process exit: stop tracing it; userspace sweeps the maps ---- */
+
+SEC("tracepoint/sched/sched_process_exit")
+int proc_exit(void *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	bpf_map_delete_elem(&pop_arg, &tid);
+	bpf_map_delete_elem(&irq_armed, &tid);
+	bpf_map_delete_elem(&tid_ios, &tid);
+	if (tgid != tid)
+		return 0;
+	if (bpf_map_delete_elem(&qemu_procs, &tgid) == 0)
+		stat_inc(ST_PROC_EXIT);
 	return 0;
 }

@@ -1,10 +1,397 @@
-//! viotrace host agent.
+//! viotrace host agent: traces every virtio-blk virtqueue element of QEMU
+//! processes (stock binaries, exported symbols only) through QEMU and the host
+//! kernel, one record per element.
 
 mod bpf {
+    #![allow(unused_imports, clippy::all)]
     include!(concat!(env!("OUT_DIR"), "/viotrace_host.skel.rs"));
 }
+mod qemu;
+mod tracer;
 
-fn main() -> anyhow::Result<()> {
-    println!("viotrace-host {}", env!("CARGO_PKG_VERSION"));
+use std::cell::RefCell;
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::mem::MaybeUninit;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use libbpf_rs::RingBufferBuilder;
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use serde::Serialize;
+use viotrace_shared::record::HostElem;
+use viotrace_shared::stats::{render_waterfall, stages, Aggregator, TOTAL_STAGE};
+
+use crate::tracer::Tracer;
+
+/// Trace virtio-blk requests inside QEMU and the host kernel.
+#[derive(Parser, Debug)]
+#[command(name = "viotrace-host", version)]
+struct Cli {
+    /// QEMU process to trace (repeatable). Without it, every running
+    /// qemu-system-* is traced, including VMs that start later.
+    #[arg(long = "pid", value_name = "PID")]
+    pids: Vec<u32>,
+    /// Print a waterfall of every element whose total latency is at least this
+    /// (e.g. 500us, 2ms).
+    #[arg(short = 't', long, value_parser = humantime::parse_duration)]
+    threshold: Option<Duration>,
+    /// Interval of the periodic per-stage table.
+    #[arg(short = 'i', long, default_value = "5s", value_parser = humantime::parse_duration)]
+    interval: Duration,
+    /// Stop after this long.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    duration: Option<Duration>,
+    /// One JSON object per line on stdout (records and a final "stats" line);
+    /// tables and waterfalls go to stderr.
+    #[arg(long)]
+    json: bool,
+    /// Create this file once the probes are attached.
+    #[arg(long, value_name = "FILE")]
+    ready_file: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Tagged<'a, T: Serialize> {
+    kind: &'static str,
+    #[serde(flatten)]
+    rec: &'a T,
+}
+
+/// Where the records go, and the aggregates built from them.
+struct Sink {
+    json: bool,
+    threshold_ns: Option<u64>,
+    interval: Aggregator,
+    total: Aggregator,
+    out: std::io::BufWriter<std::io::Stdout>,
+    records: u64,
+}
+
+impl Sink {
+    fn human(&mut self, s: &str) {
+        if self.json {
+            eprint!("{s}");
+        } else {
+            let _ = self.out.write_all(s.as_bytes());
+        }
+    }
+
+    fn elem(&mut self, e: &HostElem) {
+        self.records += 1;
+        let label = format!("{}/{}", e.vm, e.device);
+        let st = stages(&e.ts);
+        for (stage, ns) in &st {
+            self.interval.record(&label, stage, *ns);
+            self.total.record(&label, stage, *ns);
+        }
+        if self.json {
+            let t = Tagged {
+                kind: "host_elem",
+                rec: e,
+            };
+            if serde_json::to_writer(&mut self.out, &t).is_ok() {
+                let _ = self.out.write_all(b"\n");
+            }
+        }
+        if let Some(th) = self.threshold_ns {
+            let total = st.iter().find(|(n, _)| n == TOTAL_STAGE).map_or(0, |x| x.1);
+            if total >= th {
+                let header = format!(
+                    "slow element: vm={} disk={} q{} head={} {} sector={} bytes={} backend={:?} merge_id={} status={}",
+                    e.vm,
+                    e.device,
+                    e.queue,
+                    e.head,
+                    e.op,
+                    e.sector,
+                    e.bytes,
+                    e.backend,
+                    e.merge_id,
+                    e.status.map_or("-".to_string(), |s| s.to_string())
+                );
+                let w = render_waterfall(&header, &e.ts);
+                self.human(&w);
+            }
+        }
+    }
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("viotrace-host: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let cli = Cli::parse();
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGINT);
+    mask.add(Signal::SIGTERM);
+    mask.thread_block().context("blocking SIGINT/SIGTERM")?;
+    let sigfd = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .context("creating a signalfd")?;
+
+    tracer::ensure_tracefs()?;
+    let mut storage = MaybeUninit::uninit();
+    let tracer = Rc::new(RefCell::new(Tracer::open(&mut storage)?));
+    for (what, e) in &tracer.borrow().missing_kernel {
+        eprintln!("viotrace-host: warning: kernel probe {what} not attached: {e}");
+    }
+
+    let sink = Rc::new(RefCell::new(Sink {
+        json: cli.json,
+        threshold_ns: cli
+            .threshold
+            .map(|d| d.as_nanos().min(u128::from(u64::MAX)) as u64),
+        interval: Aggregator::new(),
+        total: Aggregator::new(),
+        out: std::io::BufWriter::new(std::io::stdout()),
+        records: 0,
+    }));
+
+    // An owned handle on the ring buffer map, so the tracer can stay mutable.
+    let events = libbpf_rs::MapHandle::try_from(&tracer.borrow().skel.maps.events)
+        .context("duplicating the ring buffer map handle")?;
+    let mut rbb = RingBufferBuilder::new();
+    let unknown = Rc::new(RefCell::new(0u64));
+    {
+        let (tr, sk, unk) = (tracer.clone(), sink.clone(), unknown.clone());
+        rbb.add(&events, move |data: &[u8]| {
+            let Some(r) = tracer::parse_rec(data) else {
+                *unk.borrow_mut() += 1;
+                return 0;
+            };
+            match tr.borrow_mut().make_record(&r) {
+                Some(e) => sk.borrow_mut().elem(&e),
+                None => *unk.borrow_mut() += 1,
+            }
+            0
+        })
+        .context("setting up the ring buffer")?;
+    }
+    let rb = rbb.build().context("building the ring buffer")?;
+
+    // Initial targets.
+    let explicit: BTreeSet<u32> = cli.pids.iter().copied().collect();
+    let mut failed: BTreeSet<u32> = BTreeSet::new();
+    let initial: Vec<u32> = if explicit.is_empty() {
+        qemu::discover()
+    } else {
+        explicit.iter().copied().collect()
+    };
+    for pid in initial {
+        if !explicit.is_empty() && !qemu::is_qemu(pid) {
+            eprintln!("viotrace-host: warning: pid {pid} does not run a qemu-system-* binary; trying anyway");
+        }
+        attach(&tracer, pid, &mut failed, !explicit.is_empty())?;
+    }
+    if explicit.is_empty() && tracer.borrow().targets.is_empty() {
+        eprintln!("viotrace-host: no QEMU process yet; waiting for qemu-system-* to start");
+    }
+    if let Some(f) = &cli.ready_file {
+        std::fs::write(f, b"ready\n").with_context(|| format!("writing {}", f.display()))?;
+    }
+
+    let start = Instant::now();
+    let mut next_table = start + cli.interval;
+    let mut next_scan = start + Duration::from_secs(1);
+    let mut why = "duration elapsed";
+    loop {
+        if let Err(e) = rb.poll(Duration::from_millis(100)) {
+            // EINTR is harmless; anything else is reported once per poll.
+            if !e.to_string().contains("Interrupted") {
+                eprintln!("viotrace-host: warning: ring buffer poll: {e}");
+            }
+        }
+        if let Ok(Some(si)) = sigfd.read_signal() {
+            why = if si.ssi_signo == Signal::SIGTERM as u32 {
+                "SIGTERM"
+            } else {
+                "SIGINT"
+            };
+            break;
+        }
+        let now = Instant::now();
+        if cli.duration.is_some_and(|d| now - start >= d) {
+            break;
+        }
+        if now >= next_scan {
+            next_scan = now + Duration::from_secs(1);
+            // Exits.
+            let gone: Vec<u32> = tracer
+                .borrow()
+                .targets
+                .keys()
+                .copied()
+                .filter(|&p| !qemu::alive(p))
+                .collect();
+            for pid in gone {
+                let _ = rb.consume();
+                detach(&tracer, &sink, pid, "exited");
+            }
+            // New VMs.
+            if explicit.is_empty() {
+                for pid in qemu::discover() {
+                    if !tracer.borrow().targets.contains_key(&pid) && !failed.contains(&pid) {
+                        attach(&tracer, pid, &mut failed, false)?;
+                    }
+                }
+                failed.retain(|&p| qemu::alive(p));
+            }
+        }
+        if now >= next_table {
+            next_table = now + cli.interval;
+            let mut s = sink.borrow_mut();
+            if !s.interval.is_empty() {
+                let t = s.interval.render_table(&format!(
+                    "== viotrace-host: last {} (at +{:.1}s)",
+                    humantime::format_duration(cli.interval),
+                    start.elapsed().as_secs_f64()
+                ));
+                s.human(&t);
+                s.interval.clear();
+            }
+            let _ = s.out.flush();
+        }
+    }
+
+    // Clean stop: drain, detach everything, emit what was still waiting.
+    let _ = rb.consume();
+    let pids: Vec<u32> = tracer.borrow().targets.keys().copied().collect();
+    for pid in pids {
+        detach(&tracer, &sink, pid, "agent stopping");
+    }
+    let _ = rb.consume();
+    let stats = tracer.borrow().stats();
+    let mut s = sink.borrow_mut();
+    let t = s.total.render_table(&format!(
+        "== viotrace-host: totals over {:.1}s ({why})",
+        start.elapsed().as_secs_f64()
+    ));
+    s.human(&t);
+    let mut line = format!(
+        "drops/counters: records={} unattributed={}",
+        s.records,
+        unknown.borrow()
+    );
+    for (k, v) in &stats {
+        line += &format!(" {k}={v}");
+    }
+    line.push('\n');
+    s.human(&line);
+    if s.json {
+        let mut m = serde_json::Map::new();
+        m.insert("kind".into(), "stats".into());
+        m.insert("records".into(), s.records.into());
+        m.insert("unattributed".into(), (*unknown.borrow()).into());
+        for (k, v) in &stats {
+            m.insert((*k).into(), (*v).into());
+        }
+        let summ: Vec<serde_json::Value> = s
+            .total
+            .summaries()
+            .into_iter()
+            .map(|(label, stage, sm)| {
+                serde_json::json!({"label": label, "stage": stage, "count": sm.count,
+                    "mean_ns": sm.mean_ns, "p50_ns": sm.p50_ns, "p99_ns": sm.p99_ns, "max_ns": sm.max_ns})
+            })
+            .collect();
+        m.insert("stages".into(), summ.into());
+        let _ = serde_json::to_writer(&mut s.out, &serde_json::Value::Object(m));
+        let _ = s.out.write_all(b"\n");
+    }
+    s.out.flush().context("writing stdout")?;
     Ok(())
+}
+
+/// Starts tracing `pid`; failures are reported and remembered (fatal only for an
+/// explicit --pid that cannot be traced at all).
+fn attach(
+    tracer: &Rc<RefCell<Tracer>>,
+    pid: u32,
+    failed: &mut BTreeSet<u32>,
+    explicit: bool,
+) -> Result<()> {
+    let res = qemu::QemuProc::inspect(pid).and_then(|p| {
+        let desc = format!(
+            "pid {pid} vm={} exe={} devices={}",
+            p.vm,
+            p.exe.display(),
+            p.devices
+                .iter()
+                .map(|d| format!(
+                    "{}(drive={},backend={:?})",
+                    d.id.as_deref().unwrap_or("?"),
+                    d.drive.as_deref().unwrap_or("?"),
+                    p.backend_of(Some(d))
+                ))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let warns = tracer.borrow_mut().add(p)?;
+        Ok((desc, warns))
+    });
+    match res {
+        Ok((desc, warns)) => {
+            let t = tracer.borrow();
+            let info = t.targets.get(&pid).map(|t| {
+                format!(
+                    "QEMU {}; {}",
+                    t.info.version.as_deref().unwrap_or("version unknown"),
+                    t.info.layout_note
+                )
+            });
+            eprintln!(
+                "viotrace-host: tracing {desc} ({})",
+                info.unwrap_or_default()
+            );
+            for w in warns {
+                eprintln!("viotrace-host: pid {pid}: {w}");
+            }
+            Ok(())
+        }
+        Err(e) if explicit => Err(e.context(format!("cannot trace pid {pid}"))),
+        Err(e) => {
+            eprintln!("viotrace-host: not tracing pid {pid}: {e:#}");
+            failed.insert(pid);
+            Ok(())
+        }
+    }
+}
+
+fn detach(tracer: &Rc<RefCell<Tracer>>, sink: &Rc<RefCell<Sink>>, pid: u32, why: &str) {
+    let (t, leftover, abandoned) = tracer.borrow_mut().remove(pid);
+    let Some(t) = t else { return };
+    let mut s = sink.borrow_mut();
+    for r in &leftover {
+        let e = Tracer::record_of_gone(&t, r);
+        s.elem(&e);
+    }
+    let cpu = match (t.cpu_ticks_start, qemu::cpu_ticks(pid)) {
+        (Some(a), Some(b)) => format!(", QEMU CPU {} ticks", b.saturating_sub(a)),
+        _ => String::new(),
+    };
+    let msg = format!(
+        "viotrace-host: stopped tracing pid {pid} vm={} ({why}): {} elements{}{}{}\n",
+        t.proc.vm,
+        t.elems + leftover.len() as u64,
+        if leftover.is_empty() {
+            String::new()
+        } else {
+            format!(", {} emitted without h.irq", leftover.len())
+        },
+        if abandoned > 0 {
+            format!(", {abandoned} in flight abandoned")
+        } else {
+            String::new()
+        },
+        cpu
+    );
+    eprint!("{msg}");
 }

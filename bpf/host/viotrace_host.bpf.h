@@ -1,0 +1,91 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* Types shared between viotrace_host.bpf.c and the host agent (mirrored in host-agent/src/bpf.rs). */
+#ifndef VIOTRACE_HOST_BPF_H
+#define VIOTRACE_HOST_BPF_H
+
+/* Indexes into host_rec.ts, in path order (h.notify .. h.irq). 0 = not seen. */
+enum {
+	HP_NOTIFY = 0,
+	HP_POP,
+	HP_SUBMIT,
+	HP_IO_ISSUE,
+	HP_DISK_ISSUE,
+	HP_DISK_COMPLETE,
+	HP_IO_COMPLETE,
+	HP_COMPLETE_CB,
+	HP_PUSH,
+	HP_IRQ,
+	HP_NR,
+};
+
+/* Offsets into QEMU's private structures, per traced process (value of qemu_procs). */
+struct qemu_layout {
+	/* VirtQueue */
+	__u32 vq_queue_index;
+	__u32 vq_guest_notifier_wfd;
+	/* VirtQueueElement (first member of VirtIOBlockReq) */
+	__u32 elem_index;
+	__u32 elem_out_num;
+	__u32 elem_in_num;
+	__u32 elem_in_sg;
+	__u32 elem_out_sg;
+	/* VirtIOBlockReq */
+	__u32 req_in;
+	__u32 req_mr_next;
+	/* LuringAIOCB: offset of the io_uring_sqe copy (its addr field is at +16) */
+	__u32 luring_sqe;
+	/* which optional parts are valid (QL_*) */
+	__u32 flags;
+	__u32 pad;
+};
+
+#define QL_HAVE_NOTIFIER 1u /* vq_guest_notifier_wfd valid: h.irq via eventfd write */
+#define QL_HAVE_MR_NEXT 2u  /* req_mr_next valid: multireq merge followed */
+#define QL_HAVE_LURING 4u   /* luring_sqe valid: io_uring I/O matched */
+#define QL_HAVE_REQ_IN 8u   /* req_in valid: status byte read at push */
+
+/* One finished virtqueue element (ring buffer record). */
+struct host_rec {
+	__u64 ts[HP_NR];
+	__u64 vq;       /* VirtQueue * */
+	__u64 dev;      /* VirtIODevice * (VirtIOBlock) */
+	__u64 merge_id; /* backend I/O id (0: never submitted) */
+	__u64 sector;
+	__u32 tgid;
+	__u32 type;  /* virtio_blk_outhdr.type */
+	__u32 bytes; /* data bytes (excluding header and status) */
+	__u32 in_len;
+	__u16 head;
+	__u16 queue;
+	__u8 status;
+	__u8 has_status;
+	__u8 flags; /* HR_* */
+	__u8 pad;
+};
+
+#define HR_HDR_FAULT 1    /* request header could not be read */
+#define HR_IRQ_EVICTED 2  /* emitted without waiting for the notification (pending list full) */
+#define HR_MERGED 4       /* part of a multi-request backend I/O */
+
+/* Counters in the stats array map. */
+enum {
+	ST_RINGBUF_DROP = 0, /* record lost: ring buffer full */
+	ST_ELEMS_FULL,       /* element not tracked: elems map full */
+	ST_IOS_FULL,         /* backend I/O not tracked: ios map full */
+	ST_PUSHED_FULL,      /* pushed element lost: pushed map full */
+	ST_PENDING_EVICT,    /* emitted without h.irq: too many pushed elements waiting */
+	ST_BAD_QUEUE_INDEX,  /* VirtQueue.queue_index out of range (layout mismatch?) */
+	ST_HDR_FAULT,        /* request header unreadable */
+	ST_POP_OTHER,        /* virtqueue_pop on a non virtio-blk queue (ignored) */
+	ST_PUSH_UNKNOWN,     /* virtqueue_push of an element we did not see popped */
+	ST_SUBMIT_MERGED,    /* elements that were merged into a multi-request backend I/O */
+	ST_IO_MATCHED,       /* host I/O syscalls/SQEs matched to a backend I/O */
+	ST_DISK_MATCHED,     /* host block requests matched */
+	ST_IRQ,              /* guest notifications seen */
+	ST_RECORDS,          /* records emitted */
+	ST_PROC_EXIT,        /* traced QEMU processes that exited */
+	ST_CHAIN_LONG,       /* merge chain longer than the walk limit */
+	ST_NR,
+};
+
+#endif

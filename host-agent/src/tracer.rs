@@ -1,0 +1,445 @@
+//! Loads the BPF object, attaches the kernel tracepoints once and the QEMU
+//! uprobes per traced process, and turns ring-buffer records into [`HostElem`]s.
+
+use std::collections::HashMap;
+use std::mem::MaybeUninit;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
+use libbpf_rs::{Link, MapCore, MapFlags, OpenObject, UprobeOpts};
+use viotrace_shared::record::{Backend, HostElem, Op, Point, Points};
+
+use crate::bpf::types::{host_rec, qemu_layout};
+use crate::bpf::{ViotraceHostSkel, ViotraceHostSkelBuilder};
+use crate::qemu::{self, BinaryInfo, Layout, QemuProc};
+
+/// `host_rec.ts` index → point (bpf/host/viotrace_host.bpf.h HP_*).
+pub const TS_POINTS: [Point; 10] = [
+    Point::HostNotify,
+    Point::HostPop,
+    Point::HostSubmit,
+    Point::HostIoIssue,
+    Point::HostDiskIssue,
+    Point::HostDiskComplete,
+    Point::HostIoComplete,
+    Point::HostCompleteCb,
+    Point::HostPush,
+    Point::HostIrq,
+];
+
+/// Stats counter names (ST_* order).
+pub const STAT_NAMES: [&str; 16] = [
+    "ringbuf_drops",
+    "elems_map_full",
+    "ios_map_full",
+    "pushed_map_full",
+    "irq_wait_evicted",
+    "bad_queue_index",
+    "header_faults",
+    "pop_other_device",
+    "push_unknown_elem",
+    "merged_elems",
+    "host_io_matched",
+    "host_disk_matched",
+    "guest_notifications",
+    "records_emitted",
+    "qemu_exits",
+    "merge_chain_too_long",
+];
+
+const QL_HAVE_NOTIFIER: u32 = 1;
+const QL_HAVE_MR_NEXT: u32 = 2;
+const QL_HAVE_LURING: u32 = 4;
+const QL_HAVE_REQ_IN: u32 = 8;
+
+/// One traced QEMU process.
+pub struct Target {
+    pub proc: QemuProc,
+    pub info: BinaryInfo,
+    pub layout: Layout,
+    links: Vec<Link>,
+    /// VirtIODevice pointer → device label.
+    dev_names: HashMap<u64, (String, Backend)>,
+    pub cpu_ticks_start: Option<u64>,
+    pub elems: u64,
+}
+
+pub struct Tracer<'obj> {
+    pub skel: ViotraceHostSkel<'obj>,
+    _tp_links: Vec<Link>,
+    pub targets: HashMap<u32, Target>,
+    /// Kernel-side stages that could not be attached, with the error.
+    pub missing_kernel: Vec<(String, String)>,
+}
+
+impl<'obj> Tracer<'obj> {
+    pub fn open(storage: &'obj mut MaybeUninit<OpenObject>) -> Result<Tracer<'obj>> {
+        let open = ViotraceHostSkelBuilder::default()
+            .open(storage)
+            .context("opening the BPF object")?;
+        let mut skel = open.load().context("loading the BPF programs")?;
+        let mut tp_links = Vec::new();
+        let mut missing_kernel = Vec::new();
+        for prog in skel.object_mut().progs_mut() {
+            let sec = prog.section().to_string_lossy().into_owned();
+            let name = prog.name().to_string_lossy().into_owned();
+            let res = if sec.starts_with("tracepoint/") || sec.starts_with("tp_btf/") {
+                prog.attach()
+            } else {
+                continue; // uprobes: per process
+            };
+            match res {
+                Ok(l) => tp_links.push(l),
+                Err(e) => missing_kernel.push((format!("{name} ({sec})"), e.to_string())),
+            }
+        }
+        Ok(Tracer {
+            skel,
+            _tp_links: tp_links,
+            targets: HashMap::new(),
+            missing_kernel,
+        })
+    }
+
+    /// Starts tracing a QEMU process. Returns warnings about what cannot be seen.
+    pub fn add(&mut self, proc: QemuProc) -> Result<Vec<String>> {
+        let pid = proc.pid;
+        let info = BinaryInfo::read(&proc.exe)?;
+        let mut warn = Vec::new();
+        let layout = info.layout.with_context(|| {
+            format!(
+                "{} (pid {pid}): {}; cannot read virtqueue elements",
+                proc.exe.display(),
+                info.layout_note
+            )
+        })?;
+        for need in ["virtqueue_pop", "virtqueue_push"] {
+            if !info.has(need) {
+                anyhow::bail!(
+                    "{} (pid {pid}) does not export {need}: virtqueue elements cannot be traced",
+                    proc.exe.display()
+                );
+            }
+        }
+        for (p, why) in info.missing_points() {
+            warn.push(format!("stage {p} not visible: {why}"));
+        }
+        let mut flags = QL_HAVE_MR_NEXT | QL_HAVE_LURING | QL_HAVE_REQ_IN;
+        if info.has("virtio_notify_irqfd")
+            && !self
+                .missing_kernel
+                .iter()
+                .any(|m| m.0.starts_with("irq_write"))
+        {
+            flags |= QL_HAVE_NOTIFIER;
+        }
+        let ql = qemu_layout {
+            vq_queue_index: layout.vq_queue_index,
+            vq_guest_notifier_wfd: layout.vq_guest_notifier + 4, // EventNotifier { rfd, wfd }
+            elem_index: layout.elem_index,
+            elem_out_num: layout.elem_out_num,
+            elem_in_num: layout.elem_in_num,
+            elem_in_sg: layout.elem_in_sg,
+            elem_out_sg: layout.elem_out_sg,
+            req_in: layout.req_in,
+            req_mr_next: layout.req_mr_next,
+            luring_sqe: layout.luring_sqe,
+            flags,
+            pad: 0,
+        };
+        self.skel
+            .maps
+            .qemu_procs
+            .update(&pid.to_ne_bytes(), pod_bytes(&ql), MapFlags::ANY)
+            .context("registering the process in qemu_procs")?;
+
+        let progs = &self.skel.progs;
+        let attach_list: [(&libbpf_rs::ProgramMut, &str, bool); 10] = [
+            (&progs.handle_vq, "virtio_blk_handle_vq", false),
+            (&progs.pop_enter, "virtqueue_pop", false),
+            (&progs.pop_ret, "virtqueue_pop", true),
+            (&progs.submit_rw, "blk_aio_preadv", false),
+            (&progs.submit_rw, "blk_aio_pwritev", false),
+            (&progs.submit_flush, "blk_aio_flush", false),
+            (&progs.submit_discard, "blk_aio_pdiscard", false),
+            (&progs.submit_wzeroes, "blk_aio_pwrite_zeroes", false),
+            (&progs.push, "virtqueue_push", false),
+            (&progs.notify_irqfd, "virtio_notify_irqfd", false),
+        ];
+        let mut links = Vec::new();
+        let pid_i = i32::try_from(pid).context("pid out of range")?;
+        for (prog, func, ret) in attach_list {
+            if !info.has(func) {
+                continue;
+            }
+            let opts = UprobeOpts {
+                retprobe: ret,
+                func_name: Some(func.to_string()),
+                ..Default::default()
+            };
+            match prog.attach_uprobe_with_opts(pid_i, &proc.exe, 0, opts) {
+                Ok(l) => links.push(l),
+                Err(e) => {
+                    if matches!(func, "virtqueue_pop" | "virtqueue_push") {
+                        let _ = self.skel.maps.qemu_procs.delete(&pid.to_ne_bytes());
+                        return Err(anyhow::anyhow!("{e}"))
+                            .with_context(|| format!("attaching uprobe {func} in pid {pid}"));
+                    }
+                    warn.push(format!("uprobe {func} not attached: {e}"));
+                }
+            }
+        }
+        for (what, e) in &self.missing_kernel {
+            warn.push(format!("kernel probe {what} not attached: {e}"));
+        }
+        let cpu = qemu::cpu_ticks(pid);
+        self.targets.insert(
+            pid,
+            Target {
+                proc,
+                info,
+                layout,
+                links,
+                dev_names: HashMap::new(),
+                cpu_ticks_start: cpu,
+                elems: 0,
+            },
+        );
+        Ok(warn)
+    }
+
+    /// Stops tracing a process: detaches its uprobes, forgets its kernel state and
+    /// returns the elements that were complete but still waiting for h.irq.
+    pub fn remove(&mut self, pid: u32) -> (Option<Target>, Vec<host_rec>, u64) {
+        let mut t = self.targets.remove(&pid);
+        if let Some(t) = t.as_mut() {
+            t.links.clear(); // detaches the uprobes
+        }
+        let _ = self.skel.maps.qemu_procs.delete(&pid.to_ne_bytes());
+        let mut leftover = Vec::new();
+        let mut abandoned = 0;
+        let maps = &self.skel.maps;
+        // Keys starting with the tgid.
+        // 0: pushed (emit), 1: elems (abandoned), 2: forget
+        for (map, kind) in [
+            (&maps.pushed, 0),
+            (&maps.elems, 1),
+            (&maps.vqs, 2),
+            (&maps.ios, 2),
+            (&maps.io_by_buf, 2),
+        ] {
+            let keys: Vec<Vec<u8>> = map
+                .keys()
+                .filter(|k| k.len() >= 4 && k[..4] == pid.to_ne_bytes())
+                .collect();
+            for k in keys {
+                if kind == 0 {
+                    if let Ok(Some(v)) = map.lookup(&k, MapFlags::ANY) {
+                        if let Some(r) = parse_rec(&v) {
+                            leftover.push(r);
+                        }
+                    }
+                } else if kind == 1 {
+                    abandoned += 1;
+                }
+                let _ = map.delete(&k);
+            }
+        }
+        // Values starting with the tgid (struct tid_io).
+        for map in [&maps.tid_ios, &maps.rq_ios, &maps.uring_ios] {
+            let keys: Vec<Vec<u8>> = map
+                .keys()
+                .filter(|k| {
+                    map.lookup(k, MapFlags::ANY)
+                        .ok()
+                        .flatten()
+                        .is_some_and(|v| v.len() >= 4 && v[..4] == pid.to_ne_bytes())
+                })
+                .collect();
+            for k in keys {
+                let _ = map.delete(&k);
+            }
+        }
+        leftover.sort_by_key(|r| r.ts[8]);
+        (t, leftover, abandoned)
+    }
+
+    /// Reads the kernel-side counters.
+    pub fn stats(&self) -> Vec<(&'static str, u64)> {
+        let mut out = Vec::new();
+        for (i, name) in STAT_NAMES.iter().enumerate() {
+            let k = (i as u32).to_ne_bytes();
+            let v = self
+                .skel
+                .maps
+                .stats
+                .lookup(&k, MapFlags::ANY)
+                .ok()
+                .flatten()
+                .and_then(|v| {
+                    v.get(..8)
+                        .map(|b| u64::from_ne_bytes(b.try_into().unwrap_or([0; 8])))
+                })
+                .unwrap_or(0);
+            out.push((*name, v));
+        }
+        out
+    }
+
+    /// Builds the record for a ring-buffer entry.
+    pub fn make_record(&mut self, r: &host_rec) -> Option<HostElem> {
+        let t = self.targets.get_mut(&r.tgid)?;
+        t.elems += 1;
+        let (device, backend) = match t.dev_names.get(&r.dev) {
+            Some(v) => v.clone(),
+            None => {
+                let v = name_device(t, r.dev);
+                t.dev_names.insert(r.dev, v.clone());
+                v
+            }
+        };
+        Some(make_elem(r, &t.proc.vm, device, backend))
+    }
+
+    /// Builds a record for an element of a process that already went away.
+    pub fn record_of_gone(t: &Target, r: &host_rec) -> HostElem {
+        let (device, backend) = t
+            .dev_names
+            .get(&r.dev)
+            .cloned()
+            .unwrap_or_else(|| fallback_device(t));
+        make_elem(r, &t.proc.vm, device, backend)
+    }
+}
+
+fn fallback_device(t: &Target) -> (String, Backend) {
+    match t.proc.devices.as_slice() {
+        [only] => (
+            only.id
+                .clone()
+                .or_else(|| only.drive.clone())
+                .unwrap_or_else(|| "virtio-blk".into()),
+            t.proc.backend_of(Some(only)),
+        ),
+        _ => ("virtio-blk".into(), t.proc.backend_of(None)),
+    }
+}
+
+fn name_device(t: &Target, vdev: u64) -> (String, Backend) {
+    let id = qemu::device_id(t.proc.pid, vdev, &t.layout);
+    match id {
+        Some(id) => {
+            let dev = t.proc.devices.iter().find(|d| d.id.as_deref() == Some(&id));
+            let backend = t.proc.backend_of(dev);
+            (id, backend)
+        }
+        None => {
+            let (name, b) = fallback_device(t);
+            if t.proc.devices.len() > 1 {
+                (format!("virtio-blk@{vdev:#x}"), b)
+            } else {
+                (name, b)
+            }
+        }
+    }
+}
+
+fn make_elem(r: &host_rec, vm: &str, device: String, backend: Backend) -> HostElem {
+    let mut ts = Points::new();
+    for (i, p) in TS_POINTS.iter().enumerate() {
+        ts.set_nonzero(*p, r.ts[i]);
+    }
+    HostElem {
+        vm: vm.to_string(),
+        qemu_pid: r.tgid,
+        device,
+        queue: r.queue,
+        head: r.head,
+        op: Op::from_virtio_type(r.r#type),
+        sector: r.sector,
+        bytes: r.bytes,
+        backend,
+        merge_id: r.merge_id,
+        status: (r.has_status != 0).then_some(r.status),
+        ts,
+    }
+}
+
+/// Parses a ring-buffer/map value into a `host_rec` (field by field, no unsafe).
+pub fn parse_rec(b: &[u8]) -> Option<host_rec> {
+    if b.len() < std::mem::size_of::<host_rec>() {
+        return None;
+    }
+    let u64_at = |o: usize| u64::from_ne_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
+    let u32_at = |o: usize| u32::from_ne_bytes(b[o..o + 4].try_into().unwrap_or([0; 4]));
+    let u16_at = |o: usize| u16::from_ne_bytes(b[o..o + 2].try_into().unwrap_or([0; 2]));
+    let mut r = host_rec::default();
+    for i in 0..10 {
+        r.ts[i] = u64_at(i * 8);
+    }
+    r.vq = u64_at(80);
+    r.dev = u64_at(88);
+    r.merge_id = u64_at(96);
+    r.sector = u64_at(104);
+    r.tgid = u32_at(112);
+    r.r#type = u32_at(116);
+    r.bytes = u32_at(120);
+    r.in_len = u32_at(124);
+    r.head = u16_at(128);
+    r.queue = u16_at(130);
+    r.status = b[132];
+    r.has_status = b[133];
+    r.flags = b[134];
+    Some(r)
+}
+
+/// The bytes of a plain-old-data BPF type generated by libbpf-cargo.
+fn pod_bytes(l: &qemu_layout) -> &[u8] {
+    // SAFETY: qemu_layout is #[repr(C)], made only of u32 fields (no padding, no
+    // pointers); viewing it as bytes for the map update is sound.
+    unsafe {
+        std::slice::from_raw_parts(
+            (l as *const qemu_layout).cast::<u8>(),
+            std::mem::size_of::<qemu_layout>(),
+        )
+    }
+}
+
+/// Mounts tracefs when it is not mounted (tracepoint attach needs it).
+pub fn ensure_tracefs() -> Result<()> {
+    let p = Path::new("/sys/kernel/tracing");
+    if p.join("events").exists() {
+        return Ok(());
+    }
+    let st = std::process::Command::new("mount")
+        .args(["-t", "tracefs", "none", "/sys/kernel/tracing"])
+        .status()
+        .context("running mount -t tracefs")?;
+    if !st.success() {
+        anyhow::bail!("mounting tracefs on /sys/kernel/tracing failed ({st})");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rec_layout_matches_parser() {
+        assert_eq!(std::mem::size_of::<host_rec>(), 136);
+        let mut b = vec![0u8; 136];
+        b[0..8].copy_from_slice(&5u64.to_ne_bytes());
+        b[104..112].copy_from_slice(&2048u64.to_ne_bytes());
+        b[116..120].copy_from_slice(&1u32.to_ne_bytes());
+        b[128..130].copy_from_slice(&7u16.to_ne_bytes());
+        b[133] = 1;
+        let r = parse_rec(&b).unwrap();
+        assert_eq!(
+            (r.ts[0], r.sector, r.r#type, r.head, r.has_status),
+            (5, 2048, 1, 7, 1)
+        );
+        assert!(parse_rec(&b[..100]).is_none());
+    }
+}

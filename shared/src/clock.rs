@@ -231,6 +231,9 @@ struct Fit {
     smin: Vec<usize>,
 }
 
+/// Picks the partner samples used to bound extrapolation beyond sample `b`.
+type PartnerFn = fn(&Fit, usize) -> [usize; 2];
+
 impl Fit {
     /// Bound on |θ(g) − L(g)| at relative guest time x.
     fn bound(&self, x: f64) -> f64 {
@@ -255,7 +258,7 @@ impl Fit {
         }
         // Extrapolation: a linear error bounded by E_a at g_a and E_b at g_b
         // grows by at most (E_a + E_b)/|g_b − g_a| per ns beyond g_b.
-        let (ends, other): ([usize; 2], fn(&Fit, usize) -> [usize; 2]) = if x > gn {
+        let (ends, other): ([usize; 2], PartnerFn) = if x > gn {
             ([n - 1, self.smin[0]], |f, b| {
                 let half = f.pts[b].0 - (f.pts[b].0 - f.pts[0].0) / 2.0;
                 let k = f.pts.partition_point(|q| q.0 <= half).max(1) - 1;

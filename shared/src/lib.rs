@@ -2,6 +2,7 @@
 //! guest↔host join engine. Pure Rust, no BPF.
 
 pub mod clock;
+pub mod join;
 pub mod proto;
 pub mod record;
 pub mod stages;

@@ -462,10 +462,20 @@ impl Lab {
             cfg.queues
         ));
         if let Some(mib) = cfg.extra_disk_mib {
-            let extra = rd.join("extra.raw");
-            File::create(&extra)?.set_len(u64::from(mib) << 20)?;
+            let extra = rd.join(format!("extra.{fmt}"));
+            if cfg.format == DiskFormat::Qcow2 {
+                let st = Command::new("qemu-img")
+                    .args(["create", "-q", "-f", "qcow2"])
+                    .arg(&extra)
+                    .arg(format!("{mib}M"))
+                    .status()
+                    .context("run qemu-img")?;
+                anyhow::ensure!(st.success(), "qemu-img create failed");
+            } else {
+                File::create(&extra)?.set_len(u64::from(mib) << 20)?;
+            }
             q.arg("-drive").arg(format!(
-                "file={},if=none,id=extra,format=raw,aio={},cache={cache}",
+                "file={},if=none,id=extra,format={fmt},aio={},cache={cache}",
                 extra.display(),
                 cfg.aio
             ));

@@ -536,6 +536,22 @@ static long flush_one(__u64 i, void *data)
 	return 0;
 }
 
+static __always_inline void flush_vq(__u32 tgid, __u64 vq)
+{
+	struct tg_ptr vk = { .tgid = tgid, .ptr = vq };
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
+	if (!st)
+		return;
+	stat_inc(ST_IRQ);
+	__u64 n = st->push_seq - st->flush_seq;
+	if (n > MAX_PENDING)
+		n = MAX_PENDING;
+	struct flush_ctx c = { .tgid = tgid, .vq = vq, .seq = st->flush_seq, .now = bpf_ktime_get_ns() };
+	st->flush_seq += n;
+	bpf_loop(n, flush_one, &c, 0);
+}
+
+/* The guest notifier eventfd write of an armed virtio_notify_irqfd: h.irq. */
 SEC("tracepoint/syscalls/sys_enter_write")
 int irq_write(struct trace_event_raw_sys_enter *ctx)
 {
@@ -548,18 +564,22 @@ int irq_write(struct trace_event_raw_sys_enter *ctx)
 		return 0;
 	if ((__s32)ctx->args[0] != a->wfd)
 		return 0;
-	struct tg_ptr vk = { .tgid = tgid, .ptr = a->vq };
+	__u64 vq = a->vq;
 	bpf_map_delete_elem(&irq_armed, &tid);
-	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
-	if (!st)
+	flush_vq(tgid, vq);
+	return 0;
+}
+
+/* virtio_notify(vdev, vq): the non-dataplane path (early boot, ioeventfd=off)
+ * raises the interrupt synchronously without an eventfd. */
+SEC("uprobe")
+int BPF_KPROBE(notify_direct, void *vdev, void *vq)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l || !(l->flags & QL_HAVE_NOTIFIER))
 		return 0;
-	stat_inc(ST_IRQ);
-	__u64 n = st->push_seq - st->flush_seq;
-	if (n > MAX_PENDING)
-		n = MAX_PENDING;
-	struct flush_ctx c = { .tgid = tgid, .vq = vk.ptr, .seq = st->flush_seq, .now = bpf_ktime_get_ns() };
-	st->flush_seq += n;
-	bpf_loop(n, flush_one, &c, 0);
+	flush_vq(tgid, (__u64)vq);
 	return 0;
 }
 

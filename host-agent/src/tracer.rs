@@ -155,7 +155,7 @@ impl<'obj> Tracer<'obj> {
             .context("registering the process in qemu_procs")?;
 
         let progs = &self.skel.progs;
-        let attach_list: [(&libbpf_rs::ProgramMut, &str, bool); 10] = [
+        let attach_list: [(&libbpf_rs::ProgramMut, &str, bool); 11] = [
             (&progs.handle_vq, "virtio_blk_handle_vq", false),
             (&progs.pop_enter, "virtqueue_pop", false),
             (&progs.pop_ret, "virtqueue_pop", true),
@@ -166,6 +166,7 @@ impl<'obj> Tracer<'obj> {
             (&progs.submit_wzeroes, "blk_aio_pwrite_zeroes", false),
             (&progs.push, "virtqueue_push", false),
             (&progs.notify_irqfd, "virtio_notify_irqfd", false),
+            (&progs.notify_direct, "virtio_notify", false),
         ];
         let mut links = Vec::new();
         let pid_i = i32::try_from(pid).context("pid out of range")?;

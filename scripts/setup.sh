@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PKGS=(qemu-system-x86 qemu-utils clang llvm libelf-dev zlib1g-dev libzstd-dev pkg-config
-      busybox-static fio e2fsprogs ca-certificates)
+      busybox-static fio e2fsprogs bpftrace ca-certificates)
 missing=()
 for p in "${PKGS[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

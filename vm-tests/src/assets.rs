@@ -403,6 +403,39 @@ fn ensure_base_initramfs(cache: &Path, release: &str, kdir: &Path) -> Result<Pat
     Ok(path)
 }
 
+/// An initramfs overlay holding host programs (and their shared libraries) for the guest,
+/// e.g. `bpftrace` for the bench's anchor. Cached by the programs' identities.
+pub fn tools_overlay(cache: &Path, tools: &[String]) -> Result<PathBuf> {
+    let mut key = String::new();
+    let mut bins = Vec::new();
+    for t in tools {
+        let bin = fs::canonicalize(which(t).with_context(|| {
+            format!("`{t}` is not installed on this host (it is copied into the guest)")
+        })?)?;
+        let md = fs::metadata(&bin)?;
+        key += &format!("{}:{}:{:?};", bin.display(), md.len(), md.modified().ok());
+        bins.push((t.clone(), bin));
+    }
+    let path = cache.join(format!("tools-{:016x}.cpio", fnv1a(key.as_bytes())));
+    if path.exists() {
+        return Ok(path);
+    }
+    let tmp = path.with_extension("tmp");
+    let mut c = Cpio::new(BufWriter::new(File::create(&tmp)?), 2_000_000);
+    let mut seen = BTreeSet::new();
+    for (name, bin) in &bins {
+        c.host_file(&format!("usr/bin/{name}"), bin)?;
+        for (guest_path, host_path) in library_closure(bin)? {
+            if seen.insert(guest_path.clone()) {
+                c.host_file(&guest_path, &host_path)?;
+            }
+        }
+    }
+    c.finish()?.flush()?;
+    fs::rename(&tmp, &path)?;
+    Ok(path)
+}
+
 /// FNV-1a, for cache keys.
 pub fn fnv1a(data: &[u8]) -> u64 {
     data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {

@@ -39,7 +39,46 @@ pub const JOBS: &[Job] = &[
     },
 ];
 
-pub const CONDITIONS: &[Agents] = &[Agents::None, Agents::Guest, Agents::Host, Agents::Both];
+/// Conditions, alternated in this order each round: no agents, each agent, both joined, and
+/// the anchor: a biolatency-style bpftrace script in the guest.
+pub const CONDITIONS: &[&str] = &["none", "guest", "host", "both", "bpftrace"];
+
+/// The anchor: bcc/bpftrace's classic biolatency (issue → complete histogram) in the guest.
+const BPFTRACE_SCRIPT: &str = "tracepoint:block:block_rq_issue { @s[args->dev, args->sector] = nsecs; } \
+tracepoint:block:block_rq_complete /@s[args->dev, args->sector]/ { \
+@usecs = hist((nsecs - @s[args->dev, args->sector]) / 1000); delete(@s[args->dev, args->sector]); }";
+
+fn condition_vm(cond: &str, base: &VmConfig) -> VmConfig {
+    let agents = match cond {
+        "guest" => Agents::Guest,
+        "host" => Agents::Host,
+        "both" => Agents::Both,
+        _ => Agents::None,
+    };
+    let mut vm = VmConfig {
+        agents,
+        name: format!("viotrace-bench-{cond}"),
+        console: false,
+        // bpftrace needs room; every condition gets the same memory.
+        memory_mib: base.memory_mib.max(2048),
+        ..base.clone()
+    };
+    if cond == "bpftrace" {
+        vm.guest_tools = vec!["bpftrace".into()];
+        vm.setup = Some(format!(
+            "bpftrace -e '{BPFTRACE_SCRIPT}' >/out/bpftrace.out 2>&1 &\n\
+             echo $! >/run/anchor.pid\n\
+             i=0; until grep -q Attaching /out/bpftrace.out; do i=$((i+1)); \
+             [ $i -gt 1200 ] && exit 1; sleep 0.1; done\n"
+        ));
+    }
+    vm
+}
+
+/// Samples of the anchor process, written where the lab reads the guest agent's.
+const ANCHOR_SAMPLE: &str = "if [ -e /run/anchor.pid ]; then \
+cat /proc/$(cat /run/anchor.pid)/stat >/out/guest-agent.$1.stat; \
+cat /proc/$(cat /run/anchor.pid)/status >/out/guest-agent.$1.status; fi\n";
 
 /// Bench parameters.
 #[derive(Clone, Debug, Serialize)]
@@ -48,6 +87,8 @@ pub struct BenchConfig {
     /// Seconds per fio job.
     pub runtime_secs: u32,
     pub vm: VmConfig,
+    /// Conditions to run (a subset of CONDITIONS, in that order).
+    pub conditions: Vec<String>,
 }
 
 /// Per (condition, job) samples over rounds.
@@ -79,9 +120,10 @@ pub struct BenchResult {
 }
 
 fn workload(runtime: u32) -> String {
-    let mut s = String::from(
-        "set -e\nfio --name=prep --filename=/data/bench.dat --size=128M --rw=write --bs=1M \
-         --direct=1 --output=/dev/null\n",
+    let mut s = format!(
+        "set -e\nanchor_sample() {{ {ANCHOR_SAMPLE} }}\n\
+         fio --name=prep --filename=/data/bench.dat --size=128M --rw=write --bs=1M \
+         --direct=1 --output=/dev/null\nanchor_sample start\n"
     );
     for j in JOBS {
         let _ = writeln!(
@@ -92,6 +134,7 @@ fn workload(runtime: u32) -> String {
             a = j.args
         );
     }
+    s += "anchor_sample end\n";
     s
 }
 
@@ -166,21 +209,29 @@ fn median(v: &[f64]) -> f64 {
 /// Runs the bench; writes `bench.json` and `bench.txt` into `out`.
 pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
     fs::create_dir_all(out)?;
+    if let Some(bad) = cfg
+        .conditions
+        .iter()
+        .find(|c| !CONDITIONS.contains(&c.as_str()))
+    {
+        bail!(
+            "unknown bench condition {bad:?} (known: {})",
+            CONDITIONS.join(", ")
+        );
+    }
     let mut res = BenchResult {
         config: Some(cfg.clone()),
         ..Default::default()
     };
     let wl = workload(cfg.runtime_secs);
     for round in 0..cfg.rounds {
-        for &cond in CONDITIONS {
-            let name = format!("{cond:?}").to_lowercase();
+        for &cond in CONDITIONS
+            .iter()
+            .filter(|c| cfg.conditions.iter().any(|x| x == *c))
+        {
+            let name = cond.to_string();
             let dir: PathBuf = out.join(format!("round{round}-{name}"));
-            let vm = VmConfig {
-                agents: cond,
-                name: format!("viotrace-bench-{name}"),
-                console: false,
-                ..cfg.vm.clone()
-            };
+            let vm = condition_vm(cond, &cfg.vm);
             eprintln!(
                 "bench: round {} of {}, condition {name}",
                 round + 1,
@@ -242,11 +293,10 @@ pub fn render(res: &BenchResult) -> String {
     let _ = writeln!(
         s,
         "{:<8} {:<18} {:>10} {:>7} {:>10} {:>10} {:>7}",
-        "agents", "job", "IOPS", "ratio", "p50 µs", "p99 µs", "p99 x"
+        "tracing", "job", "IOPS", "ratio", "p50 µs", "p99 µs", "p99 x"
     );
-    for cond in CONDITIONS {
-        let name = format!("{cond:?}").to_lowercase();
-        let Some(jobs) = res.jobs.get(&name) else {
+    for &name in CONDITIONS {
+        let Some(jobs) = res.jobs.get(name) else {
             continue;
         };
         for j in JOBS {
@@ -267,7 +317,7 @@ pub fn render(res: &BenchResult) -> String {
     let _ = writeln!(
         s,
         "\n{:<8} {:>16} {:>16} {:>16} {:>14} {:>14} {:>7}",
-        "agents",
+        "tracing",
         "guest µs CPU/IO",
         "host µs CPU/IO",
         "QEMU µs CPU/IO",
@@ -276,9 +326,8 @@ pub fn render(res: &BenchResult) -> String {
         "drops"
     );
     let qbase = res.costs.get("none").map(|c| median(&c.qemu_cpu_us_per_io));
-    for cond in CONDITIONS {
-        let name = format!("{cond:?}").to_lowercase();
-        let Some(c) = res.costs.get(&name) else {
+    for &name in CONDITIONS {
+        let Some(c) = res.costs.get(name) else {
             continue;
         };
         let q = median(&c.qemu_cpu_us_per_io);
@@ -286,11 +335,18 @@ pub fn render(res: &BenchResult) -> String {
             .map(|b| format!("{q:.1} ({:+.1})", q - b))
             .unwrap_or_default();
         let rss = |v: &Vec<u64>| v.iter().max().map(|x| x.to_string()).unwrap_or("-".into());
+        let us = |v: &Vec<f64>| {
+            if v.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.2}", median(v))
+            }
+        };
         let _ = writeln!(
             s,
-            "{name:<8} {:>16.2} {:>16.2} {qx:>16} {:>14} {:>14} {:>7}",
-            median(&c.guest_agent_cpu_us_per_io),
-            median(&c.host_agent_cpu_us_per_io),
+            "{name:<8} {:>16} {:>16} {qx:>16} {:>14} {:>14} {:>7}",
+            us(&c.guest_agent_cpu_us_per_io),
+            us(&c.host_agent_cpu_us_per_io),
             rss(&c.guest_agent_peak_rss_kib),
             rss(&c.host_agent_peak_rss_kib),
             c.drops.iter().sum::<u64>()

@@ -123,6 +123,8 @@ pub struct VmConfig {
     pub setup: Option<String>,
     /// Size of an extra blank raw virtio-blk disk (`vdb`, not formatted), MiB.
     pub extra_disk_mib: Option<u32>,
+    /// Host programs copied into the guest with their libraries (e.g. `bpftrace`).
+    pub guest_tools: Vec<String>,
     pub timeout: Duration,
     pub vsock: VsockMode,
     pub accel: Accel,
@@ -150,6 +152,7 @@ impl Default for VmConfig {
             host_attach: HostAttach::Paused,
             setup: None,
             extra_disk_mib: None,
+            guest_tools: Vec::new(),
             timeout: Duration::from_secs(600),
             vsock: VsockMode::Auto,
             accel: Accel::Auto,
@@ -324,6 +327,10 @@ impl Lab {
         fs::copy(&self.assets.base_initramfs, &initrd).context("copy base initramfs")?;
         {
             let mut f = fs::OpenOptions::new().append(true).open(&initrd)?;
+            if !cfg.guest_tools.is_empty() {
+                let tools = assets::tools_overlay(&self.assets.cache, &cfg.guest_tools)?;
+                std::io::copy(&mut File::open(tools)?, &mut f)?;
+            }
             let mut c = Cpio::new(Vec::new(), 1_000_000);
             let disk = "vda";
             let mut conf = String::new();

@@ -52,6 +52,13 @@ enum Cmd {
         /// Seconds per fio job.
         #[arg(long, default_value_t = 5)]
         runtime: u32,
+        /// Conditions to alternate (none, guest, host, both, bpftrace).
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "none,guest,host,both,bpftrace"
+        )]
+        conditions: Vec<String>,
         #[arg(short, long, default_value = "lab-out/bench")]
         out: PathBuf,
     },
@@ -107,6 +114,9 @@ struct VmArgs {
     /// Add a blank raw disk of this many MiB as the second virtio-blk disk (vdb).
     #[arg(long)]
     extra_disk: Option<u32>,
+    /// Copy this host program (with its libraries) into the guest; repeatable.
+    #[arg(long)]
+    guest_tool: Vec<String>,
     /// Do not echo the guest console.
     #[arg(long)]
     quiet: bool,
@@ -143,6 +153,7 @@ impl VmArgs {
                 None => None,
             },
             extra_disk_mib: self.extra_disk,
+            guest_tools: self.guest_tool.clone(),
         })
     }
 }
@@ -170,6 +181,7 @@ fn real_main() -> Result<ExitCode> {
             vm,
             rounds,
             runtime,
+            conditions,
             out,
         } => {
             let lab = Lab::new()?;
@@ -179,6 +191,7 @@ fn real_main() -> Result<ExitCode> {
             let cfg = viotrace_vm_tests::bench::BenchConfig {
                 rounds,
                 runtime_secs: runtime,
+                conditions,
                 vm: VmConfig {
                     console: false,
                     ..vm.config(Agents::None, "viotrace-bench")?

@@ -45,7 +45,10 @@ fn elems(r: &RunResult) -> Vec<Value> {
         .collect()
 }
 
-fn shape(recs: &[&Value]) -> BTreeMap<(String, u64), usize> {
+/// (op, bytes) → count.
+type Shape = BTreeMap<(String, u64), usize>;
+
+fn shape(recs: &[&Value]) -> Shape {
     let mut m = BTreeMap::new();
     for v in recs {
         *m.entry((
@@ -66,15 +69,14 @@ fn known_io_device(all: &[Value]) -> Vec<&Value> {
             .or_default()
             .push(v);
     }
-    let expect: BTreeMap<(String, u64), usize> = [
+    let expect: Shape = [
         (("write".to_string(), 4096), 300),
         (("read".to_string(), 4096), 300),
         (("read".to_string(), 65536), 50),
     ]
     .into_iter()
     .collect();
-    let shapes: Vec<(String, BTreeMap<(String, u64), usize>)> =
-        by_dev.iter().map(|(d, v)| (d.clone(), shape(v))).collect();
+    let shapes: Vec<(String, Shape)> = by_dev.iter().map(|(d, v)| (d.clone(), shape(v))).collect();
     let Some((dev, _)) = shapes.iter().find(|(_, s)| *s == expect) else {
         panic!(
             "no device carries exactly the known I/O; per device (op, bytes) counts: {shapes:?}"

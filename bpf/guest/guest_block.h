@@ -31,23 +31,35 @@ static __always_inline struct gendisk *rq_disk(struct request *rq)
 	return NULL;
 }
 
-/* File (inode, byte offset) of a bio's first page when it is a page-cache page. */
-static __always_inline bool bio_page_file(struct bio *bio, __u64 *ino, __u64 *off)
+enum page_kind {
+	PG_OTHER = 0,	/* anonymous / user buffer (direct I/O) / no page */
+	PG_FILE = 1,	/* page cache of a regular file */
+	PG_BDEV = 2,	/* page cache of the block device: file system metadata */
+};
+
+/* What a bio's first page is; for page-cache pages, its inode and byte offset. */
+static __always_inline int bio_page_file(struct bio *bio, __u64 *ino, __u64 *off)
 {
 	struct page *page = BPF_CORE_READ(bio, bi_io_vec, bv_page);
 	struct folio *folio = (struct folio *)page;
 	struct address_space *mapping;
+	struct inode *host;
 
 	if (!page)
-		return false;
+		return PG_OTHER;
 	mapping = BPF_CORE_READ(folio, mapping);
 	/* low bits set: anonymous / movable / KSM, not a file mapping */
 	if (!mapping || ((unsigned long)mapping & 3))
-		return false;
-	*ino = BPF_CORE_READ(mapping, host, i_ino);
+		return PG_OTHER;
+	host = BPF_CORE_READ(mapping, host);
+	if (!host)
+		return PG_OTHER;
+	*ino = BPF_CORE_READ(host, i_ino);
 	*off = (BPF_CORE_READ(folio, index) << VT_PAGE_SHIFT) +
 	       BPF_CORE_READ(bio, bi_io_vec, bv_offset);
-	return *ino != 0;
+	if ((BPF_CORE_READ(host, i_mode) & VT_S_IFMT) == VT_S_IFBLK)
+		return PG_BDEV;
+	return PG_FILE;
 }
 
 SEC("raw_tp/block_bio_queue")
@@ -60,7 +72,7 @@ int BPF_PROG(bio_queue, struct bio *bio)
 	struct bio_state b = {};
 	__u64 key = (__u64)bio;
 	__u64 pino = 0, poff = 0;
-	bool paged;
+	int kind;
 
 	if (!disk_ok(disk) || (pt >> 32) == self_pid)
 		return 0;
@@ -69,17 +81,21 @@ int BPF_PROG(bio_queue, struct bio *bio)
 		return 0;
 
 	b.queue_ts = bpf_ktime_get_ns();
-	paged = bio_page_file(bio, &pino, &poff);
+	kind = bio_page_file(bio, &pino, &poff);
 	s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	/* buffered I/O on the block device node itself: its pages are the file */
+	if (kind == PG_BDEV && s && s->inode == pino)
+		kind = PG_FILE;
 	if (s) {
 		b.id = s->id;
 		b.owner_tid = tid;
 		b.owner_enter_ts = s->enter_ts;
-		if (paged && !s->direct) {
+		if (kind == PG_FILE && !s->direct) {
 			b.inode = pino;
 			b.offset = poff;
 			b.has_offset = 1;
-		} else {
+		} else if (kind == PG_OTHER || s->direct) {
+			/* direct I/O: the syscall's file, bios queued in file order */
 			b.inode = s->inode;
 			if (s->has_offset) {
 				b.offset = s->offset + s->dio_queued;
@@ -87,11 +103,12 @@ int BPF_PROG(bio_queue, struct bio *bio)
 			}
 			s->dio_queued += BPF_CORE_READ(bio, bi_iter.bi_size);
 		}
+		/* PG_BDEV: metadata I/O done for the syscall: no file */
 	} else {
 		struct ident *w = NULL;
 
 		current_ident(&b.id);
-		if (paged) {
+		if (kind == PG_FILE) {
 			b.inode = pino;
 			b.offset = poff;
 			b.has_offset = 1;

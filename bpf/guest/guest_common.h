@@ -24,6 +24,7 @@ const volatile __u64 wakeup_bytes = 64 * 1024;
 #define MAX_VQS 256
 #define CHAIN_MAX 64
 #define KICK_SLOTS 64
+#define VT_PF_IO_WORKER 0x00000010
 
 struct ident {
 	__u64 cgroup_id;
@@ -228,6 +229,13 @@ static __always_inline void current_ident(struct ident *id)
 	id->tid = (__u32)pt;
 	id->cgroup_id = bpf_get_current_cgroup_id();
 	bpf_get_current_comm(id->comm, sizeof(id->comm));
+	/* io_uring workers (iou-wrk-N) act for their process: name it */
+	{
+		struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+
+		if (BPF_CORE_READ(t, flags) & VT_PF_IO_WORKER)
+			BPF_CORE_READ_STR_INTO(&id->comm, t, group_leader, comm);
+	}
 }
 
 /* cgroup owning a bio (bio->bi_blkg->blkcg->css.cgroup->kn->id), 0 if none. */

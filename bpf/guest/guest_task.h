@@ -199,6 +199,60 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 	return 0;
 }
 
+#define IORING_READV 1
+#define IORING_WRITEV 2
+#define IORING_READ_FIXED 4
+#define IORING_WRITE_FIXED 5
+#define IORING_READ 22
+#define IORING_WRITE 23
+
+/*
+ * io_uring: each submitted read/write request names its file and offset; the
+ * bios it queues inline follow, so the in-flight io_uring_enter takes them.
+ * Optional: the tracepoint's name and arguments changed across kernels.
+ */
+SEC("?raw_tp/io_uring_submit_req")
+int BPF_PROG(uring_submit, struct io_kiocb *req)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	struct sys_info fi = {};
+	__u8 op;
+	__u64 pos = 0;
+	__u32 len = 0;
+	void *cmd;
+
+	if (!s || s->nr != NR_io_uring_enter)
+		return 0;
+	op = BPF_CORE_READ(req, opcode);
+	if (op != IORING_READV && op != IORING_WRITEV && op != IORING_READ_FIXED &&
+	    op != IORING_WRITE_FIXED && op != IORING_READ && op != IORING_WRITE)
+		return 0;
+	{
+		__u8 f0 = 0;
+
+		/* IOSQE_FIXED_FILE (bit 0): fd indexes the registered files */
+		bpf_core_read(&f0, 1, (void *)req + bpf_core_field_offset(struct io_kiocb, flags));
+		if (f0 & 1)
+			return 0;
+	}
+	if (!sys_file(&fi, BPF_CORE_READ(req, cqe.fd), false))
+		return 0;
+	/* struct io_rw { struct kiocb kiocb; u64 addr; u32 len; } overlays req->cmd */
+	cmd = (void *)req + bpf_core_field_offset(struct io_kiocb, cmd);
+	bpf_core_read(&pos, sizeof(pos), cmd + bpf_core_field_offset(struct kiocb, ki_pos));
+	bpf_core_read(&len, sizeof(len), cmd + bpf_core_type_size(struct kiocb) + 8);
+	s->inode = fi.inode;
+	s->direct = fi.direct;
+	s->offset = pos;
+	s->has_offset = 1;
+	s->dio_queued = 0;
+	if (op == IORING_READ || op == IORING_WRITE || op == IORING_READ_FIXED ||
+	    op == IORING_WRITE_FIXED)
+		s->bytes += len;
+	return 0;
+}
+
 SEC("raw_tp/sys_exit")
 int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
 {

@@ -132,10 +132,15 @@ int BPF_PROG(fe_queue_rq, struct blk_mq_hw_ctx *hctx, const struct blk_mq_queue_
 	return 0;
 }
 
+/* Its argument is a pointer to a pointer, which older verifiers refuse to let
+ * a tracing program read from the context: bpf_get_func_arg() reads it. */
 SEC("?fentry/virtio_queue_rqs")
-int BPF_PROG(fe_queue_rqs, void *list)
+int fe_queue_rqs(void *ctx)
 {
-	on_queue_rqs(list);
+	__u64 list = 0;
+
+	if (bpf_get_func_arg(ctx, 0, &list) == 0)
+		on_queue_rqs((void *)list);
 	return 0;
 }
 

@@ -211,11 +211,14 @@ fn start<'obj>(
     set_config(&mut open, f, emit_at_complete)?;
     for mut p in open.open_object_mut().progs_mut() {
         let name = p.name().to_string_lossy().into_owned();
-        let optional = HOOKS
+        if HOOKS
             .iter()
-            .any(|h| h.fentry.contains(&name.as_str()) || h.kprobe.contains(&name.as_str()));
-        if optional {
+            .any(|h| h.fentry.contains(&name.as_str()) || h.kprobe.contains(&name.as_str()))
+        {
             p.set_autoload(enabled.contains(name.as_str()));
+        } else if let Some((n, _)) = probe::OPTIONAL_TPS.iter().find(|(n, _)| *n == name) {
+            p.set_autoload(true);
+            enabled.insert(n);
         }
     }
     let skel = open
@@ -225,17 +228,18 @@ fn start<'obj>(
     let mut failed: HashSet<String> = HashSet::new();
     for p in skel.object().progs_mut() {
         let name = p.name().to_string_lossy().into_owned();
-        let optional = HOOKS
-            .iter()
-            .any(|h| h.fentry.contains(&name.as_str()) || h.kprobe.contains(&name.as_str()));
+        let optional = probe::is_optional(&name);
         if optional && !enabled.contains(name.as_str()) {
             continue;
         }
         match p.attach() {
             Ok(l) => links.push(l),
             Err(e) if optional => {
+                match probe::OPTIONAL_TPS.iter().find(|(n, _)| *n == name) {
+                    Some((_, what)) => blind.push(format!("{what}: attach failed: {e}")),
+                    None => blind.push(format!("program {name}: attach failed: {e}")),
+                }
                 failed.insert(name.clone());
-                blind.push(format!("program {name}: attach failed: {e}"));
             }
             Err(e) => return Err(e).with_context(|| format!("attaching {name} ({mode} mode)")),
         }

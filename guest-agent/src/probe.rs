@@ -92,6 +92,20 @@ pub const HOOKS: &[Hook] = &[
     },
 ];
 
+/// Tracepoint programs that may be missing on some kernels: (program, what it adds).
+pub const OPTIONAL_TPS: &[(&str, &str)] = &[(
+    "uring_submit",
+    "file and offset of io_uring requests (io_uring:io_uring_submit_req)",
+)];
+
+/// Whether `prog` is an optional program (a driver hook flavour or an optional tracepoint).
+pub fn is_optional(prog: &str) -> bool {
+    OPTIONAL_TPS.iter().any(|(p, _)| *p == prog)
+        || HOOKS
+            .iter()
+            .any(|h| h.fentry.contains(&prog) || h.kprobe.contains(&prog))
+}
+
 /// Module (or `vmlinux`) of each wanted kernel function, from /proc/kallsyms.
 pub fn find_symbols(kallsyms: &str, wanted: &[&str]) -> HashMap<String, String> {
     let mut out = HashMap::new();

@@ -193,10 +193,12 @@ impl Decoder {
         if !disk.is_empty() {
             self.disks.entry(dev).or_insert_with(|| disk.clone());
         }
+        let op = Op::from_linux_req_op(r.u32(140));
         Ok(GuestRq {
             disk,
-            op: Op::from_linux_req_op(r.u32(140)),
-            sector: r.u64(104),
+            op,
+            // A flush has no position (the kernel keeps -1); virtio sends 0.
+            sector: if op == Op::Flush { 0 } else { r.u64(104) },
             bytes: r.u32(136),
             queue: (r.u8(164) != 0).then(|| r.u16(160)),
             head: (r.u8(165) != 0).then(|| r.u16(162)),
@@ -263,10 +265,11 @@ mod tests {
         let mut b = vec![0u8; RQ_SIZE];
         put(&mut b, 0, &K_RQ.to_ne_bytes());
         put(&mut b, 4, &((253u32 << 20) | 16).to_ne_bytes());
-        put(&mut b, 8 + 8 * 1, &1000u64.to_ne_bytes()); // bio_queue
-        put(&mut b, 8 + 8 * 3, &2000u64.to_ne_bytes()); // rq_issue
-        put(&mut b, 8 + 8 * 5, &2100u64.to_ne_bytes()); // vq_add
-        put(&mut b, 8 + 8 * 9, &9000u64.to_ne_bytes()); // rq_complete
+        let ts_off = |p: Point| 8 + 8 * p as usize;
+        put(&mut b, ts_off(Point::BioQueue), &1000u64.to_ne_bytes());
+        put(&mut b, ts_off(Point::RqIssue), &2000u64.to_ne_bytes());
+        put(&mut b, ts_off(Point::VqAdd), &2100u64.to_ne_bytes());
+        put(&mut b, ts_off(Point::RqComplete), &9000u64.to_ne_bytes());
         put(&mut b, 104, &2048u64.to_ne_bytes());
         put(&mut b, 112, &77u64.to_ne_bytes());
         put(&mut b, 120, &12u64.to_ne_bytes());
@@ -325,6 +328,17 @@ mod tests {
             (None, None, None, None)
         );
         assert_eq!(r.error, -5);
+    }
+
+    #[test]
+    fn flush_has_sector_zero() {
+        let mut b = raw_rq();
+        put(&mut b, 140, &2u32.to_ne_bytes());
+        put(&mut b, 104, &u64::MAX.to_ne_bytes());
+        let Record::Rq(r) = Decoder::new().decode(&b).unwrap() else {
+            panic!()
+        };
+        assert_eq!((r.op, r.sector), (Op::Flush, 0));
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Where decoded records go: JSON lines, per-stage tables, slow-I/O waterfalls.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{self, BufWriter, Stdout, Write};
 use std::time::Duration;
 
@@ -114,7 +114,7 @@ struct StatsLine<'a> {
     guest_rq: u64,
     guest_io: u64,
     decode_errors: u64,
-    counters: HashMap<&'a str, u64>,
+    counters: BTreeMap<&'a str, u64>,
     stages: Vec<StageLine<'a>>,
 }
 

@@ -7,3 +7,4 @@ pub mod proto;
 pub mod record;
 pub mod stages;
 pub mod stats;
+pub mod transport;

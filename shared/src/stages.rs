@@ -197,6 +197,8 @@ pub struct Breakdown {
     pub substages: Stages,
     /// Last anchor − first anchor; `None` with fewer than two anchors.
     pub total_ns: Option<i64>,
+    /// Time of the first anchor (where the first stage starts).
+    pub start_ns: Option<u64>,
 }
 
 fn diff(a: u64, b: u64) -> i64 {
@@ -254,6 +256,7 @@ pub fn derive(ts: &Points) -> Breakdown {
         stages: Stages(stages),
         substages: Stages(substages),
         total_ns,
+        start_ns: first.map(|f| f.1),
     }
 }
 

@@ -116,8 +116,7 @@ impl ChromeTrace {
 
     /// Writes the trace as one JSON object (`{"traceEvents":[…]}`).
     pub fn write<W: Write>(&mut self, w: &mut W) -> io::Result<()> {
-        self.slices
-            .sort_by(|a, b| (a.start, a.end).cmp(&(b.start, b.end)));
+        self.slices.sort_by_key(|s| (s.start, s.end));
         let mut pids: HashMap<String, u32> = HashMap::new();
         // (vm, track) → (first tid, lane end times)
         let mut lanes: HashMap<(String, String), Vec<(u32, u64)>> = HashMap::new();

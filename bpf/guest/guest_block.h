@@ -385,8 +385,14 @@ int BPF_PROG(rq_complete, struct request *rq, int error, unsigned int nr_bytes)
 		return 0;
 	st->ev.ts[P_RQ_COMPLETE] = bpf_ktime_get_ns();
 	st->ev.status = error & 0xff;
-	/* Without a hook after the bios end, emit when the last bytes complete. */
-	if (emit_at_rq_complete && nr_bytes >= BPF_CORE_READ(rq, __data_len))
+	/*
+	 * Without a hook after the bios end, emit when the last bytes complete.
+	 * Also when the driver completion was not seen although hooked: kprobes
+	 * nested in another BPF kprobe are skipped by the kernel, so the later
+	 * blk_update_request return would likely be missed as well.
+	 */
+	if ((emit_at_rq_complete || (have_driver_complete && !st->ev.ts[P_DRIVER_COMPLETE])) &&
+	    nr_bytes >= BPF_CORE_READ(rq, __data_len))
 		emit_rq(key, st);
 	return 0;
 }

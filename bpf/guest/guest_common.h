@@ -13,8 +13,10 @@ const volatile __u64 filter_cgroup = 0;	/* cgroup v2 id, 0 = any */
 const volatile __u8 filter_disk_on = 0;
 const volatile __s32 filter_disk_major = 0;
 const volatile __s32 filter_disk_minor = 0;
-/* 1: tracepoint mode, emit request records at block_rq_complete. */
+/* 1: no hook after the bios end (tracepoint mode): emit at block_rq_complete. */
 const volatile __u8 emit_at_rq_complete = 0;
+/* 1: blk_mq_complete_request is hooked (g.driver_complete expected). */
+const volatile __u8 have_driver_complete = 0;
 /* Wake the reader once this many bytes are pending (else it polls). */
 const volatile __u64 wakeup_bytes = 64 * 1024;
 
@@ -83,7 +85,7 @@ struct vq_state {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
-	__uint(max_entries, 1 << 20);
+	__uint(max_entries, 512 * 1024);
 } events SEC(".maps");
 
 struct {

@@ -211,8 +211,24 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
  * bios it queues inline follow, so the in-flight io_uring_enter takes them.
  * Optional: the tracepoint's name and arguments changed across kernels.
  */
+static __always_inline void uring_req(struct io_kiocb *req);
+
 SEC("?raw_tp/io_uring_submit_req")
 int BPF_PROG(uring_submit, struct io_kiocb *req)
+{
+	uring_req(req);
+	return 0;
+}
+
+/* Before 6.2 the same tracepoint was io_uring_submit_sqe(req, force_nonblock). */
+SEC("?raw_tp/io_uring_submit_sqe")
+int BPF_PROG(uring_submit_sqe, struct io_kiocb *req)
+{
+	uring_req(req);
+	return 0;
+}
+
+static __always_inline void uring_req(struct io_kiocb *req)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, &tid);
@@ -223,21 +239,21 @@ int BPF_PROG(uring_submit, struct io_kiocb *req)
 	void *cmd;
 
 	if (!s || s->nr != NR_io_uring_enter)
-		return 0;
+		return;
 	op = BPF_CORE_READ(req, opcode);
 	if (op != IORING_READV && op != IORING_WRITEV && op != IORING_READ_FIXED &&
 	    op != IORING_WRITE_FIXED && op != IORING_READ && op != IORING_WRITE)
-		return 0;
+		return;
 	{
 		__u8 f0 = 0;
 
 		/* IOSQE_FIXED_FILE (bit 0): fd indexes the registered files */
 		bpf_core_read(&f0, 1, (void *)req + bpf_core_field_offset(struct io_kiocb, flags));
 		if (f0 & 1)
-			return 0;
+			return;
 	}
 	if (!sys_file(&fi, BPF_CORE_READ(req, cqe.fd), false))
-		return 0;
+		return;
 	/* struct io_rw { struct kiocb kiocb; u64 addr; u32 len; } overlays req->cmd */
 	cmd = (void *)req + bpf_core_field_offset(struct io_kiocb, cmd);
 	bpf_core_read(&pos, sizeof(pos), cmd + bpf_core_field_offset(struct kiocb, ki_pos));
@@ -250,7 +266,6 @@ int BPF_PROG(uring_submit, struct io_kiocb *req)
 	if (op == IORING_READ || op == IORING_WRITE || op == IORING_READ_FIXED ||
 	    op == IORING_WRITE_FIXED)
 		s->bytes += len;
-	return 0;
 }
 
 SEC("raw_tp/sys_exit")

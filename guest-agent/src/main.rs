@@ -148,6 +148,7 @@ fn set_config(
     open: &mut OpenViotraceGuestSkel<'_>,
     f: &Filters,
     emit_at_complete: bool,
+    have_driver_complete: bool,
 ) -> Result<()> {
     let ro = open
         .maps
@@ -170,6 +171,7 @@ fn set_config(
         ro.filter_disk_minor = min;
     }
     ro.emit_at_rq_complete = u8::from(emit_at_complete);
+    ro.have_driver_complete = u8::from(have_driver_complete);
     Ok(())
 }
 
@@ -189,9 +191,9 @@ fn start<'obj>(
             ));
         }
     } else {
-        let ks = std::fs::read_to_string("/proc/kallsyms").context("reading /proc/kallsyms")?;
+        let ks = std::fs::File::open("/proc/kallsyms").context("opening /proc/kallsyms")?;
         let wanted: Vec<&str> = HOOKS.iter().map(|h| h.target).collect();
-        let syms = probe::find_symbols(&ks, &wanted);
+        let syms = probe::find_symbols(std::io::BufReader::new(ks), &wanted);
         for h in HOOKS {
             match probe::unusable(mode, h.target, &syms) {
                 None => enabled.extend(if mode == Mode::Fentry {
@@ -208,7 +210,9 @@ fn start<'obj>(
 
     let builder = ViotraceGuestSkelBuilder::default();
     let mut open = builder.open(storage).context("opening BPF object")?;
-    set_config(&mut open, f, emit_at_complete)?;
+    let have_driver_complete =
+        enabled.contains("fe_complete_request") || enabled.contains("kp_complete_request");
+    set_config(&mut open, f, emit_at_complete, have_driver_complete)?;
     for mut p in open.open_object_mut().progs_mut() {
         let name = p.name().to_string_lossy().into_owned();
         if HOOKS
@@ -216,7 +220,11 @@ fn start<'obj>(
             .any(|h| h.fentry.contains(&name.as_str()) || h.kprobe.contains(&name.as_str()))
         {
             p.set_autoload(enabled.contains(name.as_str()));
-        } else if let Some((n, _)) = probe::OPTIONAL_TPS.iter().find(|(n, _)| *n == name) {
+        } else if let Some(n) = probe::OPTIONAL_TPS
+            .iter()
+            .flat_map(|(progs, _)| progs.iter())
+            .find(|n| **n == name)
+        {
             p.set_autoload(true);
             enabled.insert(n);
         }
@@ -235,13 +243,20 @@ fn start<'obj>(
         match p.attach() {
             Ok(l) => links.push(l),
             Err(e) if optional => {
-                match probe::OPTIONAL_TPS.iter().find(|(n, _)| *n == name) {
-                    Some((_, what)) => blind.push(format!("{what}: attach failed: {e}")),
-                    None => blind.push(format!("program {name}: attach failed: {e}")),
+                if !probe::OPTIONAL_TPS
+                    .iter()
+                    .any(|(p, _)| p.contains(&name.as_str()))
+                {
+                    blind.push(format!("program {name}: attach failed: {e}"));
                 }
                 failed.insert(name.clone());
             }
             Err(e) => return Err(e).with_context(|| format!("attaching {name} ({mode} mode)")),
+        }
+    }
+    for (progs, what) in probe::OPTIONAL_TPS {
+        if progs.iter().all(|p| failed.contains(*p)) {
+            blind.push(format!("{what}: no such tracepoint"));
         }
     }
     // A hook is blind if any of its programs failed to attach.

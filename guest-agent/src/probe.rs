@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::io::BufRead;
 use std::path::Path;
 
 use clap::ValueEnum;
@@ -92,24 +93,27 @@ pub const HOOKS: &[Hook] = &[
     },
 ];
 
-/// Tracepoint programs that may be missing on some kernels: (program, what it adds).
-pub const OPTIONAL_TPS: &[(&str, &str)] = &[(
-    "uring_submit",
-    "file and offset of io_uring requests (io_uring:io_uring_submit_req)",
+/// Optional tracepoint programs, by group: a group is blind only when none of
+/// its programs attaches (tracepoints get renamed across kernels).
+pub const OPTIONAL_TPS: &[(&[&str], &str)] = &[(
+    &["uring_submit", "uring_submit_sqe"],
+    "file and offset of io_uring requests (io_uring:io_uring_submit_req/_sqe)",
 )];
 
 /// Whether `prog` is an optional program (a driver hook flavour or an optional tracepoint).
 pub fn is_optional(prog: &str) -> bool {
-    OPTIONAL_TPS.iter().any(|(p, _)| *p == prog)
+    OPTIONAL_TPS.iter().any(|(p, _)| p.contains(&prog))
         || HOOKS
             .iter()
             .any(|h| h.fentry.contains(&prog) || h.kprobe.contains(&prog))
 }
 
-/// Module (or `vmlinux`) of each wanted kernel function, from /proc/kallsyms.
-pub fn find_symbols(kallsyms: &str, wanted: &[&str]) -> HashMap<String, String> {
+/// Module (or `vmlinux`) of each wanted kernel function, from /proc/kallsyms
+/// (streamed: the file is several MB).
+pub fn find_symbols<R: BufRead>(kallsyms: R, wanted: &[&str]) -> HashMap<String, String> {
     let mut out = HashMap::new();
     for line in kallsyms.lines() {
+        let Ok(line) = line else { break };
         let mut it = line.split_whitespace();
         let (Some(_addr), Some(ty), Some(name)) = (it.next(), it.next(), it.next()) else {
             continue;

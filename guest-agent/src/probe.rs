@@ -164,7 +164,7 @@ mod tests {
                   ffffffff82000000 d vring_interrupt\n\
                   garbage\n";
         let s = find_symbols(
-            ks,
+            ks.as_bytes(),
             &["virtio_queue_rq", "blk_update_request", "vring_interrupt"],
         );
         assert_eq!(

@@ -3,15 +3,15 @@
  * viotrace host side: follows every virtio-blk virtqueue element through QEMU
  * (stock binary, exported symbols only) and the host kernel.
  *
- * Uprobes (attached per QEMU process by the agent, also filtered by tgid here):
- *   virtio_blk_handle_vq   entry   h.notify (per kick), registers the virtio-blk queue
- *   virtqueue_pop          entry   remembers the VirtQueue argument per thread
- *   virtqueue_pop          return  h.pop: element state (head, header, sizes)
- *   blk_aio_*              entry   h.submit: backend I/O (merge chain via mr_next)
- *   virtqueue_push         entry   h.push, status byte, host I/O points copied in
- *   virtio_notify_irqfd    entry   arms h.irq; the eventfd write (sys_enter_write) confirms it
- * Kernel tracepoints: pread/pwrite(v), fdatasync, io_submit, io_uring submit/complete,
- * block_rq_issue/complete, write (guest notifier), sched_process_exit.
+ * Uprobes hit per guest request (attached per QEMU process, also filtered by tgid):
+ *   blk_aio_preadv/pwritev/flush/…  entry   h.submit: element state from the
+ *                                           VirtIOBlockReq (opaque), merge chain via mr_next
+ *   virtqueue_push                  entry   h.push, status byte, host I/O points copied in
+ * Optional (--pop): virtio_blk_handle_vq entry and virtqueue_pop entry+return for h.pop.
+ * Rare paths: virtio_notify (non-dataplane notification).
+ * Kernel tracepoints: read/write of the virtqueue's host/guest notifier eventfds
+ * (h.notify, h.irq), pread/pwrite(v), fdatasync, io_submit, io_uring submit/complete,
+ * block_rq_issue/complete, sched_process_exit.
  *
  * One ring-buffer record per element, emitted when the guest is notified
  * (or when the pending list of its queue overflows, or by userspace at exit).
@@ -42,8 +42,23 @@ struct vq_state {
 	__u64 push_seq;  /* next sequence number for a pushed element */
 	__u64 flush_seq; /* first pushed element not yet emitted */
 	__u16 queue;
-	__u16 pad[3];
+	__u16 pad;
+	__s32 kick_fd; /* host notifier rfd seen at registration */
 };
+
+struct fd_key {
+	__u32 tgid;
+	__s32 fd;
+};
+
+struct fd_val {
+	__u64 vq;
+	__u32 kind; /* FD_KICK or FD_IRQ */
+	__u32 pad;
+};
+
+#define FD_KICK 1
+#define FD_IRQ 2
 
 struct pushed_key {
 	__u32 tgid;
@@ -65,11 +80,6 @@ struct tid_io {
 	__u64 merge_id;
 };
 
-struct irq_arm {
-	__u64 vq;
-	__s32 wfd;
-	__u32 pad;
-};
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -143,10 +153,10 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 4096);
-	__type(key, __u32); /* tid */
-	__type(value, struct irq_arm);
-} irq_armed SEC(".maps");
+	__uint(max_entries, 8192);
+	__type(key, struct fd_key);
+	__type(value, struct fd_val);
+} notifier_fds SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -206,8 +216,52 @@ static __always_inline void emit(struct host_rec *r)
 	stat_inc(ST_RECORDS);
 }
 
+/* ---- virtqueues and their notifier eventfds ---- */
+
+static __always_inline void fd_register(__u32 tgid, __s32 fd, __u64 vq, __u32 kind)
+{
+	if (fd < 0)
+		return;
+	struct fd_key k = { .tgid = tgid, .fd = fd };
+	struct fd_val v = { .vq = vq, .kind = kind };
+	bpf_map_update_elem(&notifier_fds, &k, &v, BPF_ANY);
+}
+
+static __always_inline __s32 read_fd(__u64 addr)
+{
+	__s32 fd = -1;
+	if (bpf_probe_read_user(&fd, sizeof(fd), (void *)addr))
+		return -1;
+	return fd;
+}
+
+/* Finds or registers a virtio-blk VirtQueue (and its notifier fds). */
+static __always_inline struct vq_state *vq_get(struct qemu_layout *l, __u32 tgid, __u64 vq, __u64 dev)
+{
+	struct tg_ptr k = { .tgid = tgid, .ptr = vq };
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &k);
+	if (st || !vq)
+		return st;
+	struct vq_state n = { .dev = dev, .kick_fd = -1 };
+	__u16 qi = 0xffff;
+	bpf_probe_read_user(&qi, sizeof(qi), (void *)(vq + l->vq_queue_index));
+	if (qi >= 1024) { /* VIRTIO_QUEUE_MAX */
+		stat_inc(ST_BAD_QUEUE_INDEX);
+		qi = 0xffff;
+	}
+	n.queue = qi;
+	if (l->flags & QL_HAVE_NOTIFIER) {
+		n.kick_fd = read_fd(vq + l->vq_host_notifier_rfd);
+		fd_register(tgid, n.kick_fd, vq, FD_KICK);
+		fd_register(tgid, read_fd(vq + l->vq_guest_notifier_wfd), vq, FD_IRQ);
+	}
+	bpf_map_update_elem(&vqs, &k, &n, BPF_NOEXIST);
+	return bpf_map_lookup_elem(&vqs, &k);
+}
+
 /* ---- QEMU uprobes ---- */
 
+/* --pop only: registers the queue before its first element is popped. */
 SEC("uprobe")
 int BPF_KPROBE(handle_vq, void *s, void *vq)
 {
@@ -215,22 +269,9 @@ int BPF_KPROBE(handle_vq, void *s, void *vq)
 	struct qemu_layout *l = this_proc(&tgid);
 	if (!l)
 		return 0;
-	struct tg_ptr k = { .tgid = tgid, .ptr = (__u64)vq };
-	__u64 now = bpf_ktime_get_ns();
-	struct vq_state *st = bpf_map_lookup_elem(&vqs, &k);
-	if (st) {
-		st->last_kick = now;
-		return 0;
-	}
-	struct vq_state n = { .dev = (__u64)s, .last_kick = now };
-	__u16 qi = 0xffff;
-	bpf_probe_read_user(&qi, sizeof(qi), (void *)((__u64)vq + l->vq_queue_index));
-	if (qi >= 1024) { /* VIRTIO_QUEUE_MAX */
-		stat_inc(ST_BAD_QUEUE_INDEX);
-		qi = 0xffff;
-	}
-	n.queue = qi;
-	bpf_map_update_elem(&vqs, &k, &n, BPF_NOEXIST);
+	struct vq_state *st = vq_get(l, tgid, (__u64)vq, (__u64)s);
+	if (st && !(l->flags & QL_HAVE_NOTIFIER))
+		st->last_kick = bpf_ktime_get_ns();
 	return 0;
 }
 
@@ -259,6 +300,19 @@ static __always_inline __u32 sg_bytes(__u64 sg, __u32 n)
 	return total;
 }
 
+/* The fields every record gets from the element itself (VirtIOBlockReq). */
+static __always_inline void rec_init(struct host_rec *r, struct qemu_layout *l, __u32 tgid,
+				     __u64 e, __u64 vq, struct vq_state *st)
+{
+	__builtin_memset(r, 0, sizeof(*r));
+	r->ts[HP_NOTIFY] = st->last_kick;
+	r->tgid = tgid;
+	r->vq = vq;
+	r->dev = st->dev;
+	r->queue = st->queue;
+	r->head = (__u16)read_u32(e + l->elem_index);
+}
+
 SEC("uretprobe")
 int BPF_KRETPROBE(pop_ret, void *ret)
 {
@@ -284,15 +338,9 @@ int BPF_KRETPROBE(pop_ret, void *ret)
 	struct host_rec *r = bpf_map_lookup_elem(&scratch, &z);
 	if (!r)
 		return 0;
-	__builtin_memset(r, 0, sizeof(*r));
 	__u64 e = (__u64)ret;
-	r->ts[HP_NOTIFY] = st->last_kick;
+	rec_init(r, l, tgid, e, vq, st);
 	r->ts[HP_POP] = bpf_ktime_get_ns();
-	r->tgid = tgid;
-	r->vq = vq;
-	r->dev = st->dev;
-	r->queue = st->queue;
-	r->head = (__u16)read_u32(e + l->elem_index);
 	__u32 out_num = read_u32(e + l->elem_out_num);
 	__u32 in_num = read_u32(e + l->elem_in_num);
 	__u64 out_sg = read_u64(e + l->elem_out_sg);
@@ -314,65 +362,143 @@ int BPF_KRETPROBE(pop_ret, void *ret)
 	out_b = out_b > VIRTIO_BLK_OUTHDR ? out_b - VIRTIO_BLK_OUTHDR : 0;
 	in_b = in_b > 1 ? in_b - 1 : 0; /* status byte */
 	r->bytes = out_b + in_b;
+	r->flags |= HR_HAVE_BYTES;
 	struct tg_ptr ek = { .tgid = tgid, .ptr = e };
 	if (bpf_map_update_elem(&elems, &ek, r, BPF_ANY))
 		stat_inc(ST_ELEMS_FULL);
 	return 0;
 }
 
+/*
+ * Element state from a VirtIOBlockReq seen for the first time at submit or push
+ * (default mode: no virtqueue_pop probe). The header comes from the request's
+ * own copy (req->out). Returns the tracked state or NULL.
+ */
+static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u32 tgid, __u64 req,
+						      int create_vq)
+{
+	struct tg_ptr ek = { .tgid = tgid, .ptr = req };
+	struct host_rec *r = bpf_map_lookup_elem(&elems, &ek);
+	if (r)
+		return r;
+	__u64 vq = read_u64(req + l->req_vq);
+	struct vq_state *st;
+	if (create_vq) {
+		/* blk_aio_* serve every device model: a VirtIOBlockReq's queue belongs
+		 * to the request's device (vq->vdev == req->dev). */
+		__u64 dev = read_u64(req + l->req_dev);
+		if (!vq || !dev || read_u64(vq + l->vq_vdev) != dev)
+			return NULL;
+		st = vq_get(l, tgid, vq, dev);
+	} else {
+		struct tg_ptr vk = { .tgid = tgid, .ptr = vq };
+		st = bpf_map_lookup_elem(&vqs, &vk);
+	}
+	if (!st)
+		return NULL;
+	__u32 z = 0;
+	r = bpf_map_lookup_elem(&scratch, &z);
+	if (!r)
+		return NULL;
+	rec_init(r, l, tgid, req, vq, st);
+	struct {
+		__u32 type;
+		__u32 ioprio;
+		__u64 sector;
+	} hdr = {};
+	if (bpf_probe_read_user(&hdr, sizeof(hdr), (void *)(req + l->req_out))) {
+		stat_inc(ST_HDR_FAULT);
+		r->flags |= HR_HDR_FAULT;
+	}
+	r->type = hdr.type;
+	r->sector = hdr.sector;
+	if (bpf_map_update_elem(&elems, &ek, r, BPF_ANY)) {
+		stat_inc(ST_ELEMS_FULL);
+		return NULL;
+	}
+	return bpf_map_lookup_elem(&elems, &ek);
+}
+
 struct chain_ctx {
+	struct qemu_layout *l;
 	__u32 tgid;
 	__u32 n;
-	__u32 mr_next_off;
 	__u8 merged;
 	__u8 follow;
 	__u16 pad;
+	__u32 pad2;
 	__u64 req;
 	__u64 id;
 	__u64 now;
+	__u64 other_bytes; /* data bytes of all but the first request */
 };
 
 static long chain_one(__u64 i, void *data)
 {
 	struct chain_ctx *c = data;
-	struct tg_ptr ek = { .tgid = c->tgid, .ptr = c->req };
-	struct host_rec *r = bpf_map_lookup_elem(&elems, &ek);
+	struct qemu_layout *l = c->l;
+	if (!l)
+		return 1;
+	struct host_rec *r = elem_from_req(l, c->tgid, c->req, 1);
 	if (r) {
 		r->ts[HP_SUBMIT] = c->now;
 		r->merge_id = c->id;
 		if (c->merged)
 			r->flags |= HR_MERGED;
+		if (i > 0) {
+			/* a merged-in request keeps its own qiov */
+			__u32 b = (__u32)read_u64(c->req + l->req_qiov_size);
+			c->other_bytes += b;
+			if (!(r->flags & HR_HAVE_BYTES)) {
+				r->bytes = b;
+				r->flags |= HR_HAVE_BYTES;
+			}
+		}
 		c->n++;
 	}
 	if (!c->follow)
 		return 1;
-	c->req = read_u64(c->req + c->mr_next_off);
+	c->req = read_u64(c->req + l->req_mr_next);
 	return c->req ? 0 : 1;
 }
 
-/* A backend request for opaque (the first VirtIOBlockReq of a possibly merged chain). */
-static __always_inline int on_submit(__u64 opaque, __u64 buf, int has_buf)
+/*
+ * A backend request for opaque (the first VirtIOBlockReq of a possibly merged
+ * chain). size: bytes of the backend request (merged qiov), or -1 when the
+ * request has no data (flush) or its size is the given range (discard).
+ */
+static __always_inline int on_submit(void *opaque_p, __u64 buf, int has_buf, __s64 size)
 {
 	__u32 tgid;
 	struct qemu_layout *l = this_proc(&tgid);
 	if (!l)
 		return 0;
-	struct tg_ptr ek = { .tgid = tgid, .ptr = opaque };
-	if (!bpf_map_lookup_elem(&elems, &ek))
-		return 0; /* not a virtio-blk element we track */
+	__u64 opaque = (__u64)opaque_p;
+	/* Only virtio-blk requests: the request's vq must be a virtio-blk queue we
+	 * know, or its dev the VirtIOBlock of one (first request of a device). */
+	struct host_rec *first = elem_from_req(l, tgid, opaque, 1);
+	if (!first)
+		return 0;
 	struct chain_ctx c = {
+		.l = l,
 		.tgid = tgid,
-		.mr_next_off = l->req_mr_next,
 		.follow = (l->flags & QL_HAVE_MR_NEXT) ? 1 : 0,
 		.req = opaque,
 		.now = bpf_ktime_get_ns(),
 	};
 	c.id = __sync_fetch_and_add(&next_merge_id, 1) + 1;
-	if (c.follow && read_u64(opaque + c.mr_next_off))
+	if (c.follow && read_u64(opaque + l->req_mr_next))
 		c.merged = 1;
 	bpf_loop(MAX_CHAIN, chain_one, &c, 0);
 	if (c.req && c.follow)
 		stat_inc(ST_CHAIN_LONG);
+	struct tg_ptr ek = { .tgid = tgid, .ptr = opaque };
+	first = bpf_map_lookup_elem(&elems, &ek);
+	if (first && !(first->flags & HR_HAVE_BYTES)) {
+		__u64 b = size >= 0 ? (__u64)size : 0;
+		first->bytes = b > c.other_bytes ? (__u32)(b - c.other_bytes) : 0;
+		first->flags |= HR_HAVE_BYTES;
+	}
 	if (c.merged) {
 		__u32 idx = ST_SUBMIT_MERGED;
 		__u64 *v = bpf_map_lookup_elem(&stats, &idx);
@@ -392,34 +518,36 @@ static __always_inline int on_submit(__u64 opaque, __u64 buf, int has_buf)
 	return 0;
 }
 
-static __always_inline __u64 qiov_first_buf(__u64 qiov)
-{
-	__u64 iov = read_u64(qiov); /* QEMUIOVector.iov */
-	return iov ? read_u64(iov) : 0;
-}
-
 SEC("uprobe")
 int BPF_KPROBE(submit_rw, void *blk, __s64 offset, void *qiov, int flags, void *cb, void *opaque)
 {
-	return on_submit((__u64)opaque, qiov_first_buf((__u64)qiov), 1);
+	__u64 q = (__u64)qiov;
+	__u64 iov = read_u64(q); /* QEMUIOVector.iov */
+	__u64 buf = iov ? read_u64(iov) : 0;
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l)
+		return 0;
+	__s64 size = (__s64)read_u64(q + l->qiov_size);
+	return on_submit(opaque, buf, 1, size);
 }
 
 SEC("uprobe")
 int BPF_KPROBE(submit_flush, void *blk, void *cb, void *opaque)
 {
-	return on_submit((__u64)opaque, 0, 1);
+	return on_submit(opaque, 0, 1, -1);
 }
 
 SEC("uprobe")
 int BPF_KPROBE(submit_discard, void *blk, __s64 offset, __s64 bytes, void *cb, void *opaque)
 {
-	return on_submit((__u64)opaque, 0, 0);
+	return on_submit(opaque, 0, 0, bytes);
 }
 
 SEC("uprobe")
 int BPF_KPROBE(submit_wzeroes, void *blk, __s64 offset, __s64 bytes, int flags, void *cb, void *opaque)
 {
-	return on_submit((__u64)opaque, 0, 0);
+	return on_submit(opaque, 0, 0, bytes);
 }
 
 static __always_inline void io_release(__u32 tgid, __u64 id, struct host_rec *r)
@@ -450,12 +578,14 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 	struct qemu_layout *l = this_proc(&tgid);
 	if (!l)
 		return 0;
+	struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
+	if (!st)
+		return 0; /* not a virtio-blk queue (yet) */
 	struct tg_ptr ek = { .tgid = tgid, .ptr = (__u64)elem };
-	struct host_rec *r = bpf_map_lookup_elem(&elems, &ek);
+	struct host_rec *r = elem_from_req(l, tgid, (__u64)elem, 0);
 	if (!r) {
-		struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
-		if (bpf_map_lookup_elem(&vqs, &vk))
-			stat_inc(ST_PUSH_UNKNOWN);
+		stat_inc(ST_PUSH_UNKNOWN);
 		return 0;
 	}
 	r->ts[HP_PUSH] = bpf_ktime_get_ns();
@@ -468,12 +598,17 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 	if (r->merge_id)
 		io_release(tgid, r->merge_id, r);
 
-	struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
-	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
-	if (!st || !(l->flags & QL_HAVE_NOTIFIER)) {
+	if (!(l->flags & QL_HAVE_NOTIFIER)) {
 		emit(r);
 		bpf_map_delete_elem(&elems, &ek);
 		return 0;
+	}
+	/* notifier fds change when the guest resets the device: follow them */
+	__s32 kfd = read_fd((__u64)vq + l->vq_host_notifier_rfd);
+	if (kfd != st->kick_fd) {
+		st->kick_fd = kfd;
+		fd_register(tgid, kfd, (__u64)vq, FD_KICK);
+		fd_register(tgid, read_fd((__u64)vq + l->vq_guest_notifier_wfd), (__u64)vq, FD_IRQ);
 	}
 	struct pushed_key pk = { .tgid = tgid, .vq = (__u64)vq, .seq = st->push_seq };
 	if (bpf_map_update_elem(&pushed, &pk, r, BPF_ANY)) {
@@ -496,23 +631,6 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 		st->flush_seq++;
 		stat_inc(ST_PENDING_EVICT);
 	}
-	return 0;
-}
-
-SEC("uprobe")
-int BPF_KPROBE(notify_irqfd, void *vdev, void *vq)
-{
-	__u32 tgid;
-	struct qemu_layout *l = this_proc(&tgid);
-	if (!l || !(l->flags & QL_HAVE_NOTIFIER))
-		return 0;
-	struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
-	if (!bpf_map_lookup_elem(&vqs, &vk))
-		return 0;
-	struct irq_arm a = { .vq = (__u64)vq, .wfd = -1 };
-	bpf_probe_read_user(&a.wfd, sizeof(a.wfd), (void *)((__u64)vq + l->vq_guest_notifier_wfd));
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	bpf_map_update_elem(&irq_armed, &tid, &a, BPF_ANY);
 	return 0;
 }
 
@@ -551,22 +669,40 @@ static __always_inline void flush_vq(__u32 tgid, __u64 vq)
 	bpf_loop(n, flush_one, &c, 0);
 }
 
-/* The guest notifier eventfd write of an armed virtio_notify_irqfd: h.irq. */
+/* QEMU writes the guest notifier eventfd of a queue (event_notifier_set from
+ * virtio_notify_irqfd): the guest interrupt, h.irq. */
 SEC("tracepoint/syscalls/sys_enter_write")
 int irq_write(struct trace_event_raw_sys_enter *ctx)
 {
-	__u64 id = bpf_get_current_pid_tgid();
-	__u32 tgid = id >> 32, tid = (__u32)id;
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
 	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
 		return 0;
-	struct irq_arm *a = bpf_map_lookup_elem(&irq_armed, &tid);
-	if (!a)
+	struct fd_key k = { .tgid = tgid, .fd = (__s32)ctx->args[0] };
+	struct fd_val *v = bpf_map_lookup_elem(&notifier_fds, &k);
+	if (!v || v->kind != FD_IRQ)
 		return 0;
-	if ((__s32)ctx->args[0] != a->wfd)
+	flush_vq(tgid, v->vq);
+	return 0;
+}
+
+/* QEMU reads a queue's host notifier eventfd (event_notifier_test_and_clear)
+ * before it handles the guest's kick: h.notify. */
+SEC("tracepoint/syscalls/sys_enter_read")
+int kick_read(struct trace_event_raw_sys_enter *ctx)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
 		return 0;
-	__u64 vq = a->vq;
-	bpf_map_delete_elem(&irq_armed, &tid);
-	flush_vq(tgid, vq);
+	struct fd_key k = { .tgid = tgid, .fd = (__s32)ctx->args[0] };
+	struct fd_val *v = bpf_map_lookup_elem(&notifier_fds, &k);
+	if (!v || v->kind != FD_KICK)
+		return 0;
+	struct tg_ptr vk = { .tgid = tgid, .ptr = v->vq };
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
+	if (st) {
+		st->last_kick = bpf_ktime_get_ns();
+		stat_inc(ST_KICKS);
+	}
 	return 0;
 }
 
@@ -848,7 +984,6 @@ int proc_exit(void *ctx)
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	bpf_map_delete_elem(&pop_arg, &tid);
-	bpf_map_delete_elem(&irq_armed, &tid);
 	bpf_map_delete_elem(&tid_ios, &tid);
 	if (tgid != tid)
 		return 0;

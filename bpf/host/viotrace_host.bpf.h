@@ -22,7 +22,9 @@ enum {
 struct qemu_layout {
 	/* VirtQueue */
 	__u32 vq_queue_index;
-	__u32 vq_guest_notifier_wfd;
+	__u32 vq_guest_notifier_wfd; /* guest_notifier.wfd: written to interrupt the guest */
+	__u32 vq_host_notifier_rfd;  /* host_notifier.rfd: read when QEMU handles a kick */
+	__u32 vq_vdev;               /* VirtIODevice *vdev */
 	/* VirtQueueElement (first member of VirtIOBlockReq) */
 	__u32 elem_index;
 	__u32 elem_out_num;
@@ -30,16 +32,20 @@ struct qemu_layout {
 	__u32 elem_in_sg;
 	__u32 elem_out_sg;
 	/* VirtIOBlockReq */
+	__u32 req_dev;
+	__u32 req_vq;
 	__u32 req_in;
+	__u32 req_out;       /* struct virtio_blk_outhdr copy */
+	__u32 req_qiov_size; /* qiov.size */
+	__u32 qiov_size;     /* QEMUIOVector.size */
 	__u32 req_mr_next;
 	/* LuringAIOCB: offset of the io_uring_sqe copy (its addr field is at +16) */
 	__u32 luring_sqe;
 	/* which optional parts are valid (QL_*) */
 	__u32 flags;
-	__u32 pad;
 };
 
-#define QL_HAVE_NOTIFIER 1u /* vq_guest_notifier_wfd valid: h.irq via eventfd write */
+#define QL_HAVE_NOTIFIER 1u /* notifier fds valid: h.notify/h.irq via eventfd read/write */
 #define QL_HAVE_MR_NEXT 2u  /* req_mr_next valid: multireq merge followed */
 #define QL_HAVE_LURING 4u   /* luring_sqe valid: io_uring I/O matched */
 #define QL_HAVE_REQ_IN 8u   /* req_in valid: status byte read at push */
@@ -66,6 +72,7 @@ struct host_rec {
 #define HR_HDR_FAULT 1    /* request header could not be read */
 #define HR_IRQ_EVICTED 2  /* emitted without waiting for the notification (pending list full) */
 #define HR_MERGED 4       /* part of a multi-request backend I/O */
+#define HR_HAVE_BYTES 8   /* bytes is set */
 
 /* Counters in the stats array map. */
 enum {
@@ -85,6 +92,7 @@ enum {
 	ST_RECORDS,          /* records emitted */
 	ST_PROC_EXIT,        /* traced QEMU processes that exited */
 	ST_CHAIN_LONG,       /* merge chain longer than the walk limit */
+	ST_KICKS,            /* guest kicks handled (host notifier reads) */
 	ST_NR,
 };
 

@@ -50,6 +50,10 @@ struct Cli {
     /// tables and waterfalls go to stderr.
     #[arg(long)]
     json: bool,
+    /// Also probe virtqueue_pop for h.pop (and the element's sizes from its
+    /// scatter list): three more uprobe hits per request on QEMU's I/O thread.
+    #[arg(long)]
+    pop: bool,
     /// Create this file once the probes are attached.
     #[arg(long, value_name = "FILE")]
     ready_file: Option<PathBuf>,
@@ -139,7 +143,7 @@ fn run() -> Result<()> {
 
     tracer::ensure_tracefs()?;
     let mut storage = MaybeUninit::uninit();
-    let tracer = Rc::new(RefCell::new(Tracer::open(&mut storage)?));
+    let tracer = Rc::new(RefCell::new(Tracer::open(&mut storage, cli.pop)?));
     for (what, e) in &tracer.borrow().missing_kernel {
         eprintln!("viotrace-host: warning: kernel probe {what} not attached: {e}");
     }

@@ -261,13 +261,20 @@ fn parse_blockdev(val: &str) -> Vec<Drive> {
 pub struct Layout {
     pub vq_queue_index: u32,
     pub vq_guest_notifier: u32,
+    pub vq_host_notifier: u32,
+    pub vq_vdev: u32,
     pub elem_index: u32,
     pub elem_out_num: u32,
     pub elem_in_num: u32,
     pub elem_in_sg: u32,
     pub elem_out_sg: u32,
+    pub req_dev: u32,
+    pub req_vq: u32,
     pub req_in: u32,
+    pub req_out: u32,
+    pub req_qiov_size: u32,
     pub req_mr_next: u32,
+    pub qiov_size: u32,
     pub luring_sqe: u32,
     /// DeviceState.id within a QOM object; Object.parent.
     pub dev_id: u32,
@@ -279,9 +286,13 @@ pub struct Layout {
 const KNOWN_LAYOUTS: &[(&str, Layout)] = &[(
     "7.2",
     Layout {
-        // struct VirtQueue: VRing (48) + used_elems, then the u16/bool fields.
+        // struct VirtQueue: VRing (48) + used_elems, then the u16/bool fields,
+        // vector, handle_output, vdev, guest_notifier, host_notifier (EventNotifier
+        // { rfd, wfd, initialized }).
         vq_queue_index: 0x48,
+        vq_vdev: 0x60,
         vq_guest_notifier: 0x68,
+        vq_host_notifier: 0x74,
         // struct VirtQueueElement: index, len, ndescs, out_num, in_num, in_addr,
         // out_addr, in_sg, out_sg.
         elem_index: 0,
@@ -291,8 +302,14 @@ const KNOWN_LAYOUTS: &[(&str, Layout)] = &[(
         elem_out_sg: 48,
         // struct VirtIOBlockReq: elem (56), sector_num, dev, vq (0x48), inhdr_undo,
         // outhdr_undo, in (0x80), out (0x88), qiov (0x98, 40), in_len, next, mr_next.
+        req_dev: 0x40,
+        req_vq: 0x48,
         req_in: 0x80,
+        req_out: 0x88,
+        req_qiov_size: 0x98 + 32,
         req_mr_next: 0xd0,
+        // QEMUIOVector { iov; niov; union { { nalloc; local_iov }, { pad; size } } }
+        qiov_size: 32,
         // struct LuringAIOCB: Coroutine *co; struct io_uring_sqe sqeq; …
         luring_sqe: 8,
         dev_id: 40,
@@ -310,16 +327,15 @@ pub struct BinaryInfo {
     pub layout_note: String,
 }
 
-/// The exported functions each point needs.
+/// The exported functions each point needs (h.notify and h.irq come from the
+/// queue's notifier eventfds, h.io_* and h.disk_* from kernel tracepoints).
 pub const POINT_SYMBOLS: &[(Point, &[&str])] = &[
-    (Point::HostNotify, &["virtio_blk_handle_vq"]),
-    (Point::HostPop, &["virtqueue_pop"]),
+    (Point::HostPop, &["virtqueue_pop", "virtio_blk_handle_vq"]),
     (
         Point::HostSubmit,
         &["blk_aio_preadv", "blk_aio_pwritev", "blk_aio_flush"],
     ),
     (Point::HostPush, &["virtqueue_push"]),
-    (Point::HostIrq, &["virtio_notify_irqfd"]),
 ];
 
 impl BinaryInfo {
@@ -355,6 +371,7 @@ impl BinaryInfo {
         };
         let qi = code("virtio_get_queue_index").and_then(|c| decode_movzwl_rdi(&c));
         let gn = code("virtio_queue_get_guest_notifier").and_then(|c| decode_lea_rdi(&c));
+        let hn = code("virtio_queue_get_host_notifier").and_then(|c| decode_lea_rdi(&c));
         let mm = version
             .as_deref()
             .and_then(|v| {
@@ -381,6 +398,12 @@ impl BinaryInfo {
                     if o != l.vq_guest_notifier {
                         note += &format!("; guest_notifier at {o:#x} per code");
                         l.vq_guest_notifier = o;
+                    }
+                }
+                if let Some(o) = hn {
+                    if o != l.vq_host_notifier {
+                        note += &format!("; host_notifier at {o:#x} per code");
+                        l.vq_host_notifier = o;
                     }
                 }
                 (Some(l), note)

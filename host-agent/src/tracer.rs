@@ -29,7 +29,7 @@ pub const TS_POINTS: [Point; 10] = [
 ];
 
 /// Stats counter names (ST_* order).
-pub const STAT_NAMES: [&str; 16] = [
+pub const STAT_NAMES: [&str; 17] = [
     "ringbuf_drops",
     "elems_map_full",
     "ios_map_full",
@@ -46,6 +46,7 @@ pub const STAT_NAMES: [&str; 16] = [
     "records_emitted",
     "qemu_exits",
     "merge_chain_too_long",
+    "guest_kicks",
 ];
 
 const QL_HAVE_NOTIFIER: u32 = 1;
@@ -71,10 +72,12 @@ pub struct Tracer<'obj> {
     pub targets: HashMap<u32, Target>,
     /// Kernel-side stages that could not be attached, with the error.
     pub missing_kernel: Vec<(String, String)>,
+    /// Also probe virtqueue_pop (h.pop) at three more traps per request.
+    pub pop: bool,
 }
 
 impl<'obj> Tracer<'obj> {
-    pub fn open(storage: &'obj mut MaybeUninit<OpenObject>) -> Result<Tracer<'obj>> {
+    pub fn open(storage: &'obj mut MaybeUninit<OpenObject>, pop: bool) -> Result<Tracer<'obj>> {
         let open = ViotraceHostSkelBuilder::default()
             .open(storage)
             .context("opening the BPF object")?;
@@ -99,6 +102,7 @@ impl<'obj> Tracer<'obj> {
             _tp_links: tp_links,
             targets: HashMap::new(),
             missing_kernel,
+            pop,
         })
     }
 
@@ -114,7 +118,7 @@ impl<'obj> Tracer<'obj> {
                 info.layout_note
             )
         })?;
-        for need in ["virtqueue_pop", "virtqueue_push"] {
+        for need in ["virtqueue_push", "blk_aio_preadv", "blk_aio_pwritev"] {
             if !info.has(need) {
                 anyhow::bail!(
                     "{} (pid {pid}) does not export {need}: virtqueue elements cannot be traced",
@@ -123,8 +127,21 @@ impl<'obj> Tracer<'obj> {
             }
         }
         for (p, why) in info.missing_points() {
+            if p == Point::HostPop && !self.pop {
+                continue;
+            }
             warn.push(format!("stage {p} not visible: {why}"));
         }
+        if !self.pop {
+            warn.push(format!(
+                "stage {} not traced (add --pop: 3 more uprobe hits per request)",
+                Point::HostPop
+            ));
+        }
+        warn.push(format!(
+            "stage {} not visible: QEMU's completion callbacks are static functions",
+            Point::HostCompleteCb
+        ));
         let mut flags = QL_HAVE_MR_NEXT | QL_HAVE_LURING | QL_HAVE_REQ_IN;
         if info.has("virtio_notify_irqfd")
             && !self
@@ -137,16 +154,22 @@ impl<'obj> Tracer<'obj> {
         let ql = qemu_layout {
             vq_queue_index: layout.vq_queue_index,
             vq_guest_notifier_wfd: layout.vq_guest_notifier + 4, // EventNotifier { rfd, wfd }
+            vq_host_notifier_rfd: layout.vq_host_notifier,
+            vq_vdev: layout.vq_vdev,
             elem_index: layout.elem_index,
             elem_out_num: layout.elem_out_num,
             elem_in_num: layout.elem_in_num,
             elem_in_sg: layout.elem_in_sg,
             elem_out_sg: layout.elem_out_sg,
+            req_dev: layout.req_dev,
+            req_vq: layout.req_vq,
             req_in: layout.req_in,
+            req_out: layout.req_out,
+            req_qiov_size: layout.req_qiov_size,
+            qiov_size: layout.qiov_size,
             req_mr_next: layout.req_mr_next,
             luring_sqe: layout.luring_sqe,
             flags,
-            pad: 0,
         };
         self.skel
             .maps
@@ -155,19 +178,24 @@ impl<'obj> Tracer<'obj> {
             .context("registering the process in qemu_procs")?;
 
         let progs = &self.skel.progs;
-        let attach_list: [(&libbpf_rs::ProgramMut, &str, bool); 11] = [
-            (&progs.handle_vq, "virtio_blk_handle_vq", false),
-            (&progs.pop_enter, "virtqueue_pop", false),
-            (&progs.pop_ret, "virtqueue_pop", true),
+        // Per guest request only blk_aio_* and virtqueue_push trap; h.notify and
+        // h.irq come from kernel tracepoints. --pop adds three traps per request.
+        let mut attach_list: Vec<(&libbpf_rs::ProgramMut, &str, bool)> = vec![
             (&progs.submit_rw, "blk_aio_preadv", false),
             (&progs.submit_rw, "blk_aio_pwritev", false),
             (&progs.submit_flush, "blk_aio_flush", false),
             (&progs.submit_discard, "blk_aio_pdiscard", false),
             (&progs.submit_wzeroes, "blk_aio_pwrite_zeroes", false),
             (&progs.push, "virtqueue_push", false),
-            (&progs.notify_irqfd, "virtio_notify_irqfd", false),
             (&progs.notify_direct, "virtio_notify", false),
         ];
+        if self.pop {
+            attach_list.extend([
+                (&progs.handle_vq, "virtio_blk_handle_vq", false),
+                (&progs.pop_enter, "virtqueue_pop", false),
+                (&progs.pop_ret, "virtqueue_pop", true),
+            ]);
+        }
         let mut links = Vec::new();
         let pid_i = i32::try_from(pid).context("pid out of range")?;
         for (prog, func, ret) in attach_list {
@@ -182,7 +210,10 @@ impl<'obj> Tracer<'obj> {
             match prog.attach_uprobe_with_opts(pid_i, &proc.exe, 0, opts) {
                 Ok(l) => links.push(l),
                 Err(e) => {
-                    if matches!(func, "virtqueue_pop" | "virtqueue_push") {
+                    if matches!(
+                        func,
+                        "virtqueue_push" | "blk_aio_preadv" | "blk_aio_pwritev"
+                    ) {
                         let _ = self.skel.maps.qemu_procs.delete(&pid.to_ne_bytes());
                         return Err(anyhow::anyhow!("{e}"))
                             .with_context(|| format!("attaching uprobe {func} in pid {pid}"));

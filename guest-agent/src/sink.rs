@@ -20,6 +20,7 @@ pub struct Sink {
     threshold_ns: Option<u64>,
     mode: String,
     out: BufWriter<Stdout>,
+    scratch: Vec<u8>,
     decoder: Decoder,
     interval: Aggregator,
     total: Aggregator,
@@ -31,15 +32,30 @@ pub struct Sink {
     interval_records: u64,
 }
 
-/// `{"kind":K, ...fields of v}` on one line.
+/// Writes `{"kind":K, ...fields of v}` and a newline into `out`, using `buf`
+/// as scratch space (no allocation per record once warmed up).
+fn write_json_line<T: Serialize, W: Write>(
+    out: &mut W,
+    buf: &mut Vec<u8>,
+    kind: &str,
+    v: &T,
+) -> io::Result<()> {
+    buf.clear();
+    serde_json::to_writer(&mut *buf, v)?;
+    let rest = buf.strip_prefix(b"{").unwrap_or(buf);
+    write!(out, "{{\"kind\":\"{kind}\"")?;
+    if rest != b"}" {
+        out.write_all(b",")?;
+    }
+    out.write_all(rest)?;
+    out.write_all(b"\n")
+}
+
+#[cfg(test)]
 fn json_line<T: Serialize>(kind: &str, v: &T) -> Option<String> {
-    let body = serde_json::to_string(v).ok()?;
-    let rest = body.strip_prefix('{')?;
-    Some(if rest == "}" {
-        format!("{{\"kind\":\"{kind}\"}}")
-    } else {
-        format!("{{\"kind\":\"{kind}\",{rest}")
-    })
+    let mut out = Vec::new();
+    write_json_line(&mut out, &mut Vec::new(), kind, v).ok()?;
+    String::from_utf8(out).ok().map(|s| s.trim_end().to_owned())
 }
 
 fn first_last(p: &Points) -> Option<u64> {
@@ -125,6 +141,7 @@ impl Sink {
             threshold_ns: threshold.map(|d| d.as_nanos().min(u128::from(u64::MAX)) as u64),
             mode,
             out: BufWriter::with_capacity(64 * 1024, io::stdout()),
+            scratch: Vec::with_capacity(1024),
             decoder: Decoder::new(),
             interval: Aggregator::new(),
             total: Aggregator::new(),
@@ -143,11 +160,6 @@ impl Sink {
         } else {
             let _ = self.out.write_all(s.as_bytes());
         }
-    }
-
-    fn line(&mut self, l: &str) {
-        let _ = self.out.write_all(l.as_bytes());
-        let _ = self.out.write_all(b"\n");
     }
 
     /// One raw ring-buffer record.
@@ -172,9 +184,7 @@ impl Sink {
     fn on_rq(&mut self, r: &GuestRq) {
         self.rqs += 1;
         if self.json {
-            if let Some(l) = json_line("guest_rq", r) {
-                self.line(&l);
-            }
+            let _ = write_json_line(&mut self.out, &mut self.scratch, "guest_rq", r);
         }
         self.interval.record_points(&r.disk, &r.ts);
         self.total.record_points(&r.disk, &r.ts);
@@ -193,9 +203,7 @@ impl Sink {
     fn on_io(&mut self, io: &GuestIo) {
         self.ios += 1;
         if self.json {
-            if let Some(l) = json_line("guest_io", io) {
-                self.line(&l);
-            }
+            let _ = write_json_line(&mut self.out, &mut self.scratch, "guest_io", io);
         }
         let (Some(a), Some(b)) = (
             io.ts.get(Point::SyscallEnter),
@@ -280,9 +288,7 @@ impl Sink {
                     })
                     .collect(),
             };
-            if let Some(l) = json_line("stats", &line) {
-                self.line(&l);
-            }
+            let _ = write_json_line(&mut self.out, &mut self.scratch, "stats", &line);
         }
         self.flush();
     }

@@ -7,7 +7,7 @@
 //! pair of time-consecutive present points, plus `total`. [`render_waterfall`]
 //! draws one record's points on a time line.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
 use hdrhistogram::Histogram;
@@ -68,10 +68,32 @@ pub struct Summary {
     pub max_ns: u64,
 }
 
+/// Histograms of one label, stages in first-seen order.
+#[derive(Clone, Debug, Default)]
+struct LabelStats {
+    stages: Vec<(String, StageHist)>,
+    /// `(from, to)` point pair → index in `stages` (`None` pair = total): lets
+    /// [`Aggregator::record_points`] find a stage without building its name.
+    pairs: HashMap<Option<(Point, Point)>, usize>,
+}
+
+impl LabelStats {
+    fn stage_mut(&mut self, stage: &str) -> &mut StageHist {
+        let i = match self.stages.iter().position(|(s, _)| s == stage) {
+            Some(i) => i,
+            None => {
+                self.stages.push((stage.to_owned(), StageHist::new()));
+                self.stages.len() - 1
+            }
+        };
+        &mut self.stages[i].1
+    }
+}
+
 /// Per-`(label, stage)` latency histograms. Stages keep their first-seen order.
 #[derive(Clone, Debug, Default)]
 pub struct Aggregator {
-    labels: BTreeMap<String, Vec<(String, StageHist)>>,
+    labels: BTreeMap<String, LabelStats>,
 }
 
 impl Aggregator {
@@ -79,27 +101,53 @@ impl Aggregator {
         Self::default()
     }
 
+    fn label_mut(&mut self, label: &str) -> &mut LabelStats {
+        if !self.labels.contains_key(label) {
+            self.labels.insert(label.to_owned(), LabelStats::default());
+        }
+        self.labels.get_mut(label).expect("inserted above")
+    }
+
     /// Records one duration for `(label, stage)`.
     pub fn record(&mut self, label: &str, stage: &str, ns: u64) {
-        let stages = match self.labels.get_mut(label) {
-            Some(s) => s,
-            None => self.labels.entry(label.to_owned()).or_default(),
-        };
-        match stages.iter_mut().find(|(s, _)| s == stage) {
-            Some((_, h)) => h.record(ns),
-            None => {
-                let mut h = StageHist::new();
-                h.record(ns);
-                stages.push((stage.to_owned(), h));
-            }
-        }
+        self.label_mut(label).stage_mut(stage).record(ns);
     }
 
     /// Records every stage of a record's points (see [`stages`]) under `label`.
+    /// Same result as recording each of [`stages`], without per-record allocation
+    /// once a stage has been seen.
     pub fn record_points(&mut self, label: &str, points: &Points) {
-        for (stage, ns) in stages(points) {
-            self.record(label, &stage, ns);
+        let mut buf = [(Point::SyscallEnter, 0u64); MAX_POINTS];
+        let v = sorted_points(points, &mut buf);
+        if v.len() < 2 {
+            return;
         }
+        let strip = same_prefix(v);
+        let ls = self.label_mut(label);
+        let mut add = |key: Option<(Point, Point)>, ns: u64| {
+            let i = match ls.pairs.get(&key) {
+                Some(&i) => i,
+                None => {
+                    let name = match key {
+                        Some((a, b)) => format!("{}→{}", short(a, strip), short(b, strip)),
+                        None => TOTAL_STAGE.to_owned(),
+                    };
+                    ls.stage_mut(&name);
+                    let i = ls
+                        .stages
+                        .iter()
+                        .position(|(s, _)| *s == name)
+                        .expect("created above");
+                    ls.pairs.insert(key, i);
+                    i
+                }
+            };
+            ls.stages[i].1.record(ns);
+        };
+        for w in v.windows(2) {
+            add(Some((w[0].0, w[1].0)), w[1].1 - w[0].1);
+        }
+        add(None, v[v.len() - 1].1 - v[0].1);
     }
 
     pub fn is_empty(&self) -> bool {
@@ -113,9 +161,9 @@ impl Aggregator {
 
     /// Adds another aggregator's values into this one.
     pub fn merge(&mut self, other: &Aggregator) {
-        for (label, stages) in &other.labels {
-            let mine = self.labels.entry(label.clone()).or_default();
-            for (stage, h) in stages {
+        for (label, theirs) in &other.labels {
+            let mine = &mut self.labels.entry(label.clone()).or_default().stages;
+            for (stage, h) in &theirs.stages {
                 match mine.iter_mut().find(|(s, _)| s == stage) {
                     Some((_, m)) => {
                         // Both histograms share bounds, so add cannot fail.
@@ -133,7 +181,8 @@ impl Aggregator {
         self.labels
             .iter()
             .flat_map(|(l, st)| {
-                st.iter()
+                st.stages
+                    .iter()
                     .map(move |(s, h)| (l.clone(), s.clone(), h.summary()))
             })
             .collect()
@@ -143,6 +192,7 @@ impl Aggregator {
     pub fn get(&self, label: &str, stage: &str) -> Option<Summary> {
         self.labels
             .get(label)?
+            .stages
             .iter()
             .find(|(s, _)| s == stage)
             .map(|(_, h)| h.summary())
@@ -159,7 +209,7 @@ impl Aggregator {
         let width = self
             .labels
             .values()
-            .flat_map(|s| s.iter().map(|(n, _)| n.chars().count()))
+            .flat_map(|s| s.stages.iter().map(|(n, _)| n.chars().count()))
             .max()
             .unwrap_or(5)
             .max(5);
@@ -169,7 +219,7 @@ impl Aggregator {
                 "  {label}\n    {:<width$} {:>9} {:>10} {:>10} {:>10} {:>10}",
                 "stage", "count", "mean", "p50", "p99", "max"
             );
-            for (stage, h) in stages {
+            for (stage, h) in &stages.stages {
                 let s = h.summary();
                 let _ = writeln!(
                     out,
@@ -202,13 +252,12 @@ fn short(p: Point, strip: bool) -> &'static str {
 /// are at least two points. Point prefixes (`g.`/`h.`) are dropped when all
 /// points share one. Points are ordered by time, ties by path order.
 pub fn stages(points: &Points) -> Vec<(String, u64)> {
-    let mut v: Vec<(Point, u64)> = points.iter().collect();
+    let mut buf = [(Point::SyscallEnter, 0u64); MAX_POINTS];
+    let v = sorted_points(points, &mut buf);
     if v.len() < 2 {
         return Vec::new();
     }
-    v.sort_by_key(|&(p, t)| (t, p));
-    let prefix = |p: Point| p.name().split('.').next().unwrap_or("");
-    let strip = v.iter().all(|&(p, _)| prefix(p) == prefix(v[0].0));
+    let strip = same_prefix(v);
     let mut out: Vec<(String, u64)> = v
         .windows(2)
         .map(|w| {
@@ -220,6 +269,30 @@ pub fn stages(points: &Points) -> Vec<(String, u64)> {
         .collect();
     out.push((TOTAL_STAGE.to_owned(), v[v.len() - 1].1 - v[0].1));
     out
+}
+
+/// At most this many points of a record are considered (there are fewer points).
+const MAX_POINTS: usize = 64;
+
+/// The present points sorted by time (ties: path order), in `buf`.
+fn sorted_points<'a>(
+    points: &Points,
+    buf: &'a mut [(Point, u64); MAX_POINTS],
+) -> &'a [(Point, u64)] {
+    let mut n = 0;
+    for e in points.iter().take(MAX_POINTS) {
+        buf[n] = e;
+        n += 1;
+    }
+    let v = &mut buf[..n];
+    v.sort_unstable_by_key(|&(p, t)| (t, p));
+    v
+}
+
+/// Whether all points share one prefix (`g.`/`h.`), which stage names then drop.
+fn same_prefix(v: &[(Point, u64)]) -> bool {
+    let prefix = |p: Point| p.name().split('.').next().unwrap_or("");
+    v.iter().all(|&(p, _)| prefix(p) == prefix(v[0].0))
 }
 
 /// Formats ns with a unit fit for latencies (`850ns`, `12.3us`, `4.56ms`, `1.20s`).
@@ -346,6 +419,24 @@ mod tests {
         );
         assert_eq!(a.get("vda", "rq_issue→rq_complete").unwrap().count, 1);
         assert_eq!(a.get("vda", "total").unwrap().max_ns, 30);
+    }
+
+    #[test]
+    fn record_points_matches_stages() {
+        let recs = [
+            pts(&[(Point::BioQueue, 5), (Point::RqIssue, 9), (Point::Irq, 20)]),
+            pts(&[(Point::BioQueue, 1), (Point::RqIssue, 4), (Point::Irq, 30)]),
+            pts(&[(Point::Kick, 1), (Point::HostPop, 7)]),
+        ];
+        let (mut a, mut b) = (Aggregator::new(), Aggregator::new());
+        for r in &recs {
+            a.record_points("x", r);
+            for (st, ns) in stages(r) {
+                b.record("x", &st, ns);
+            }
+        }
+        assert_eq!(a.summaries(), b.summaries());
+        assert_eq!(a.get("x", "total").unwrap().count, 3);
     }
 
     #[test]

@@ -1,1 +1,199 @@
-fn main() {}
+//! Benchmarks of the shared crate's hot paths:
+//! * join engine throughput on realistic synthetic streams (several queues,
+//!   head reuse, guest batching and QEMU merges, out-of-order arrival);
+//! * wire frame encode/decode throughput;
+//! * clock estimator update and lookup cost.
+//!
+//! `cargo bench -p viotrace-shared` (add `-- --quick` for a short run).
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use viotrace_shared::clock::ClockEstimator;
+use viotrace_shared::join::synth::{generate, interleave, Event, SynthConfig};
+use viotrace_shared::join::JoinEngine;
+use viotrace_shared::proto::{encode_frame_into, FrameDecoder, Message};
+
+fn feed(events: Vec<Event>) -> usize {
+    let mut e = JoinEngine::default();
+    let mut out = Vec::with_capacity(1024);
+    let mut n = 0;
+    for ev in events {
+        match ev {
+            Event::Guest(g) => e.push_guest("vm0", g, &mut out),
+            Event::Host(h) => e.push_host(h, &mut out),
+            Event::Probe(a, b, c, d) => {
+                let _ = e.clock("vm0").add_guest_probe(a, b, c, d);
+            }
+        }
+        if out.len() >= 1024 {
+            n += out.len();
+            out.clear();
+        }
+    }
+    e.flush(&mut out);
+    n + out.len()
+}
+
+fn thread_cpu_ns() -> u64 {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .expect("thread CPU clock");
+    t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+}
+
+fn bench_join(c: &mut Criterion) {
+    let mut g = c.benchmark_group("join");
+    g.measurement_time(Duration::from_secs(5));
+    g.sample_size(10);
+    let n = 100_000;
+    for (name, cfg) in [
+        (
+            "4q_reuse",
+            SynthConfig {
+                requests: n,
+                queues: 4,
+                interval_ns: 20_000,
+                ..SynthConfig::default()
+            },
+        ),
+        (
+            "4q_batch4_merged",
+            SynthConfig {
+                requests: n,
+                queues: 4,
+                interval_ns: 20_000,
+                batch: 4,
+                merge: true,
+                ..SynthConfig::default()
+            },
+        ),
+        (
+            "1q_no_clock_few_sectors",
+            SynthConfig {
+                requests: n,
+                queues: 1,
+                blocks: 64,
+                probe_every_ns: 0,
+                interval_ns: 50_000,
+                ..SynthConfig::default()
+            },
+        ),
+    ] {
+        let s = generate(&cfg);
+        let events = interleave(&s, 2_000_000, n / 10, 7);
+        let records = (s.guest.len() + s.host.len()) as u64;
+        // The machine is shared: also report records per *CPU* second of this
+        // thread, which other processes' load does not dilute.
+        let ev = events.clone();
+        let c0 = thread_cpu_ns();
+        let emitted = feed(ev);
+        let cpu = thread_cpu_ns() - c0;
+        eprintln!(
+            "join/{name}: {records} records ({emitted} outputs) in {:.1} ms CPU = {:.2} M records/CPU-s",
+            cpu as f64 / 1e6,
+            records as f64 / (cpu as f64 / 1e9) / 1e6
+        );
+        g.throughput(Throughput::Elements(records));
+        g.bench_function(name, |b| {
+            b.iter_batched(
+                || events.clone(),
+                |ev| black_box(feed(ev)),
+                BatchSize::LargeInput,
+            )
+        });
+    }
+    g.finish();
+}
+
+fn bench_proto(c: &mut Criterion) {
+    let s = generate(&SynthConfig {
+        requests: 1024,
+        ..SynthConfig::default()
+    });
+    let msg = Message::GuestRqBatch(s.guest.clone());
+    let mut frame = Vec::new();
+    encode_frame_into(&msg, &mut frame).unwrap();
+    let mut g = c.benchmark_group("proto");
+    g.measurement_time(Duration::from_secs(3));
+    g.throughput(Throughput::Elements(1024));
+    g.bench_function("encode_batch_1024_rq", |b| {
+        let mut out = Vec::with_capacity(frame.len());
+        b.iter(|| {
+            out.clear();
+            encode_frame_into(black_box(&msg), &mut out).unwrap();
+            black_box(out.len())
+        })
+    });
+    g.bench_function("decode_batch_1024_rq", |b| {
+        b.iter(|| {
+            let mut d = FrameDecoder::new();
+            // Arrives in 16 KiB reads.
+            let mut n = 0;
+            for chunk in frame.chunks(16 * 1024) {
+                d.feed(chunk);
+                while let Some(m) = d.next_message().unwrap() {
+                    if let Message::GuestRqBatch(v) = m {
+                        n += v.len();
+                    }
+                }
+            }
+            black_box(n)
+        })
+    });
+    g.throughput(Throughput::Bytes(frame.len() as u64));
+    g.bench_function("decode_batch_bytes", |b| {
+        b.iter(|| {
+            let mut d = FrameDecoder::new();
+            d.feed(&frame);
+            black_box(d.next_message().unwrap().is_some())
+        })
+    });
+    g.finish();
+}
+
+fn bench_clock(c: &mut Criterion) {
+    let s = generate(&SynthConfig {
+        requests: 20_000,
+        probe_every_ns: 100_000_000,
+        ..SynthConfig::default()
+    });
+    let mut warm = ClockEstimator::default();
+    for &(a, b, c2, d) in &s.probes {
+        let _ = warm.add_guest_probe(a, b, c2, d);
+    }
+    let last = s.probes.last().map(|p| p.0).unwrap_or(0);
+    let mut g = c.benchmark_group("clock");
+    g.measurement_time(Duration::from_secs(3));
+    g.bench_function("offset_at_cached", |b| {
+        let mut e = warm.clone();
+        let mut t = last;
+        b.iter(|| {
+            t += 1000;
+            black_box(e.offset_at(black_box(t)))
+        })
+    });
+    g.bench_function("probe_update_and_refit", |b| {
+        let mut e = warm.clone();
+        let mut t = last;
+        b.iter(|| {
+            // A new, better sample every time: forces a refit.
+            t += 1_000_000_000;
+            let _ = e.add_guest_probe(t, t + 5_000_000_010, t + 5_000_000_011, t + 20);
+            black_box(e.offset_at(t))
+        })
+    });
+    g.bench_function("request_sample_update", |b| {
+        let mut e = warm.clone();
+        let mut t = last;
+        b.iter(|| {
+            t += 10_000;
+            let _ = e.add_request(t, t + 5_000_050_000, t + 5_000_150_000, t + 200_000);
+            black_box(e.offset_at(t))
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_join, bench_proto, bench_clock);
+criterion_main!(benches);

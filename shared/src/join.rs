@@ -888,22 +888,24 @@ impl JoinEngine {
             }
         }
         Self::bind(&mut self.vms[vid as usize], &rq.disk, &el.device);
-        let mut ts = el.ts;
-        let domain = match offset {
+        // Guest point ids sort before host ones: appending keeps the set sorted.
+        // Without any time relation (no causal points at all) only the host
+        // points are kept.
+        let ts: Points = match offset {
             Some((off, _)) => {
-                for (p, t) in rq.ts.iter() {
-                    ts.set(p, t.saturating_add_signed(off));
+                let mut ts = rq.ts;
+                ts.shift(off);
+                for (p, t) in el.ts.iter() {
+                    ts.set(p, t);
                 }
-                ClockDomain::Host
+                ts
             }
-            None => {
-                // No time relation at all (no guest points): keep host points.
-                ClockDomain::Host
-            }
+            None => el.ts,
         };
+        let domain = ClockDomain::Host;
         let bd = stages::derive(&ts);
         JoinedIo {
-            vm: self.vms[vid as usize].name.clone(),
+            vm: el.vm,
             disk: Some(rq.disk),
             device: Some(el.device),
             queue: Some(el.queue),

@@ -208,11 +208,17 @@ fn diff(a: u64, b: u64) -> i64 {
 /// Derives the breakdown from a point set (joined, guest-only or host-only;
 /// all points must be in one clock domain).
 pub fn derive(ts: &Points) -> Breakdown {
+    // Point ids are < 64: one pass into a lookup table.
+    let mut at: [Option<u64>; 64] = [None; 64];
+    for (p, t) in ts.iter() {
+        at[(p as usize) & 63] = Some(t);
+    }
+    let get = |p: Point| at[(p as usize) & 63];
     // Resolve anchors (with stand-ins, each point used at most once).
     let mut present: [Option<u64>; 11] = [None; 11];
     let mut used: [Option<Point>; 11] = [None; 11];
     for (i, (p, alts)) in ANCHORS.iter().enumerate() {
-        if let Some(t) = ts.get(*p) {
+        if let Some(t) = get(*p) {
             present[i] = Some(t);
             used[i] = Some(*p);
             continue;
@@ -222,14 +228,14 @@ pub fn derive(ts: &Points) -> Breakdown {
             if used.contains(&Some(*a)) {
                 continue;
             }
-            if let Some(t) = ts.get(*a) {
+            if let Some(t) = get(*a) {
                 present[i] = Some(t);
                 used[i] = Some(*a);
                 break;
             }
         }
     }
-    let mut stages = Vec::with_capacity(8);
+    let mut stages = Vec::with_capacity(STAGE_NAMES.len());
     let mut first: Option<(usize, u64)> = None;
     let mut prev: Option<(usize, u64)> = None;
     for (j, t) in present.iter().enumerate() {
@@ -246,9 +252,9 @@ pub fn derive(ts: &Points) -> Breakdown {
         (Some((i, a)), Some((j, b))) if j > i => Some(diff(a, b)),
         _ => None,
     };
-    let mut substages = Vec::new();
+    let mut substages = Vec::with_capacity(SUBSTAGES.len());
     for (name, a, b) in SUBSTAGES {
-        if let (Some(x), Some(y)) = (ts.get(*a), ts.get(*b)) {
+        if let (Some(x), Some(y)) = (get(*a), get(*b)) {
             substages.push((Cow::Borrowed(*name), diff(x, y)));
         }
     }

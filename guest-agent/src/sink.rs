@@ -187,7 +187,6 @@ impl Sink {
             let _ = write_json_line(&mut self.out, &mut self.scratch, "guest_rq", r);
         }
         self.interval.record_points(&r.disk, &r.ts);
-        self.total.record_points(&r.disk, &r.ts);
         if let Some(th) = self.threshold_ns {
             if first_last(&r.ts).is_some_and(|d| d >= th) {
                 let w = render_waterfall(&rq_header(r), &r.ts);
@@ -213,7 +212,6 @@ impl Sink {
         };
         let d = b.saturating_sub(a);
         self.interval.record(SYSCALL_LABEL, &io.syscall, d);
-        self.total.record(SYSCALL_LABEL, &io.syscall, d);
         if let Some(th) = self.threshold_ns {
             if d >= th {
                 // The syscall's points plus those of the slowest request it caused.
@@ -241,6 +239,7 @@ impl Sink {
         if self.interval_records == 0 {
             return;
         }
+        self.total.merge(&self.interval);
         let t = self.interval.render_table(&format!(
             "--- interval ending at {:.1}s ---",
             elapsed.as_secs_f64()
@@ -256,6 +255,8 @@ impl Sink {
 
     /// Final table, counters, and the `"kind":"stats"` line in JSON mode.
     pub fn finish(&mut self, elapsed: Duration, counters: &[(&'static str, u64)]) {
+        self.total.merge(&self.interval);
+        self.interval.clear();
         let mut t = self.total.render_table(&format!(
             "=== viotrace-guest totals ({} mode, {:.1}s, {} requests, {} syscalls) ===",
             self.mode,

@@ -7,7 +7,7 @@
 //! pair of time-consecutive present points, plus `total`. [`render_waterfall`]
 //! draws one record's points on a time line.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use hdrhistogram::Histogram;
@@ -72,10 +72,15 @@ pub struct Summary {
 #[derive(Clone, Debug, Default)]
 struct LabelStats {
     stages: Vec<(String, StageHist)>,
-    /// `(from, to)` point pair → index in `stages` (`None` pair = total): lets
-    /// [`Aggregator::record_points`] find a stage without building its name.
-    pairs: HashMap<Option<(Point, Point)>, usize>,
+    /// `(from, to)` point-id pair → 1 + index in `stages` (0 = not yet), the
+    /// last slot for the total: lets [`Aggregator::record_points`] find a
+    /// stage without building its name or hashing.
+    pairs: Vec<u16>,
 }
+
+/// Point ids are below this (see `Point`); pairs beyond it use the slow path.
+const PAIR_IDS: usize = 64;
+const TOTAL_SLOT: usize = PAIR_IDS * PAIR_IDS;
 
 impl LabelStats {
     fn stage_mut(&mut self, stage: &str) -> &mut StageHist {
@@ -124,23 +129,35 @@ impl Aggregator {
         }
         let strip = same_prefix(v);
         let ls = self.label_mut(label);
+        if ls.pairs.is_empty() {
+            ls.pairs = vec![0; TOTAL_SLOT + 1];
+        }
         let mut add = |key: Option<(Point, Point)>, ns: u64| {
-            let i = match ls.pairs.get(&key) {
-                Some(&i) => i,
-                None => {
-                    let name = match key {
-                        Some((a, b)) => format!("{}→{}", short(a, strip), short(b, strip)),
-                        None => TOTAL_STAGE.to_owned(),
-                    };
-                    ls.stage_mut(&name);
-                    let i = ls
-                        .stages
-                        .iter()
-                        .position(|(s, _)| *s == name)
-                        .expect("created above");
-                    ls.pairs.insert(key, i);
-                    i
+            let slot = match key {
+                Some((a, b)) if (a as usize) < PAIR_IDS && (b as usize) < PAIR_IDS => {
+                    a as usize * PAIR_IDS + b as usize
                 }
+                Some(_) => usize::MAX,
+                None => TOTAL_SLOT,
+            };
+            let known = ls.pairs.get(slot).copied().unwrap_or(0);
+            let i = if known != 0 {
+                usize::from(known - 1)
+            } else {
+                let name = match key {
+                    Some((a, b)) => format!("{}→{}", short(a, strip), short(b, strip)),
+                    None => TOTAL_STAGE.to_owned(),
+                };
+                ls.stage_mut(&name);
+                let i = ls
+                    .stages
+                    .iter()
+                    .position(|(s, _)| *s == name)
+                    .expect("created above");
+                if let (Some(p), Ok(v)) = (ls.pairs.get_mut(slot), u16::try_from(i + 1)) {
+                    *p = v;
+                }
+                i
             };
             ls.stages[i].1.record(ns);
         };

@@ -114,19 +114,22 @@ int BPF_PROG(bio_queue, struct bio *bio)
 			b.has_offset = 1;
 			w = bpf_map_lookup_elem(&inode_writer, &pino);
 		}
-		/* a kernel worker writing back someone's pages: the dirtier */
-		if (w) {
+		/*
+		 * A kernel worker (write-back, read-ahead): not the kworker but the
+		 * task that dirtied the file, and the cgroup that owns the bio.
+		 */
+		{
 			struct task_struct *t = (struct task_struct *)bpf_get_current_task();
 
-			if (BPF_CORE_READ(t, flags) & VT_PF_KTHREAD)
-				b.id = *w;
-		}
-	}
-	{
-		__u64 cg = bio_cgroup_id(bio);
+			if (BPF_CORE_READ(t, flags) & VT_PF_KTHREAD) {
+				__u64 cg = bio_cgroup_id(bio);
 
-		if (cg)
-			b.id.cgroup_id = cg;
+				if (w)
+					b.id = *w;
+				if (cg)
+					b.id.cgroup_id = cg;
+			}
+		}
 	}
 	if (!ident_ok(&b.id))
 		return 0;

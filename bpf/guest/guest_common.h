@@ -17,6 +17,8 @@ const volatile __s32 filter_disk_minor = 0;
 const volatile __u8 emit_at_rq_complete = 0;
 /* 1: blk_mq_complete_request is hooked (g.driver_complete expected). */
 const volatile __u8 have_driver_complete = 0;
+/* Address of vring_interrupt (kprobe mode: irq_handler_entry names its vq). */
+const volatile __u64 vring_interrupt_addr = 0;
 /* Wake the reader once this many bytes are pending (else it polls). */
 const volatile __u64 wakeup_bytes = 64 * 1024;
 
@@ -240,14 +242,18 @@ static __always_inline void current_ident(struct ident *id)
 	}
 }
 
-/* cgroup owning a bio (bio->bi_blkg->blkcg->css.cgroup->kn->id), 0 if none. */
+/*
+ * cgroup owning a bio (bio->bi_blkg->blkcg->css.cgroup->kn->id); 0 if none or
+ * if it is the root blkg (no parent), which is all one gets while the io
+ * controller is not enabled for the writer's cgroup.
+ */
 static __always_inline __u64 bio_cgroup_id(struct bio *bio)
 {
 	if (!bpf_core_field_exists(bio->bi_blkg))
 		return 0;
 	struct blkcg_gq *blkg = BPF_CORE_READ(bio, bi_blkg);
 
-	if (!blkg)
+	if (!blkg || !BPF_CORE_READ(blkg, parent))
 		return 0;
 	return BPF_CORE_READ(blkg, blkcg, css.cgroup, kn, id);
 }

@@ -182,6 +182,21 @@ int BPF_PROG(fe_complete_request, struct request *rq)
 
 /* ---- kprobe flavour ---- */
 
+/*
+ * A kprobe that fires while another BPF kprobe program runs on the CPU is
+ * skipped by the kernel; a virtqueue interrupt often lands just then. The
+ * irq_handler_entry raw tracepoint is not subject to that: with per-virtqueue
+ * MSI-X vectors, the action's handler is vring_interrupt and dev_id its vq.
+ */
+SEC("?raw_tp/irq_handler_entry")
+int BPF_PROG(irq_entry, int irq, struct irqaction *action)
+{
+	if (!vring_interrupt_addr || (__u64)BPF_CORE_READ(action, handler) != vring_interrupt_addr)
+		return 0;
+	on_interrupt(BPF_CORE_READ(action, dev_id));
+	return 0;
+}
+
 SEC("?kprobe/virtio_queue_rq")
 int BPF_KPROBE(kp_queue_rq, struct blk_mq_hw_ctx *hctx, const struct blk_mq_queue_data *bd)
 {

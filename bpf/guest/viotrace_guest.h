@@ -12,8 +12,8 @@ enum vt_point {
 	P_SYSCALL_ENTER = 0,
 	P_BIO_QUEUE = 1,
 	P_RQ_INSERT = 2,
-	P_RQ_ISSUE = 3,
-	P_QUEUE_RQ = 4,
+	P_QUEUE_RQ = 3,		/* the driver's queue_rq starts the request: */
+	P_RQ_ISSUE = 4,		/* block_rq_issue fires inside it */
 	P_VQ_ADD = 5,
 	P_KICK = 6,
 	P_IRQ = 7,

@@ -183,6 +183,7 @@ fn start<'obj>(
 ) -> Result<Running<'obj>> {
     let mut blind = Vec::new();
     let mut enabled: HashSet<&'static str> = HashSet::new();
+    let mut vring_interrupt_addr = 0;
     if mode == Mode::Tracepoint {
         for h in HOOKS {
             blind.push(format!(
@@ -194,6 +195,12 @@ fn start<'obj>(
         let ks = std::fs::File::open("/proc/kallsyms").context("opening /proc/kallsyms")?;
         let wanted: Vec<&str> = HOOKS.iter().map(|h| h.target).collect();
         let syms = probe::find_symbols(std::io::BufReader::new(ks), &wanted);
+        if mode == Mode::Kprobe {
+            if let Some(s) = syms.get("vring_interrupt").filter(|s| s.addr != 0) {
+                vring_interrupt_addr = s.addr;
+                enabled.insert("irq_entry");
+            }
+        }
         for h in HOOKS {
             match probe::unusable(mode, h.target, &syms) {
                 None => enabled.extend(if mode == Mode::Fentry {
@@ -213,11 +220,15 @@ fn start<'obj>(
     let have_driver_complete =
         enabled.contains("fe_complete_request") || enabled.contains("kp_complete_request");
     set_config(&mut open, f, emit_at_complete, have_driver_complete)?;
+    if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
+        ro.vring_interrupt_addr = vring_interrupt_addr;
+    }
     for mut p in open.open_object_mut().progs_mut() {
         let name = p.name().to_string_lossy().into_owned();
-        if HOOKS
-            .iter()
-            .any(|h| h.fentry.contains(&name.as_str()) || h.kprobe.contains(&name.as_str()))
+        if name == "irq_entry"
+            || HOOKS
+                .iter()
+                .any(|h| h.fentry.contains(&name.as_str()) || h.kprobe.contains(&name.as_str()))
         {
             p.set_autoload(enabled.contains(name.as_str()));
         } else if let Some(n) = probe::OPTIONAL_TPS

@@ -102,20 +102,30 @@ pub const OPTIONAL_TPS: &[(&[&str], &str)] = &[(
 
 /// Whether `prog` is an optional program (a driver hook flavour or an optional tracepoint).
 pub fn is_optional(prog: &str) -> bool {
-    OPTIONAL_TPS.iter().any(|(p, _)| p.contains(&prog))
+    prog == "irq_entry"
+        || OPTIONAL_TPS.iter().any(|(p, _)| p.contains(&prog))
         || HOOKS
             .iter()
             .any(|h| h.fentry.contains(&prog) || h.kprobe.contains(&prog))
 }
 
-/// Module (or `vmlinux`) of each wanted kernel function, from /proc/kallsyms
-/// (streamed: the file is several MB).
-pub fn find_symbols<R: BufRead>(kallsyms: R, wanted: &[&str]) -> HashMap<String, String> {
+/// A kernel function found in /proc/kallsyms.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sym {
+    /// Module name, or `vmlinux`.
+    pub module: String,
+    /// Address (0 when kallsyms hides addresses).
+    pub addr: u64,
+}
+
+/// Module (or `vmlinux`) and address of each wanted kernel function, from
+/// /proc/kallsyms (streamed: the file is several MB).
+pub fn find_symbols<R: BufRead>(kallsyms: R, wanted: &[&str]) -> HashMap<String, Sym> {
     let mut out = HashMap::new();
     for line in kallsyms.lines() {
         let Ok(line) = line else { break };
         let mut it = line.split_whitespace();
-        let (Some(_addr), Some(ty), Some(name)) = (it.next(), it.next(), it.next()) else {
+        let (Some(addr), Some(ty), Some(name)) = (it.next(), it.next(), it.next()) else {
             continue;
         };
         if !matches!(ty, "t" | "T") || !wanted.contains(&name) {
@@ -125,7 +135,8 @@ pub fn find_symbols<R: BufRead>(kallsyms: R, wanted: &[&str]) -> HashMap<String,
             .next()
             .map(|m| m.trim_matches(|c| c == '[' || c == ']').to_owned())
             .unwrap_or_else(|| "vmlinux".to_owned());
-        out.entry(name.to_owned()).or_insert(module);
+        let addr = u64::from_str_radix(addr, 16).unwrap_or(0);
+        out.entry(name.to_owned()).or_insert(Sym { module, addr });
     }
     out
 }
@@ -141,8 +152,8 @@ pub fn fentry_available() -> bool {
 }
 
 /// Why a hook target cannot be used in `mode`, if it cannot.
-pub fn unusable(mode: Mode, target: &str, syms: &HashMap<String, String>) -> Option<String> {
-    let Some(module) = syms.get(target) else {
+pub fn unusable(mode: Mode, target: &str, syms: &HashMap<String, Sym>) -> Option<String> {
+    let Some(Sym { module, .. }) = syms.get(target) else {
         return Some(format!(
             "{target} not in /proc/kallsyms (module not loaded or function inlined)"
         ));
@@ -168,13 +179,13 @@ mod tests {
             &["virtio_queue_rq", "blk_update_request", "vring_interrupt"],
         );
         assert_eq!(
-            s.get("virtio_queue_rq").map(String::as_str),
-            Some("virtio_blk")
+            s.get("virtio_queue_rq"),
+            Some(&Sym {
+                module: "virtio_blk".into(),
+                addr: 0xffffffffc0001000
+            })
         );
-        assert_eq!(
-            s.get("blk_update_request").map(String::as_str),
-            Some("vmlinux")
-        );
+        assert_eq!(s["blk_update_request"].module, "vmlinux");
         assert!(!s.contains_key("vring_interrupt"));
         assert!(unusable(Mode::Kprobe, "vring_interrupt", &s).is_some());
         assert!(unusable(Mode::Kprobe, "virtio_queue_rq", &s).is_none());

@@ -1084,6 +1084,8 @@ pub mod synth {
         /// Guest-initiated probe every this many guest ns (0: none).
         pub probe_every_ns: u64,
         pub seed: u64,
+        /// Guest time of the first request.
+        pub start_ns: u64,
     }
 
     impl Default for SynthConfig {
@@ -1101,6 +1103,7 @@ pub mod synth {
                 drift_ppm: 40.0,
                 probe_every_ns: 50_000_000,
                 seed: 1,
+                start_ns: 1_000_000_000,
             }
         }
     }
@@ -1151,7 +1154,8 @@ pub mod synth {
         let queues = cfg.queues.max(1) as usize;
         // Per queue: busy-until (guest time) of each head.
         let mut heads: Vec<Vec<u64>> = vec![Vec::new(); queues];
-        let mut t: u64 = 1_000_000_000;
+        let start = cfg.start_ns.max(cfg.probe_every_ns);
+        let mut t: u64 = start;
         let mut i = 0usize;
         let mut merge_id = 1u64;
         while i < cfg.requests {
@@ -1266,7 +1270,7 @@ pub mod synth {
         }
         if cfg.probe_every_ns > 0 {
             let end = t + 1_000_000_000;
-            let mut g = 1_000_000_000 - cfg.probe_every_ns;
+            let mut g = start - cfg.probe_every_ns;
             while g < end {
                 let t2 = s.host_of(g) + 30_000 + r.below(200_000);
                 let t3 = t2 + 2_000;

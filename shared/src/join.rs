@@ -21,9 +21,10 @@
 //! Before a VM has any clock sample the interval is unbounded; the causal
 //! checks alone still require the host's pop→push to fit inside the guest's
 //! submit→complete, and among several candidates the oldest wins. Every joined
-//! request with all four points is then fed back into the estimator as an
-//! NTP-like sample ([`ClockEstimator::add_request`]), and its own causal bounds
-//! narrow its own mapping ([`crate::clock::narrow`]).
+//! request with all four points that had a single candidate and agrees with
+//! the current estimate is then fed back into the estimator as an NTP-like
+//! sample ([`ClockEstimator::add_request`]), and its own causal bounds narrow
+//! its own mapping ([`crate::clock::narrow`]).
 //!
 //! Guest requests without queue/head (tracepoint-only guests) are matched on
 //! `(vm, sector)` plus op/length and time instead.
@@ -128,6 +129,9 @@ pub struct JoinStats {
     pub clock_conflicts: u64,
     /// Joined requests not usable as clock samples (points inconsistent).
     pub clock_rejected: u64,
+    /// Joined requests not used as clock samples (several candidates, or
+    /// inconsistent with the estimate).
+    pub clock_skipped: u64,
     pub pending_guest: u64,
     pub pending_host: u64,
 }
@@ -460,6 +464,7 @@ impl JoinEngine {
         let slack = self.cfg.slack_ns;
         // Find the best host candidate.
         let mut best: Option<(u128, u32)> = None;
+        let mut valid = 0usize;
         let mut mismatched: Vec<u32> = Vec::new();
         {
             let v = &self.vms[vid as usize];
@@ -487,6 +492,7 @@ impl JoinEngine {
                     mismatched.push(id);
                     continue;
                 }
+                valid += 1;
                 let sc = score(g_mid, mid(h.start, h.end), est, h.first);
                 if best.is_none_or(|(b, _)| sc < b) {
                     best = Some((sc, id));
@@ -495,7 +501,7 @@ impl JoinEngine {
         }
         if let Some((_, id)) = best {
             let h = self.remove_host(id);
-            let j = self.make_joined(vid, rq, h.el, est);
+            let j = self.make_joined(vid, rq, h.el, est, valid == 1);
             out.push(j);
         } else {
             let mismatch = !mismatched.is_empty();
@@ -552,6 +558,7 @@ impl JoinEngine {
         let slack = self.cfg.slack_ns;
         let k = key(vid, el.queue, el.head);
         let mut best: Option<(u128, u32, Option<OffsetEstimate>)> = None;
+        let mut valid = 0usize;
         let mut mismatched: Vec<u32> = Vec::new();
         {
             let v = &mut self.vms[vid as usize];
@@ -586,6 +593,7 @@ impl JoinEngine {
                     mismatched.push(id);
                     continue;
                 }
+                valid += 1;
                 let sc = score(mid(g.sub, g.done), h_mid, est, g.sub.unwrap_or(g.last));
                 if best.as_ref().is_none_or(|(b, _, _)| sc < *b) {
                     best = Some((sc, id, est));
@@ -594,7 +602,7 @@ impl JoinEngine {
         }
         if let Some((_, id, est)) = best {
             let g = self.remove_guest(id);
-            let j = self.make_joined(vid, g.rq, el, est);
+            let j = self.make_joined(vid, g.rq, el, est, valid == 1);
             out.push(j);
         } else {
             let mismatch = !mismatched.is_empty();
@@ -836,6 +844,7 @@ impl JoinEngine {
         rq: GuestRq,
         el: HostElem,
         est: Option<OffsetEstimate>,
+        unambiguous: bool,
     ) -> JoinedIo {
         self.stats.joined += 1;
         let sub = first_of(&rq.ts, SUB_POINTS);
@@ -855,11 +864,13 @@ impl JoinEngine {
             _ => 0,
         };
         let allow = (span as f64 * max_drift).ceil() as u64 + 1;
+        let mut consistent = true;
         let offset: Option<(i64, Option<u64>)> = match est {
             Some(e) => match narrow(e, b, allow) {
                 Some(n) => Some((n.offset_ns, Some(n.uncertainty_ns))),
                 None => {
                     self.stats.clock_conflicts += 1;
+                    consistent = false;
                     Some((e.offset_ns, Some(e.uncertainty_ns)))
                 }
             },
@@ -878,8 +889,12 @@ impl JoinEngine {
                 (None, None) => None,
             },
         };
+        // Only an unambiguous pair that agrees with the current estimate
+        // becomes a clock sample: a mis-join must not steer the clock.
         if let (Some(s), Some(p), Some(u), Some(d)) = (sub, hs, he, done) {
-            if self.vms[vid as usize]
+            if !(unambiguous && consistent) {
+                self.stats.clock_skipped += 1;
+            } else if self.vms[vid as usize]
                 .clock
                 .add_request(s, p, u, d)
                 .is_err()
@@ -887,7 +902,6 @@ impl JoinEngine {
                 self.stats.clock_rejected += 1;
             }
         }
-        Self::bind(&mut self.vms[vid as usize], &rq.disk, &el.device);
         // Guest point ids sort before host ones: appending keeps the set sorted.
         // Without any time relation (no causal points at all) only the host
         // points are kept.
@@ -1591,6 +1605,44 @@ mod tests {
             .iter()
             .all(|j| j.reason == Some(UnmatchedReason::NoHostRecord)
                 && j.ts_domain == ClockDomain::Guest));
+    }
+
+    #[test]
+    fn advance_expires_in_live_mode() {
+        let s = generate(&SynthConfig {
+            requests: 50,
+            ..SynthConfig::default()
+        });
+        let mut e = JoinEngine::new(JoinConfig {
+            timeout_ns: 1_000_000_000,
+            ..JoinConfig::default()
+        });
+        let mut out = Vec::new();
+        for &(a, b, c, d) in &s.probes {
+            e.clock("vm0").add_guest_probe(a, b, c, d).unwrap();
+        }
+        // The guest sent 10 requests; the host saw all 50.
+        for g in s.guest.iter().take(10).cloned() {
+            e.push_guest("vm0", g, &mut out);
+        }
+        for h in s.host.iter().cloned() {
+            e.push_host(h, &mut out);
+        }
+        assert_eq!(out.len(), 10);
+        let last = s
+            .host
+            .iter()
+            .filter_map(|h| h.ts.get(Point::HostIrq))
+            .max()
+            .unwrap();
+        e.advance(last + 500_000_000, &mut out);
+        assert_eq!(out.len(), 10, "not yet");
+        e.advance(last + 2_500_000_000, &mut out);
+        assert_eq!(out.len(), 50);
+        assert!(out[10..]
+            .iter()
+            .all(|j| j.reason == Some(UnmatchedReason::NoGuestRecord)));
+        assert_eq!(e.stats().pending_host, 0);
     }
 
     #[test]

@@ -902,6 +902,7 @@ impl JoinEngine {
                 self.stats.clock_rejected += 1;
             }
         }
+        Self::bind(&mut self.vms[vid as usize], &rq.disk, &el.device);
         // Guest point ids sort before host ones: appending keeps the set sorted.
         // Without any time relation (no causal points at all) only the host
         // points are kept.
@@ -1643,6 +1644,48 @@ mod tests {
             .iter()
             .all(|j| j.reason == Some(UnmatchedReason::NoGuestRecord)));
         assert_eq!(e.stats().pending_host, 0);
+    }
+
+    #[test]
+    fn learned_disk_device_binding_separates_disks() {
+        let s = generate(&SynthConfig {
+            requests: 3,
+            ..SynthConfig::default()
+        });
+        let mut e = JoinEngine::default();
+        let mut out = Vec::new();
+        for &(a, b, c, d) in &s.probes {
+            e.clock("vm0").add_guest_probe(a, b, c, d).unwrap();
+        }
+        // Learn vda ↔ d0 and vdb ↔ d1 from two distinct requests.
+        let mut g0 = s.guest[0].clone();
+        let mut h0 = s.host[0].clone();
+        g0.disk = "vda".into();
+        h0.device = "d0".into();
+        let mut g1 = s.guest[1].clone();
+        let mut h1 = s.host[1].clone();
+        g1.disk = "vdb".into();
+        h1.device = "d1".into();
+        e.push_host(h0, &mut out);
+        e.push_guest("vm0", g0, &mut out);
+        e.push_host(h1, &mut out);
+        e.push_guest("vm0", g1, &mut out);
+        assert_eq!(out.iter().filter(|j| j.joined).count(), 2);
+        // Now two identical host elements on both devices; the vdb request must
+        // take the d1 one.
+        let mut g2 = s.guest[2].clone();
+        g2.disk = "vdb".into();
+        let mut ha = s.host[2].clone();
+        ha.device = "d0".into();
+        let mut hb = s.host[2].clone();
+        hb.device = "d1".into();
+        e.push_host(ha, &mut out);
+        e.push_host(hb, &mut out);
+        e.push_guest("vm0", g2, &mut out);
+        let j = out.last().unwrap();
+        assert!(j.joined);
+        assert_eq!(j.disk.as_deref(), Some("vdb"));
+        assert_eq!(j.device.as_deref(), Some("d1"));
     }
 
     #[test]

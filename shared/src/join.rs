@@ -8,7 +8,8 @@
 //! some `θ` in that interval (± `slack_ns`) also satisfies causality:
 //! * the guest published the request before the host popped it:
 //!   `θ ≤ h.pop − g.vq_add` (or the latest guest submission point present:
-//!   `g.vq_add`, `g.queue_rq`, `g.rq_issue`, `g.rq_insert`, `g.bio_queue`);
+//!   `g.vq_add`, `g.rq_issue`, `g.queue_rq`, `g.rq_insert`, `g.bio_queue`;
+//!   host start: `h.pop`, else `h.submit`, else `h.io_issue`);
 //! * the host pushed it before the guest completed it:
 //!   `θ ≥ h.push − g.rq_complete` (host end: `h.push`, `h.complete_cb`,
 //!   `h.io_complete`; guest end: `g.rq_complete`, `g.bio_complete`,
@@ -229,10 +230,12 @@ struct Vm {
     guest_by_sector: FxMap<u64, Vec<u32>>,
 }
 
+/// Guest points that precede the avail-ring publication, latest first
+/// (`g.rq_issue` fires inside `queue_rq`, after `g.queue_rq`).
 const SUB_POINTS: &[Point] = &[
     Point::VqAdd,
-    Point::QueueRq,
     Point::RqIssue,
+    Point::QueueRq,
     Point::RqInsert,
     Point::BioQueue,
 ];

@@ -7,7 +7,7 @@
 //! | stage            | from              | to                |
 //! |------------------|-------------------|-------------------|
 //! | `guest_fs`       | `g.syscall_enter` | `g.bio_queue`     |
-//! | `guest_queue`    | `g.bio_queue`     | `g.rq_issue`      |
+//! | `guest_queue`    | `g.bio_queue`     | `g.rq_issue` (¹)  |
 //! | `guest_driver`   | `g.rq_issue`      | `g.kick`          |
 //! | `kick_to_pop`    | `g.kick`          | `h.pop`           |
 //! | `qemu_submit`    | `h.pop`           | `h.submit`        |
@@ -18,10 +18,13 @@
 //! | `guest_return`   | `g.rq_complete`   | `g.syscall_exit`  |
 //!
 //! When an anchor is missing, a neighbouring point may stand in for it (first
-//! present wins): `g.bio_queue` ← `g.rq_insert`; `g.kick` ← `g.vq_add`,
-//! `g.queue_rq`; `h.pop` ← `h.notify`; `h.submit` ← `h.io_issue`;
+//! present wins): `g.bio_queue` ← `g.rq_insert`; `g.kick` ← `g.vq_add`;
+//! `h.pop` ← `h.notify`; `h.submit` ← `h.io_issue`;
 //! `h.complete_cb` ← `h.io_complete`; `h.push` ← `h.irq`; `g.irq` ←
 //! `g.driver_complete`; `g.rq_complete` ← `g.driver_complete`, `g.bio_complete`.
+//! (¹) `g.rq_issue` fires inside the driver's `queue_rq` (which starts the
+//! request), so `g.queue_rq` falls inside `guest_queue`.
+//!
 //! When an anchor has no stand-in, the two stages around it merge into one named
 //! `a+b` (e.g. `guest_queue+guest_driver`); the merge of everything between
 //! `g.kick` and `g.irq` (a guest-only record) is named `device`, so guest-only
@@ -54,7 +57,7 @@ const ANCHORS: &[(Point, &[Point])] = &[
     (Point::SyscallEnter, &[]),
     (Point::BioQueue, &[Point::RqInsert]),
     (Point::RqIssue, &[]),
-    (Point::Kick, &[Point::VqAdd, Point::QueueRq]),
+    (Point::Kick, &[Point::VqAdd]),
     (Point::HostPop, &[Point::HostNotify]),
     (Point::HostSubmit, &[Point::HostIoIssue]),
     (Point::HostCompleteCb, &[Point::HostIoComplete]),
@@ -280,8 +283,8 @@ mod tests {
             (Point::SyscallEnter, 100),
             (Point::BioQueue, 110),
             (Point::RqInsert, 115),
+            (Point::QueueRq, 118),
             (Point::RqIssue, 120),
-            (Point::QueueRq, 121),
             (Point::VqAdd, 125),
             (Point::Kick, 130),
             (Point::HostNotify, 140),

@@ -153,6 +153,9 @@ int BPF_PROG(bio_split, struct bio *split)
 	stat_inc(S_BIO_SPLIT);
 	if (bpf_map_update_elem(&bios, &key, p, BPF_ANY))
 		stat_inc(S_FULL_BIO);
+	/* the parent keeps the rest: it now starts after the split part */
+	if (p->has_offset)
+		p->offset += BPF_CORE_READ(split, bi_iter.bi_size);
 	return 0;
 }
 

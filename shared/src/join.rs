@@ -504,8 +504,7 @@ impl JoinEngine {
         }
         if let Some((_, id)) = best {
             let h = self.remove_host(id);
-            let j = self.make_joined(vid, rq, h.el, est, valid == 1);
-            out.push(j);
+            self.make_joined(vid, rq, h.el, est, valid == 1, out);
         } else {
             let mismatch = !mismatched.is_empty();
             for id in mismatched {
@@ -605,8 +604,7 @@ impl JoinEngine {
         }
         if let Some((_, id, est)) = best {
             let g = self.remove_guest(id);
-            let j = self.make_joined(vid, g.rq, el, est, valid == 1);
-            out.push(j);
+            self.make_joined(vid, g.rq, el, est, valid == 1, out);
         } else {
             let mismatch = !mismatched.is_empty();
             for id in mismatched {
@@ -671,8 +669,7 @@ impl JoinEngine {
             } else {
                 UnmatchedReason::NoHostRecord
             };
-            let j = self.unmatched_guest(g, r);
-            out.push(j);
+            self.unmatched_guest(g, r, out);
         }
         let mut hs: Vec<u32> = (0..self.hosts.items.len() as u32)
             .filter(|&i| self.hosts.get(i).is_some())
@@ -685,8 +682,7 @@ impl JoinEngine {
             } else {
                 UnmatchedReason::NoGuestRecord
             };
-            let j = self.unmatched_host(h, r);
-            out.push(j);
+            self.unmatched_host(h, r, out);
         }
         for v in &mut self.vms {
             v.guest_heap.clear();
@@ -771,8 +767,7 @@ impl JoinEngine {
             } else {
                 UnmatchedReason::NoHostRecord
             };
-            let j = self.unmatched_guest(g, r);
-            out.push(j);
+            self.unmatched_guest(g, r, out);
         }
         loop {
             let v = &self.vms[vid as usize];
@@ -806,8 +801,7 @@ impl JoinEngine {
             } else {
                 UnmatchedReason::NoGuestRecord
             };
-            let j = self.unmatched_host(h, r);
-            out.push(j);
+            self.unmatched_host(h, r, out);
         }
     }
 
@@ -818,8 +812,7 @@ impl JoinEngine {
                 if self.guests.live(id, gen) {
                     let g = self.remove_guest(id);
                     self.stats.evicted += 1;
-                    let j = self.unmatched_guest(g, UnmatchedReason::Evicted);
-                    out.push(j);
+                    self.unmatched_guest(g, UnmatchedReason::Evicted, out);
                     return;
                 }
             }
@@ -833,8 +826,7 @@ impl JoinEngine {
                 if self.hosts.live(id, gen) {
                     let h = self.remove_host(id);
                     self.stats.evicted += 1;
-                    let j = self.unmatched_host(h, UnmatchedReason::Evicted);
-                    out.push(j);
+                    self.unmatched_host(h, UnmatchedReason::Evicted, out);
                     return;
                 }
             }
@@ -848,7 +840,8 @@ impl JoinEngine {
         el: HostElem,
         est: Option<OffsetEstimate>,
         unambiguous: bool,
-    ) -> JoinedIo {
+        out: &mut Vec<JoinedIo>,
+    ) {
         self.stats.joined += 1;
         let sub = first_of(&rq.ts, SUB_POINTS);
         let done = first_of(&rq.ts, DONE_POINTS);
@@ -922,7 +915,7 @@ impl JoinEngine {
         };
         let domain = ClockDomain::Host;
         let bd = stages::derive(&ts);
-        JoinedIo {
+        out.push(JoinedIo {
             vm: el.vm,
             disk: Some(rq.disk),
             device: Some(el.device),
@@ -951,10 +944,15 @@ impl JoinEngine {
             clock_uncertainty_ns: offset.and_then(|o| o.1),
             joined: true,
             reason: None,
-        }
+        });
     }
 
-    fn unmatched_guest(&mut self, g: GuestPending, reason: UnmatchedReason) -> JoinedIo {
+    fn unmatched_guest(
+        &mut self,
+        g: GuestPending,
+        reason: UnmatchedReason,
+        out: &mut Vec<JoinedIo>,
+    ) {
         self.stats.unmatched_guest += 1;
         if reason == UnmatchedReason::MismatchOpSectorLen {
             self.stats.mismatched += 1;
@@ -975,7 +973,7 @@ impl JoinEngine {
             None => ClockDomain::Guest,
         };
         let bd = stages::derive(&ts);
-        JoinedIo {
+        out.push(JoinedIo {
             vm: v.name.clone(),
             disk: Some(rq.disk),
             device: None,
@@ -1004,17 +1002,17 @@ impl JoinEngine {
             clock_uncertainty_ns: est.map(|e| e.uncertainty_ns),
             joined: false,
             reason: Some(reason),
-        }
+        });
     }
 
-    fn unmatched_host(&mut self, h: HostPending, reason: UnmatchedReason) -> JoinedIo {
+    fn unmatched_host(&mut self, h: HostPending, reason: UnmatchedReason, out: &mut Vec<JoinedIo>) {
         self.stats.unmatched_host += 1;
         if reason == UnmatchedReason::MismatchOpSectorLen {
             self.stats.mismatched += 1;
         }
         let el = h.el;
         let bd = stages::derive(&el.ts);
-        JoinedIo {
+        out.push(JoinedIo {
             vm: el.vm,
             disk: None,
             device: Some(el.device),
@@ -1043,7 +1041,7 @@ impl JoinEngine {
             clock_uncertainty_ns: None,
             joined: false,
             reason: Some(reason),
-        }
+        });
     }
 }
 

@@ -226,6 +226,7 @@ struct Vm {
     bindings: Vec<(String, String)>,
     /// Whether headless guest records were seen (then hosts are indexed by sector).
     headless: bool,
+    boot_id: Option<String>,
     host_by_sector: FxMap<u64, Vec<u32>>,
     guest_by_sector: FxMap<u64, Vec<u32>>,
 }
@@ -383,6 +384,7 @@ impl JoinEngine {
             host_heap: Heap::new(),
             bindings: Vec::new(),
             headless: false,
+            boot_id: None,
             host_by_sector: FxMap::default(),
             guest_by_sector: FxMap::default(),
         });
@@ -394,6 +396,26 @@ impl JoinEngine {
     pub fn clock(&mut self, vm: &str) -> &mut ClockEstimator {
         let id = self.vm_id(vm);
         &mut self.vms[id as usize].clock
+    }
+
+    /// Notes a guest (re)connection; a new boot id for the VM (the guest
+    /// rebooted: its monotonic clock restarted) resets the VM's clock.
+    /// Returns whether the clock was reset.
+    pub fn guest_connected(&mut self, vm: &str, boot_id: &str) -> bool {
+        let id = self.vm_id(vm);
+        let v = &mut self.vms[id as usize];
+        match &v.boot_id {
+            Some(b) if b == boot_id => false,
+            None => {
+                v.boot_id = Some(boot_id.to_string());
+                false
+            }
+            Some(_) => {
+                v.boot_id = Some(boot_id.to_string());
+                self.reset_clock(vm);
+                true
+            }
+        }
     }
 
     /// Forgets a VM's clock (call when its guest rebooted: new boot id).
@@ -1687,6 +1709,22 @@ mod tests {
         assert!(j.joined);
         assert_eq!(j.disk.as_deref(), Some("vdb"));
         assert_eq!(j.device.as_deref(), Some("d1"));
+    }
+
+    #[test]
+    fn reboot_resets_the_clock() {
+        let mut e = JoinEngine::default();
+        assert!(!e.guest_connected("vm0", "boot-a"));
+        e.clock("vm0")
+            .add_guest_probe(10, 1_000_010, 1_000_011, 20)
+            .unwrap();
+        assert!(e.clock("vm0").is_synced());
+        // Same boot (a reconnect): the clock is kept.
+        assert!(!e.guest_connected("vm0", "boot-a"));
+        assert!(e.clock("vm0").is_synced());
+        // New boot: reset.
+        assert!(e.guest_connected("vm0", "boot-b"));
+        assert!(!e.clock("vm0").is_synced());
     }
 
     #[test]

@@ -211,6 +211,11 @@ impl GuestSenderConfig {
     }
 }
 
+/// This guest's own vsock CID, when a vsock transport is loaded.
+pub fn local_cid() -> Option<u32> {
+    vsock::get_local_cid().ok()
+}
+
 /// Builds a [`Hello`] from this machine's facts (`/proc`), with `agent_version`.
 pub fn local_hello(agent_version: &str, cid: Option<u32>) -> Hello {
     let read = |p: &str| {
@@ -958,6 +963,48 @@ pub mod host {
             conns,
             bound: cfg.listens.clone(),
         })
+    }
+
+    /// Applies one event to a join engine: clock samples feed the VM's clock,
+    /// guest records are joined (results go to `out`), a connection with a new
+    /// boot id resets the VM's clock. Returns the events the join does not
+    /// consume (connections, statistics, disconnections) for the caller.
+    pub fn feed_join(
+        engine: &mut crate::join::JoinEngine,
+        ev: Event,
+        out: &mut Vec<crate::record::JoinedIo>,
+    ) -> Option<Event> {
+        match ev.kind {
+            EventKind::GuestRqs(v) => {
+                for rq in v {
+                    engine.push_guest(&ev.vm, rq, out);
+                }
+                None
+            }
+            EventKind::Clock(ClockSample::GuestInitiated { t1, t2, t3, t4 }) => {
+                if let Err(e) = engine.clock(&ev.vm).add_guest_probe(t1, t2, t3, t4) {
+                    log::debug!("vm {}: {e}", ev.vm);
+                }
+                None
+            }
+            EventKind::Clock(ClockSample::HostInitiated { h1, g2, g3, h4 }) => {
+                if let Err(e) = engine.clock(&ev.vm).add_host_probe(h1, g2, g3, h4) {
+                    log::debug!("vm {}: {e}", ev.vm);
+                }
+                None
+            }
+            EventKind::Connected(ref h) => {
+                if engine.guest_connected(&ev.vm, &h.boot_id) {
+                    log::info!(
+                        "vm {}: guest rebooted (boot id {}), clock reset",
+                        ev.vm,
+                        h.boot_id
+                    );
+                }
+                Some(ev)
+            }
+            _ => Some(ev),
+        }
     }
 
     async fn write_msg<W: AsyncWrite + Unpin>(w: &mut W, m: &Message) -> Result<(), ProtoError> {

@@ -10,7 +10,7 @@ use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::join::synth::{generate, SynthConfig};
 use viotrace_shared::join::JoinEngine;
 use viotrace_shared::record::{ClockDomain, Point};
-use viotrace_shared::transport::host::{serve, ClockSample, EventKind, HostConfig, Listen};
+use viotrace_shared::transport::host::{feed_join, serve, EventKind, HostConfig, Listen};
 use viotrace_shared::transport::{
     hybrid_vsock_path, local_hello, Endpoint, GuestSender, GuestSenderConfig,
 };
@@ -68,27 +68,13 @@ async fn guest_records_cross_the_socket_and_join_with_a_measured_clock() {
             .expect("events in time")
             .expect("channel open");
         assert_eq!(ev.vm, "vm-it");
-        match ev.kind {
-            EventKind::Clock(ClockSample::GuestInitiated { t1, t2, t3, t4 }) => {
-                engine
-                    .clock(&ev.vm)
-                    .add_guest_probe(t1, t2, t3, t4)
-                    .unwrap();
-                samples += 1;
-            }
-            EventKind::Clock(ClockSample::HostInitiated { h1, g2, g3, h4 }) => {
-                engine.clock(&ev.vm).add_host_probe(h1, g2, g3, h4).unwrap();
-                samples += 1;
-            }
-            EventKind::GuestRqs(v) => {
-                received += v.len();
-                for g in v {
-                    engine.push_guest(&ev.vm, g, &mut out);
-                }
-            }
+        match &ev.kind {
+            EventKind::Clock(_) => samples += 1,
+            EventKind::GuestRqs(v) => received += v.len(),
             EventKind::Disconnected { reason, .. } => panic!("disconnected: {reason}"),
             _ => {}
         }
+        feed_join(&mut engine, ev, &mut out);
     }
     engine.flush(&mut out);
     let st = tokio::task::spawn_blocking(move || sender.shutdown("done", Duration::from_secs(5)))

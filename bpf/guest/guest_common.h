@@ -20,7 +20,7 @@ const volatile __u8 have_driver_complete = 0;
 /* Address of vring_interrupt (kprobe mode: irq_handler_entry names its vq). */
 const volatile __u64 vring_interrupt_addr = 0;
 /* Wake the reader once this many bytes are pending (else it polls). */
-const volatile __u64 wakeup_bytes = 64 * 1024;
+const volatile __u64 wakeup_bytes = 256 * 1024;
 
 #define MAX_INFLIGHT_SYS 8192
 #define MAX_BIOS 16384
@@ -87,7 +87,7 @@ struct vq_state {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
-	__uint(max_entries, 512 * 1024);
+	__uint(max_entries, 1 << 20);
 } events SEC(".maps");
 
 struct {

@@ -107,7 +107,8 @@ impl Aggregator {
     }
 
     fn label_mut(&mut self, label: &str) -> &mut LabelStats {
-        if !self.labels.contains_key(label) {
+        // Two lookups only the first time a label is seen.
+        if self.labels.get(label).is_none() {
             self.labels.insert(label.to_owned(), LabelStats::default());
         }
         self.labels.get_mut(label).expect("inserted above")
@@ -308,7 +309,10 @@ fn sorted_points<'a>(
 
 /// Whether all points share one prefix (`g.`/`h.`), which stage names then drop.
 fn same_prefix(v: &[(Point, u64)]) -> bool {
-    let prefix = |p: Point| p.name().split('.').next().unwrap_or("");
+    let prefix = |p: Point| {
+        let n = p.name().as_bytes();
+        &n[..n.iter().position(|&c| c == b'.').unwrap_or(n.len())]
+    };
     v.iter().all(|&(p, _)| prefix(p) == prefix(v[0].0))
 }
 

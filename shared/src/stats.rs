@@ -107,8 +107,7 @@ impl Aggregator {
     }
 
     fn label_mut(&mut self, label: &str) -> &mut LabelStats {
-        // Two lookups only the first time a label is seen.
-        if self.labels.get(label).is_none() {
+        if !self.labels.contains_key(label) {
             self.labels.insert(label.to_owned(), LabelStats::default());
         }
         self.labels.get_mut(label).expect("inserted above")

@@ -561,6 +561,14 @@ impl JoinEngine {
             self.vms[vid as usize]
                 .guest_heap
                 .push(Reverse((deadline, id, gen)));
+            // Matched records leave stale heap entries until their deadline;
+            // if time stalls, drop them so memory stays bounded by the cap.
+            if self.vms[vid as usize].guest_heap.len() > 4 * self.guests.len + 4096 {
+                let guests = &self.guests;
+                self.vms[vid as usize]
+                    .guest_heap
+                    .retain(|Reverse((_, id, gen))| guests.live(*id, *gen));
+            }
         }
         self.expire_vm(vid, out);
     }
@@ -656,6 +664,11 @@ impl JoinEngine {
             }
             let deadline = last.saturating_add(self.cfg.timeout_ns);
             v.host_heap.push(Reverse((deadline, id, gen)));
+            if v.host_heap.len() > 4 * self.hosts.len + 4096 {
+                let hosts = &self.hosts;
+                v.host_heap
+                    .retain(|Reverse((_, id, gen))| hosts.live(*id, *gen));
+            }
         }
         self.expire_vm(vid, out);
     }
@@ -1725,6 +1738,31 @@ mod tests {
         // New boot: reset.
         assert!(e.guest_connected("vm0", "boot-b"));
         assert!(!e.clock("vm0").is_synced());
+    }
+
+    #[test]
+    fn stale_heap_entries_are_compacted_when_time_stalls() {
+        let s = generate(&SynthConfig {
+            requests: 20_000,
+            probe_every_ns: 0,
+            ..SynthConfig::default()
+        });
+        let mut e = JoinEngine::new(JoinConfig {
+            timeout_ns: u64::MAX / 4,
+            ..JoinConfig::default()
+        });
+        let mut out = Vec::new();
+        // Host first then guest, one request at a time: each host waits, then joins.
+        for (g, h) in s.guest.iter().zip(&s.host) {
+            e.push_host(h.clone(), &mut out);
+            e.push_guest("vm0", g.clone(), &mut out);
+        }
+        assert_eq!(out.len(), 20_000);
+        assert!(
+            e.vms[0].host_heap.len() <= 4096 + 4,
+            "{}",
+            e.vms[0].host_heap.len()
+        );
     }
 
     #[test]

@@ -1765,6 +1765,47 @@ mod tests {
         );
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        /// Any mix of queues, batching, merges, sector reuse, drift, lag and
+        /// reordering: every request joins its own element. (Without any clock
+        /// probe and with a tiny set of sectors, candidates can be genuinely
+        /// ambiguous; that case is only run with a large sector space.)
+        #[test]
+        fn random_streams_join_exactly(
+            seed in proptest::prelude::any::<u64>(),
+            queues in 1u16..5,
+            batch in 1usize..5,
+            merge in proptest::prelude::any::<bool>(),
+            few_blocks in proptest::prelude::any::<bool>(),
+            drift_ppm in -100.0f64..100.0,
+            theta in -1_000_000_000_000i64..1_000_000_000_000,
+            lag_us in 0u64..20_000,
+            shuffle in 0usize..400,
+            interval_us in 5u64..300,
+            probes in proptest::prelude::any::<bool>(),
+        ) {
+            let cfg = SynthConfig {
+                requests: 400,
+                queues,
+                batch,
+                merge,
+                blocks: if few_blocks && probes { 4 } else { 1 << 20 },
+                drift_ppm,
+                theta_ns: theta,
+                interval_ns: interval_us * 1000,
+                seed,
+                start_ns: 2_000_000_000_000,
+                probe_every_ns: if probes { 50_000_000 } else { 0 },
+                ..SynthConfig::default()
+            };
+            let s = generate(&cfg);
+            let mut e = JoinEngine::default();
+            let out = run(&mut e, "vm0", interleave(&s, lag_us * 1000, shuffle, seed ^ 1));
+            check_all_joined(&s, &out);
+        }
+    }
+
     #[test]
     fn headless_guest_records_join_on_sector() {
         let mut s = generate(&SynthConfig {

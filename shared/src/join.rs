@@ -114,6 +114,20 @@ impl Default for JoinConfig {
     }
 }
 
+impl JoinConfig {
+    /// For joining two finished recordings (e.g. `guest.jsonl` and
+    /// `host.jsonl`) fed one after the other: nothing times out, everything
+    /// unmatched is emitted by [`JoinEngine::flush`]. Without clock probes
+    /// the clock is learned from unambiguous pairs (see the module docs).
+    pub fn offline() -> Self {
+        JoinConfig {
+            timeout_ns: u64::MAX / 4,
+            max_pending: 1 << 22,
+            ..JoinConfig::default()
+        }
+    }
+}
+
 /// Counters of the join.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct JoinStats {
@@ -1802,6 +1816,33 @@ mod tests {
             let s = generate(&cfg);
             let mut e = JoinEngine::default();
             let out = run(&mut e, "vm0", interleave(&s, lag_us * 1000, shuffle, seed ^ 1));
+            check_all_joined(&s, &out);
+        }
+    }
+
+    #[test]
+    fn offline_join_of_two_recordings_without_probes() {
+        let s = generate(&SynthConfig {
+            requests: 5000,
+            queues: 2,
+            probe_every_ns: 0,
+            theta_ns: -123_456_789,
+            seed: 21,
+            ..SynthConfig::default()
+        });
+        for guest_first in [true, false] {
+            let mut e = JoinEngine::new(JoinConfig::offline());
+            let mut ev: Vec<Event> = Vec::new();
+            let gs = s.guest.iter().cloned().map(Event::Guest);
+            let hs = s.host.iter().cloned().map(Event::Host);
+            if guest_first {
+                ev.extend(gs);
+                ev.extend(hs);
+            } else {
+                ev.extend(hs);
+                ev.extend(gs);
+            }
+            let out = run(&mut e, "vm0", ev);
             check_all_joined(&s, &out);
         }
     }

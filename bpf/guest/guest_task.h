@@ -74,6 +74,23 @@ static __always_inline bool sys_file(struct sys_info *s, int fd, bool use_pos)
 	return true;
 }
 
+#define IOV_MAX_SUM 16
+
+/* Bytes requested by a user iovec array (the first IOV_MAX_SUM entries). */
+static __always_inline __u64 iov_bytes(const struct iovec *uiov, long cnt)
+{
+	__u64 sum = 0;
+
+	for (int i = 0; i < IOV_MAX_SUM; i++) {
+		struct iovec v = {};
+
+		if (i >= cnt || bpf_probe_read_user(&v, sizeof(v), &uiov[i]))
+			break;
+		sum += v.iov_len;
+	}
+	return sum;
+}
+
 static __always_inline bool is_write_nr(__u32 nr)
 {
 	return nr == NR_write || nr == NR_pwrite64 || nr == NR_writev || nr == NR_pwritev ||
@@ -111,9 +128,14 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 	bool ok = false;
 
 	switch (nr) {
-	case NR_read: case NR_write: case NR_readv: case NR_writev:
+	case NR_read: case NR_write:
 		ok = sys_file(&tmp_hdr, a0, true);
-		tmp_hdr.bytes = (nr == NR_read || nr == NR_write) ? a2 : 0;
+		tmp_hdr.bytes = a2;
+		break;
+	case NR_readv: case NR_writev:
+		ok = sys_file(&tmp_hdr, a0, true);
+		if (ok)
+			tmp_hdr.bytes = iov_bytes((const struct iovec *)a1, a2);
 		break;
 	case NR_pread64: case NR_pwrite64:
 		ok = sys_file(&tmp_hdr, a0, false);
@@ -122,7 +144,9 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 		tmp_hdr.has_offset = 1;
 		break;
 	case NR_preadv: case NR_pwritev: case NR_preadv2: case NR_pwritev2:
-		ok = sys_file(&tmp_hdr, a0, false);
+		ok = sys_file(&tmp_hdr, a0, a3 == -1);
+		if (ok)
+			tmp_hdr.bytes = iov_bytes((const struct iovec *)a1, a2);
 		/* offset -1 on preadv2/pwritev2 means "current position" */
 		if (a3 != -1) {
 			tmp_hdr.offset = a3;

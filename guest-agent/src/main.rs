@@ -393,7 +393,12 @@ fn main() -> Result<()> {
         eprintln!("viotrace-guest: cannot see {b}");
     }
 
-    let sink = RefCell::new(Sink::new(cli.json, cli.threshold, run.mode.to_string()));
+    let sink = RefCell::new(Sink::new(
+        cli.json,
+        cli.threshold,
+        run.mode.to_string(),
+        run.blind.clone(),
+    ));
     let mut rb = RingBufferBuilder::new();
     rb.add(&run.skel.maps.events, |data: &[u8]| {
         sink.borrow_mut().handle(data);

@@ -19,6 +19,7 @@ pub struct Sink {
     json: bool,
     threshold_ns: Option<u64>,
     mode: String,
+    blind: Vec<String>,
     out: BufWriter<Stdout>,
     scratch: Vec<u8>,
     decoder: Decoder,
@@ -131,15 +132,18 @@ struct StatsLine<'a> {
     guest_io: u64,
     decode_errors: u64,
     counters: BTreeMap<&'a str, u64>,
+    /// What this run could not see, and why.
+    blind: &'a [String],
     stages: Vec<StageLine<'a>>,
 }
 
 impl Sink {
-    pub fn new(json: bool, threshold: Option<Duration>, mode: String) -> Self {
+    pub fn new(json: bool, threshold: Option<Duration>, mode: String, blind: Vec<String>) -> Self {
         Sink {
             json,
             threshold_ns: threshold.map(|d| d.as_nanos().min(u128::from(u64::MAX)) as u64),
             mode,
+            blind,
             out: BufWriter::with_capacity(64 * 1024, io::stdout()),
             scratch: Vec::with_capacity(1024),
             decoder: Decoder::new(),
@@ -280,6 +284,7 @@ impl Sink {
                 guest_io: self.ios,
                 decode_errors: self.decode_errors,
                 counters: counters.iter().copied().collect(),
+                blind: &self.blind,
                 stages: summaries
                     .iter()
                     .map(|(l, s, summary)| StageLine {

@@ -25,8 +25,9 @@ pub struct Sink {
     decoder: Decoder,
     interval: Aggregator,
     total: Aggregator,
-    /// (disk, sector) → points of recently finished requests.
-    recent: HashMap<(String, u64), Points>,
+    /// (disk, sector) → points of recently finished requests, and whether
+    /// their waterfall was printed (then their syscall's is not).
+    recent: HashMap<(String, u64), (Points, bool)>,
     pub rqs: u64,
     pub ios: u64,
     pub decode_errors: u64,
@@ -192,14 +193,16 @@ impl Sink {
         }
         self.interval.record_points(&r.disk, &r.ts);
         if let Some(th) = self.threshold_ns {
-            if first_last(&r.ts).is_some_and(|d| d >= th) {
+            let slow = first_last(&r.ts).is_some_and(|d| d >= th);
+            if slow {
                 let w = render_waterfall(&rq_header(r), &r.ts);
                 self.human(&w);
             }
             if self.recent.len() >= RECENT_RQS {
                 self.recent.clear();
             }
-            self.recent.insert((r.disk.clone(), r.sector), r.ts.clone());
+            self.recent
+                .insert((r.disk.clone(), r.sector), (r.ts.clone(), slow));
         }
     }
 
@@ -217,13 +220,18 @@ impl Sink {
         let d = b.saturating_sub(a);
         self.interval.record(SYSCALL_LABEL, &io.syscall, d);
         if let Some(th) = self.threshold_ns {
-            if d >= th {
+            let caused: Vec<&(Points, bool)> = io
+                .requests
+                .iter()
+                .filter_map(|r| self.recent.get(&(r.disk.clone(), r.sector)))
+                .collect();
+            // A slow request already printed its waterfall (with g.syscall_enter).
+            if d >= th && !caused.iter().any(|(_, printed)| *printed) {
                 // The syscall's points plus those of the slowest request it caused.
                 let mut pts = io.ts.clone();
-                let slowest = io
-                    .requests
+                let slowest = caused
                     .iter()
-                    .filter_map(|r| self.recent.get(&(r.disk.clone(), r.sector)))
+                    .map(|(p, _)| p)
                     .max_by_key(|p| first_last(p).unwrap_or(0));
                 if let Some(p) = slowest {
                     for (pt, t) in p.iter() {

@@ -236,7 +236,9 @@ impl Aggregator {
                 "  {label}\n    {:<width$} {:>9} {:>10} {:>10} {:>10} {:>10}",
                 "stage", "count", "mean", "p50", "p99", "max"
             );
-            for (stage, h) in &stages.stages {
+            let mut rows: Vec<&(String, StageHist)> = stages.stages.iter().collect();
+            rows.sort_by_key(|(name, _)| stage_rank(name));
+            for (stage, h) in rows {
                 let s = h.summary();
                 let _ = writeln!(
                     out,
@@ -251,6 +253,25 @@ impl Aggregator {
             }
         }
         out
+    }
+}
+
+/// Path position of a stage for table order: `a→b` stages by their points'
+/// path order, other names after them (first-seen order), the total last.
+fn stage_rank(name: &str) -> (u8, u8, u8) {
+    let point = |n: &str| {
+        Point::from_name(n)
+            .or_else(|| Point::from_name(&format!("g.{n}")))
+            .or_else(|| Point::from_name(&format!("h.{n}")))
+            .and_then(|p| Point::ALL.iter().position(|&q| q == p))
+            .and_then(|i| u8::try_from(i).ok())
+    };
+    if name == TOTAL_STAGE {
+        return (2, 0, 0);
+    }
+    match name.split_once('→').map(|(a, b)| (point(a), point(b))) {
+        Some((Some(a), Some(b))) => (0, a, b),
+        _ => (1, 0, 0),
     }
 }
 
@@ -428,6 +449,20 @@ mod tests {
         a.clear();
         assert!(a.is_empty());
         assert!(a.render_table("t").contains("no I/O"));
+    }
+
+    #[test]
+    fn table_rows_follow_path_order_with_total_last() {
+        let mut a = Aggregator::new();
+        a.record("vda", "total", 9);
+        a.record("vda", "rq_issue→rq_complete", 5);
+        a.record("vda", "custom", 1);
+        a.record("vda", "syscall_enter→bio_queue", 2);
+        let t = a.render_table("t");
+        let pos = |s: &str| t.find(s).unwrap();
+        assert!(pos("syscall_enter→bio_queue") < pos("rq_issue→rq_complete"));
+        assert!(pos("rq_issue→rq_complete") < pos("custom"));
+        assert!(pos("custom") < pos("total"));
     }
 
     #[test]

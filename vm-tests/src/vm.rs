@@ -182,6 +182,10 @@ pub struct RunResult {
     pub host_agent_rc: Option<i32>,
     /// CPU time and peak RSS of QEMU and the agents over the workload window.
     pub metrics: RunMetrics,
+    /// Host CLOCK_MONOTONIC (ns) when the workload's start and end markers were seen on
+    /// the console: the window in which host-side records belong to the workload.
+    pub workload_start_ns: u64,
+    pub workload_end_ns: u64,
     pub config: VmConfig,
 }
 
@@ -234,6 +238,14 @@ pub const AGENT_VSOCK_PORT: u32 = 5515;
 
 fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// Host CLOCK_MONOTONIC (ns) at the instant `t`.
+fn mono_at(t: Instant) -> u64 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|ts| ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64)
+        .unwrap_or(0);
+    now.saturating_sub(t.elapsed().as_nanos() as u64)
 }
 
 fn kvm_usable() -> bool {
@@ -583,11 +595,13 @@ impl Lab {
             )
         };
         let (mut s_start, mut s_end) = ((None, None), (None, None));
+        let (mut mono_start, mut mono_end) = (0u64, 0u64);
         let qemu_status = loop {
             match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(Event::Line(t, line)) => {
                     if line.contains(MARK_START) {
                         t_start = Some(t);
+                        mono_start = mono_at(t);
                         if let (Some(hb), HostAttach::Running) = (&host_bin, cfg.host_attach) {
                             let h =
                                 self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, &uds)?;
@@ -597,6 +611,7 @@ impl Lab {
                         s_start = sample(host_agent_pid);
                     } else if let Some(r) = line.split_once(MARK_END) {
                         t_end = Some(t);
+                        mono_end = mono_at(t);
                         s_end = sample(host_agent_pid);
                         rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
                     } else if line.contains(MARK_DONE) {
@@ -719,6 +734,8 @@ impl Lab {
                     ProcSample::from_files(out, "guest-agent.end"),
                 ),
             },
+            workload_start_ns: mono_start,
+            workload_end_ns: mono_end,
             config: cfg.clone(),
         };
         write_summary(&result)?;

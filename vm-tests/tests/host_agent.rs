@@ -37,11 +37,21 @@ fn run_host(name: &str, cfg: VmConfig, workload: &str) -> RunResult {
     r
 }
 
+/// Host records of the workload window (the host also sees the guest's boot-time I/O,
+/// such as the partition scan of each disk).
 fn elems(r: &RunResult) -> Vec<Value> {
+    assert!(r.workload_start_ns > 0 && r.workload_end_ns >= r.workload_start_ns);
     r.jsonl("host.jsonl")
         .expect("host.jsonl")
         .into_iter()
         .filter(|v| v["kind"] == "host_elem")
+        .filter(|v| {
+            let first = v["ts"]
+                .as_object()
+                .and_then(|m| m.values().filter_map(|t| t.as_u64()).min())
+                .unwrap_or(0);
+            first >= r.workload_start_ns
+        })
         .collect()
 }
 
@@ -207,6 +217,8 @@ fn agent_started_before_qemu_discovers_it() {
         "host-before",
         VmConfig {
             host_attach: HostAttach::BeforeQemu,
+            // Discovery follows only this VM (other QEMUs may run on the machine).
+            host_args: vec!["--vm".into(), "vt-host-before".into()],
             ..VmConfig::default()
         },
         &wl,

@@ -331,6 +331,21 @@ fn read_stats(skel: &ViotraceGuestSkel<'_>) -> Vec<(&'static str, u64)> {
         .collect()
 }
 
+/// libbpf's messages go to stderr, except the expected failure of an optional
+/// tracepoint that this kernel names differently (reported once, in our words).
+fn libbpf_print(level: libbpf_rs::PrintLevel, msg: String) {
+    if level == libbpf_rs::PrintLevel::Debug {
+        return;
+    }
+    let optional_tp = probe::OPTIONAL_TPS
+        .iter()
+        .flat_map(|(progs, _)| progs.iter())
+        .any(|p| msg.contains(&format!("prog '{p}': failed to attach")));
+    if !optional_tp {
+        eprint!("{msg}");
+    }
+}
+
 fn ensure_tracefs() {
     // Tracepoint attach needs tracefs on some kernels; mounting is best effort.
     if !Path::new("/sys/kernel/tracing/events").exists() {
@@ -362,6 +377,7 @@ fn main() -> Result<()> {
             .context("spawning signal thread")?;
     }
 
+    libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Warn, libbpf_print)));
     ensure_tracefs();
     let modes = candidate_modes(cli.mode);
     let mut storages: Vec<MaybeUninit<libbpf_rs::OpenObject>> =

@@ -110,9 +110,11 @@ fn check_known_io(r: &RunResult, backend: &str) {
         } else {
             assert!(sector % 8 == 0 && sector * 512 < 32 << 20, "{v}");
         }
+        // h.pop needs the optional virtqueue_pop uprobe (--pop); h.notify is the kick handling.
         let pop = v["ts"]["h.pop"]
             .as_u64()
-            .unwrap_or_else(|| panic!("h.pop: {v}"));
+            .or(v["ts"]["h.notify"].as_u64())
+            .unwrap_or_else(|| panic!("h.pop or h.notify: {v}"));
         let push = v["ts"]["h.push"]
             .as_u64()
             .unwrap_or_else(|| panic!("h.push: {v}"));

@@ -762,7 +762,7 @@ impl Lab {
         cmd.arg("--json").arg("--ready-file").arg(&ready);
         if cfg.agents == Agents::Both {
             cmd.arg("--listen-uds")
-                .arg(format!("{}_{AGENT_VSOCK_PORT}", uds.display()))
+                .arg(format!("{}={}_{AGENT_VSOCK_PORT}", cfg.name, uds.display()))
                 .arg("--joined-out")
                 .arg(out.join("joined.jsonl"));
         }

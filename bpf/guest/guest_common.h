@@ -97,15 +97,21 @@ struct {
 	__type(value, __u64);
 } stats SEC(".maps");
 
+/*
+ * Per-thread in-flight syscalls and queued bios use LRU maps: a thread killed
+ * inside a syscall, or a bio that ends before it becomes part of a request
+ * (REQ_NOWAIT -EAGAIN, errors), would otherwise leave an entry behind forever.
+ * Live entries are young; eviction only hits such leftovers.
+ */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_INFLIGHT_SYS);
 	__type(key, __u32);	/* tid */
 	__type(value, struct sys_state);
 } sys_inflight SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_BIOS);
 	__type(key, __u64);	/* struct bio * */
 	__type(value, struct bio_state);

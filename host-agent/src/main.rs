@@ -36,6 +36,10 @@ struct Cli {
     /// qemu-system-* is traced, including VMs that start later.
     #[arg(long = "pid", value_name = "PID")]
     pids: Vec<u32>,
+    /// Only trace VMs with this name (QEMU `-name`; repeatable). Applies to
+    /// discovery; with --pid the given processes are traced whatever their name.
+    #[arg(long = "vm", value_name = "NAME")]
+    vms: Vec<String>,
     /// Print a waterfall of every element whose total latency is at least this
     /// (e.g. 500us, 2ms).
     #[arg(short = 't', long, value_parser = humantime::parse_duration)]
@@ -184,8 +188,15 @@ fn run() -> Result<()> {
     // Initial targets.
     let explicit: BTreeSet<u32> = cli.pids.iter().copied().collect();
     let mut failed: BTreeSet<u32> = BTreeSet::new();
+    let wanted = |pid: u32| -> bool {
+        cli.vms.is_empty()
+            || qemu::QemuProc::inspect(pid).is_ok_and(|p| cli.vms.iter().any(|v| *v == p.vm))
+    };
     let initial: Vec<u32> = if explicit.is_empty() {
         qemu::discover()
+            .into_iter()
+            .filter(|&p| wanted(p))
+            .collect()
     } else {
         explicit.iter().copied().collect()
     };
@@ -196,7 +207,10 @@ fn run() -> Result<()> {
         attach(&tracer, pid, &mut failed, !explicit.is_empty())?;
     }
     if explicit.is_empty() && tracer.borrow().targets.is_empty() {
-        eprintln!("viotrace-host: no QEMU process yet; waiting for qemu-system-* to start");
+        eprintln!(
+            "viotrace-host: no {}QEMU process yet; waiting for qemu-system-* to start",
+            if cli.vms.is_empty() { "" } else { "matching " }
+        );
     }
     if let Some(f) = &cli.ready_file {
         std::fs::write(f, b"ready\n").with_context(|| format!("writing {}", f.display()))?;
@@ -242,9 +256,14 @@ fn run() -> Result<()> {
             // New VMs.
             if explicit.is_empty() {
                 for pid in qemu::discover() {
-                    if !tracer.borrow().targets.contains_key(&pid) && !failed.contains(&pid) {
-                        attach(&tracer, pid, &mut failed, false)?;
+                    if tracer.borrow().targets.contains_key(&pid) || failed.contains(&pid) {
+                        continue;
                     }
+                    if !wanted(pid) {
+                        failed.insert(pid); // not ours: do not look again
+                        continue;
+                    }
+                    attach(&tracer, pid, &mut failed, false)?;
                 }
                 failed.retain(|&p| qemu::alive(p));
             }

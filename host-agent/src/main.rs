@@ -189,8 +189,7 @@ fn run() -> Result<()> {
     let explicit: BTreeSet<u32> = cli.pids.iter().copied().collect();
     let mut failed: BTreeSet<u32> = BTreeSet::new();
     let wanted = |pid: u32| -> bool {
-        cli.vms.is_empty()
-            || qemu::QemuProc::inspect(pid).is_ok_and(|p| cli.vms.iter().any(|v| *v == p.vm))
+        cli.vms.is_empty() || qemu::QemuProc::inspect(pid).is_ok_and(|p| cli.vms.contains(&p.vm))
     };
     let initial: Vec<u32> = if explicit.is_empty() {
         qemu::discover()

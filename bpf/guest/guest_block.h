@@ -84,21 +84,21 @@ int BPF_PROG(bio_queue, struct bio *bio)
 	kind = bio_page_file(bio, &pino, &poff);
 	s = bpf_map_lookup_elem(&sys_inflight, &tid);
 	/* buffered I/O on the block device node itself: its pages are the file */
-	if (kind == PG_BDEV && s && s->inode == pino)
+	if (kind == PG_BDEV && s && s->cur.inode == pino)
 		kind = PG_FILE;
 	if (s) {
 		b.id = s->id;
 		b.owner_tid = tid;
 		b.owner_enter_ts = s->enter_ts;
-		if (kind == PG_FILE && !s->direct) {
+		if (kind == PG_FILE && !s->cur.direct) {
 			b.inode = pino;
 			b.offset = poff;
 			b.has_offset = 1;
-		} else if (kind == PG_OTHER || s->direct) {
+		} else if (kind == PG_OTHER || s->cur.direct) {
 			/* direct I/O: the syscall's file, bios queued in file order */
-			b.inode = s->inode;
-			if (s->has_offset) {
-				b.offset = s->offset + s->dio_queued;
+			b.inode = s->cur.inode;
+			if (s->cur.has_offset) {
+				b.offset = s->cur.offset + s->dio_queued;
 				b.has_offset = 1;
 			}
 			s->dio_queued += BPF_CORE_READ(bio, bi_iter.bi_size);

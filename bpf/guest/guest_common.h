@@ -37,13 +37,23 @@ struct ident {
 	char comm[VT_COMM];
 };
 
+/* A syscall's file as far as it is known. */
+struct sys_info {
+	__u64 inode;
+	__u64 offset;
+	__u64 bytes;
+	__u8 has_offset;
+	__u8 direct;
+};
+
 struct sys_state {
 	struct ident id;
 	__u64 enter_ts;
 	__u64 inode;
 	__u64 offset;
 	__u64 bytes;
-	__u64 dio_queued;	/* bytes of direct-I/O bios queued so far */
+	__u64 dio_queued;	/* bytes of direct-I/O bios queued for `cur` so far */
+	struct sys_info cur;	/* file of the request being submitted now */
 	__u32 nr;
 	__u8 has_offset;
 	__u8 direct;

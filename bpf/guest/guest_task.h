@@ -43,15 +43,6 @@ static __always_inline struct file *fd_file(int fd)
 	return f;
 }
 
-/* What sys_enter learns before it creates the in-flight entry. */
-struct sys_info {
-	__u64 inode;
-	__u64 offset;
-	__u64 bytes;
-	__u8 has_offset;
-	__u8 direct;
-};
-
 /* Fills inode/offset/direct from an fd; false when it is not a file or disk. */
 static __always_inline bool sys_file(struct sys_info *s, int fd, bool use_pos)
 {
@@ -214,12 +205,63 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 	s->bytes = tmp_hdr.bytes;
 	s->direct = tmp_hdr.direct;
 	s->dio_queued = 0;
+	s->cur = tmp_hdr;
 	s->nrefs = 0;
 	s->refs_dropped = 0;
 
 	/* Remember who dirtied the page cache of this inode (for write-back). */
 	if (is_write_nr(nr) && !tmp_hdr.direct && tmp_hdr.inode)
 		bpf_map_update_elem(&inode_writer, &tmp_hdr.inode, &who, BPF_ANY);
+	return 0;
+}
+
+/*
+ * A submission syscall moves on to its next request (io_uring SQE, aio iocb):
+ * the bios queued from now on belong to that file and offset. The record keeps
+ * the first request's file.
+ */
+static __always_inline void sys_next_file(struct sys_state *s, const struct sys_info *fi)
+{
+	s->cur = *fi;
+	s->dio_queued = 0;
+	if (!s->inode) {
+		s->inode = fi->inode;
+		s->offset = fi->offset;
+		s->has_offset = fi->has_offset;
+		s->direct = fi->direct;
+	}
+}
+
+/* io_submit: each iocb in turn (fentry/kprobe on io_submit_one). */
+static __always_inline void on_aio_iocb(const struct iocb *uiocb)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	struct sys_info fi = {};
+	struct iocb cb = {};
+
+	if (!s || s->nr != NR_io_submit)
+		return;
+	if (bpf_probe_read_user(&cb, sizeof(cb), uiocb))
+		return;
+	if (!sys_file(&fi, cb.aio_fildes, false))
+		return;
+	fi.offset = cb.aio_offset;
+	fi.has_offset = 1;
+	sys_next_file(s, &fi);
+}
+
+SEC("?fentry/io_submit_one")
+int BPF_PROG(fe_io_submit_one, struct kioctx *aioctx, const struct iocb *uiocb)
+{
+	on_aio_iocb(uiocb);
+	return 0;
+}
+
+SEC("?kprobe/io_submit_one")
+int BPF_KPROBE(kp_io_submit_one, struct kioctx *aioctx, const struct iocb *uiocb)
+{
+	on_aio_iocb(uiocb);
 	return 0;
 }
 
@@ -282,11 +324,9 @@ static __always_inline void uring_req(struct io_kiocb *req)
 	cmd = (void *)req + bpf_core_field_offset(struct io_kiocb, cmd);
 	bpf_core_read(&pos, sizeof(pos), cmd + bpf_core_field_offset(struct kiocb, ki_pos));
 	bpf_core_read(&len, sizeof(len), cmd + bpf_core_type_size(struct kiocb) + 8);
-	s->inode = fi.inode;
-	s->direct = fi.direct;
-	s->offset = pos;
-	s->has_offset = 1;
-	s->dio_queued = 0;
+	fi.offset = pos;
+	fi.has_offset = 1;
+	sys_next_file(s, &fi);
 	if (op == IORING_READ || op == IORING_WRITE || op == IORING_READ_FIXED ||
 	    op == IORING_WRITE_FIXED)
 		s->bytes += len;

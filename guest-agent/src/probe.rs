@@ -86,6 +86,12 @@ pub const HOOKS: &[Hook] = &[
         sees: "g.driver_complete",
     },
     Hook {
+        target: "io_submit_one",
+        fentry: &["fe_io_submit_one"],
+        kprobe: &["kp_io_submit_one"],
+        sees: "file and offset of each iocb after the first in one io_submit",
+    },
+    Hook {
         target: "blk_update_request",
         fentry: &["fx_update_request"],
         kprobe: &["kp_update_request", "krp_update_request"],

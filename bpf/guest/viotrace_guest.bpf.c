@@ -4,7 +4,9 @@
  *
  * Loaded once. Programs are grouped by concern in the headers below:
  *   guest_common.h  – configuration (filters), maps, stats, shared helpers
- *   guest_task.h    – syscall entry/exit (raw syscall tracepoints, every mode)
+ *   guest_task.h    – syscall entry/exit (raw syscall tracepoints, every mode),
+ *                     per-request files of io_uring (tracepoint) and io_submit
+ *                     (io_submit_one: fentry or kprobe)
  *   guest_block.h   – block layer tracepoints (raw_tp, every mode)
  *   guest_virtio.h  – virtio-blk / virtio_ring hooks: fentry/fexit ("?fentry"
  *                     optional programs) or kprobes ("?kprobe"), chosen at start

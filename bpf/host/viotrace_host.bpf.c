@@ -98,56 +98,56 @@ struct {
 } vqs SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 4096);
 	__type(key, __u32); /* tid */
 	__type(value, __u64); /* VirtQueue * */
 } pop_arg SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_ELEMS);
 	__type(key, struct tg_ptr); /* VirtQueueElement * == VirtIOBlockReq * */
 	__type(value, struct host_rec);
 } elems SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_ELEMS);
 	__type(key, struct pushed_key);
 	__type(value, struct host_rec);
 } pushed SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_ELEMS);
 	__type(key, struct tg_ptr); /* ptr = merge id */
 	__type(value, struct io_state);
 } ios SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_ELEMS);
 	__type(key, struct tg_ptr); /* ptr = first data buffer (0: flush) */
 	__type(value, __u64);       /* merge id */
 } io_by_buf SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 4096);
 	__type(key, __u32); /* tid inside a matched I/O syscall */
 	__type(value, struct tid_io);
 } tid_ios SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_ELEMS);
 	__type(key, __u64); /* struct request * */
 	__type(value, struct tid_io);
 } rq_ios SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_ELEMS);
 	__type(key, __u64); /* io_uring user_data (LuringAIOCB *) */
 	__type(value, struct tid_io);

@@ -220,12 +220,15 @@ fn run() -> Result<()> {
     let mut next_scan = start + Duration::from_secs(1);
     let mut why = "duration elapsed";
     loop {
+        // BPF wakes us only when the ring fills up (a wakeup per record would cost
+        // QEMU's thread): wait at most 100 ms, then drain whatever is there.
         if let Err(e) = rb.poll(Duration::from_millis(100)) {
             // EINTR is harmless; anything else is reported once per poll.
             if !e.to_string().contains("Interrupted") {
                 eprintln!("viotrace-host: warning: ring buffer poll: {e}");
             }
         }
+        let _ = rb.consume();
         if let Ok(Some(si)) = sigfd.read_signal() {
             why = if si.ssi_signo == Signal::SIGTERM as u32 {
                 "SIGTERM"

@@ -276,9 +276,9 @@ pub struct Layout {
     pub req_mr_next: u32,
     pub qiov_size: u32,
     pub luring_sqe: u32,
-    /// DeviceState.id within a QOM object; Object.parent.
-    pub dev_id: u32,
-    pub obj_parent: u32,
+    /// VirtIOBlock.blk (BlockBackend *); BlockBackend.name (the drive id).
+    pub vblk_blk: u32,
+    pub blk_name: u32,
 }
 
 /// Layouts read from the QEMU sources of each release and checked against the
@@ -312,8 +312,10 @@ const KNOWN_LAYOUTS: &[(&str, Layout)] = &[(
         qiov_size: 32,
         // struct LuringAIOCB: Coroutine *co; struct io_uring_sqe sqeq; …
         luring_sqe: 8,
-        dev_id: 40,
-        obj_parent: 32,
+        // struct VirtIOBlock { VirtIODevice parent_obj; BlockBackend *blk; … }
+        vblk_blk: 0x200,
+        // struct BlockBackend { char *name; … } (blk_name())
+        blk_name: 0,
     },
 )];
 
@@ -495,25 +497,30 @@ fn read_ptr(pid: u32, addr: u64) -> Option<u64> {
 }
 
 fn read_cstr(pid: u32, addr: u64) -> Option<String> {
-    let b = read_mem(pid, addr, 64).ok()?;
-    let end = b.iter().position(|&c| c == 0)?;
-    let s = std::str::from_utf8(&b[..end]).ok()?;
-    (!s.is_empty() && s.chars().all(|c| c.is_ascii_graphic())).then(|| s.to_string())
+    // Small chunks: a longer read could run into an unmapped page.
+    let mut out = Vec::new();
+    for k in 0..8u64 {
+        let b = read_mem(pid, addr + k * 16, 16).ok()?;
+        match b.iter().position(|&c| c == 0) {
+            Some(end) => {
+                out.extend_from_slice(&b[..end]);
+                let s = String::from_utf8(out).ok()?;
+                return (!s.is_empty() && s.chars().all(|c| c.is_ascii_graphic())).then_some(s);
+            }
+            None => out.extend_from_slice(&b),
+        }
+    }
+    None
 }
 
-/// The `id=` of the device owning a VirtIODevice: the virtio device itself has
-/// none; its QOM parent (the virtio-blk-pci proxy) carries the command line id.
-pub fn device_id(pid: u32, vdev: u64, l: &Layout) -> Option<String> {
+/// The drive (BlockBackend name, i.e. the `-drive id=`) behind a virtio-blk device.
+pub fn device_drive(pid: u32, vdev: u64, l: &Layout) -> Option<String> {
     if vdev == 0 {
         return None;
     }
-    let own = read_ptr(pid, vdev + u64::from(l.dev_id)).filter(|&p| p != 0);
-    if let Some(s) = own.and_then(|p| read_cstr(pid, p)) {
-        return Some(s);
-    }
-    let parent = read_ptr(pid, vdev + u64::from(l.obj_parent)).filter(|&p| p != 0)?;
-    let id = read_ptr(pid, parent + u64::from(l.dev_id)).filter(|&p| p != 0)?;
-    read_cstr(pid, id)
+    let blk = read_ptr(pid, vdev + u64::from(l.vblk_blk)).filter(|&p| p != 0)?;
+    let name = read_ptr(pid, blk + u64::from(l.blk_name)).filter(|&p| p != 0)?;
+    read_cstr(pid, name)
 }
 
 /// utime + stime of a process, in clock ticks.

@@ -359,12 +359,19 @@ fn fallback_device(t: &Target) -> (String, Backend) {
 }
 
 fn name_device(t: &Target, vdev: u64) -> (String, Backend) {
-    let id = qemu::device_id(t.proc.pid, vdev, &t.layout);
-    match id {
-        Some(id) => {
-            let dev = t.proc.devices.iter().find(|d| d.id.as_deref() == Some(&id));
-            let backend = t.proc.backend_of(dev);
-            (id, backend)
+    match qemu::device_drive(t.proc.pid, vdev, &t.layout) {
+        Some(drive) => {
+            let dev = t
+                .proc
+                .devices
+                .iter()
+                .find(|d| d.drive.as_deref() == Some(drive.as_str()));
+            let label = dev.and_then(|d| d.id.clone()).unwrap_or(drive.clone());
+            let backend = match t.proc.drives.iter().find(|d| d.id == drive) {
+                Some(d) => d.backend,
+                None => t.proc.backend_of(dev),
+            };
+            (label, backend)
         }
         None => {
             let (name, b) = fallback_device(t);

@@ -6,6 +6,7 @@ mod bpf {
     #![allow(unused_imports, clippy::all)]
     include!(concat!(env!("OUT_DIR"), "/viotrace_host.skel.rs"));
 }
+mod joined;
 mod qemu;
 mod tracer;
 
@@ -61,6 +62,22 @@ struct Cli {
     /// Create this file once the probes are attached.
     #[arg(long, value_name = "FILE")]
     ready_file: Option<PathBuf>,
+    /// In discovery mode, follow only QEMU processes whose VM name (`-name`) is this.
+    #[arg(long, value_name = "NAME")]
+    vm: Option<String>,
+    /// Joined mode: accept guest agents on this Unix socket (hybrid vsock: the VMM's
+    /// `<uds-path>_<port>`), as `VM=PATH`, or `PATH` when exactly one VM is traced. Repeatable.
+    #[arg(long, value_name = "[VM=]PATH")]
+    listen_uds: Vec<String>,
+    /// Joined mode: accept guest agents on this AF_VSOCK port (the VM is found from its CID).
+    #[arg(long, value_name = "PORT")]
+    listen_vsock: Option<u32>,
+    /// Joined mode: write the end-to-end records (`"kind":"io"`) here instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    joined_out: Option<PathBuf>,
+    /// Joined mode: write a Chrome trace-event file (Perfetto) of the joined requests at exit.
+    #[arg(long, value_name = "FILE")]
+    chrome_trace: Option<PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -78,6 +95,7 @@ struct Sink {
     total: Aggregator,
     out: std::io::BufWriter<std::io::Stdout>,
     records: u64,
+    joined: Option<joined::Joined>,
 }
 
 impl Sink {
@@ -91,6 +109,9 @@ impl Sink {
 
     fn elem(&mut self, e: &HostElem) {
         self.records += 1;
+        if let Some(j) = self.joined.as_mut() {
+            j.host_elem(e);
+        }
         let label = format!("{}/{}", e.vm, e.device);
         let st = stages(&e.ts);
         for (stage, ns) in &st {
@@ -161,6 +182,7 @@ fn run() -> Result<()> {
         total: Aggregator::new(),
         out: std::io::BufWriter::new(std::io::stdout()),
         records: 0,
+        joined: None,
     }));
 
     // An owned handle on the ring buffer map, so the tracer can stay mutable.
@@ -200,6 +222,9 @@ fn run() -> Result<()> {
         explicit.iter().copied().collect()
     };
     for pid in initial {
+        if explicit.is_empty() && !vm_selected(&cli, pid) {
+            continue;
+        }
         if !explicit.is_empty() && !qemu::is_qemu(pid) {
             eprintln!("viotrace-host: warning: pid {pid} does not run a qemu-system-* binary; trying anyway");
         }
@@ -210,6 +235,44 @@ fn run() -> Result<()> {
             "viotrace-host: no {}QEMU process yet; waiting for qemu-system-* to start",
             if cli.vms.is_empty() { "" } else { "matching " }
         );
+    }
+    if !cli.listen_uds.is_empty() || cli.listen_vsock.is_some() {
+        let only_vm = {
+            let t = tracer.borrow();
+            let vms: BTreeSet<String> = t.targets.values().map(|t| t.proc.vm.clone()).collect();
+            (vms.len() == 1).then(|| vms.into_iter().next()).flatten()
+        };
+        let opts = joined::JoinOpts {
+            unix: cli
+                .listen_uds
+                .iter()
+                .map(|s| {
+                    let (vm, path) = joined::parse_listen_uds(s);
+                    (vm.or_else(|| only_vm.clone()), path)
+                })
+                .collect(),
+            vsock_port: cli.listen_vsock,
+            out: cli.joined_out.clone(),
+            chrome: cli.chrome_trace.clone(),
+            threshold_ns: sink.borrow().threshold_ns,
+            vm_for_cid: tracer
+                .borrow()
+                .targets
+                .iter()
+                .filter_map(|(pid, t)| joined::guest_cid_of(*pid).map(|c| (c, t.proc.vm.clone())))
+                .collect(),
+        };
+        let j = joined::Joined::start(&opts)?;
+        eprintln!(
+            "viotrace-host: joined mode: waiting for guest agents on {}",
+            cli.listen_uds
+                .iter()
+                .cloned()
+                .chain(cli.listen_vsock.map(|p| format!("vsock port {p}")))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        sink.borrow_mut().joined = Some(j);
     }
     if let Some(f) = &cli.ready_file {
         std::fs::write(f, b"ready\n").with_context(|| format!("writing {}", f.display()))?;
@@ -270,9 +333,28 @@ fn run() -> Result<()> {
                 failed.retain(|&p| qemu::alive(p));
             }
         }
+        {
+            let mut s = sink.borrow_mut();
+            if let Some(j) = s.joined.as_mut() {
+                let notes = j.poll();
+                for n in notes {
+                    s.human(&n);
+                }
+            }
+        }
         if now >= next_table {
             next_table = now + cli.interval;
             let mut s = sink.borrow_mut();
+            if let Some(j) = s.joined.as_mut() {
+                if !j.interval.is_empty() {
+                    let t = j.interval.render_table(&format!(
+                        "== viotrace end-to-end (guest + host, host clock): last {}",
+                        humantime::format_duration(cli.interval)
+                    ));
+                    j.interval.clear();
+                    s.human(&t);
+                }
+            }
             if !s.interval.is_empty() {
                 let t = s.interval.render_table(&format!(
                     "== viotrace-host: last {} (at +{:.1}s)",
@@ -293,8 +375,25 @@ fn run() -> Result<()> {
         detach(&tracer, &sink, pid, "agent stopping");
     }
     let _ = rb.consume();
-    let stats = tracer.borrow().stats();
+    let mut stats: Vec<(String, u64)> = tracer
+        .borrow()
+        .stats()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
     let mut s = sink.borrow_mut();
+    if let Some(mut j) = s.joined.take() {
+        let notes = j.finish()?;
+        for n in notes {
+            s.human(&n);
+        }
+        let t = j.total.render_table(&format!(
+            "== viotrace end-to-end totals ({} records)",
+            j.records
+        ));
+        s.human(&t);
+        stats.extend(j.counters());
+    }
     let t = s.total.render_table(&format!(
         "== viotrace-host: totals over {:.1}s ({why})",
         start.elapsed().as_secs_f64()
@@ -316,7 +415,7 @@ fn run() -> Result<()> {
         m.insert("records".into(), s.records.into());
         m.insert("unattributed".into(), (*unknown.borrow()).into());
         for (k, v) in &stats {
-            m.insert((*k).into(), (*v).into());
+            m.insert(k.clone(), (*v).into());
         }
         let summ: Vec<serde_json::Value> = s
             .total
@@ -387,6 +486,14 @@ fn attach(
             failed.insert(pid);
             Ok(())
         }
+    }
+}
+
+/// Discovery filter: `--vm NAME` follows only that VM.
+fn vm_selected(cli: &Cli, pid: u32) -> bool {
+    match &cli.vm {
+        None => true,
+        Some(name) => qemu::QemuProc::inspect(pid).is_ok_and(|p| &p.vm == name),
     }
 }
 

@@ -105,8 +105,11 @@ impl QemuProc {
                 return d.backend;
             }
         }
-        match self.drives.as_slice() {
-            [only] => only.backend,
+        // Unknown drive: still known when every drive uses the same mode.
+        match self.drives.split_first() {
+            Some((first, rest)) if rest.iter().all(|d| d.backend == first.backend) => {
+                first.backend
+            }
             _ => Backend::Unknown,
         }
     }

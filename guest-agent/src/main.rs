@@ -27,6 +27,7 @@ use nix::sys::signal::{SigSet, Signal};
 use bpf::{OpenViotraceGuestSkel, ViotraceGuestSkel, ViotraceGuestSkelBuilder};
 use probe::{Mode, HOOKS};
 use sink::Sink;
+use viotrace_shared::transport;
 
 /// Trace guest I/O end to end: syscall → block layer → virtio-blk → completion.
 #[derive(Parser, Debug)]
@@ -65,6 +66,11 @@ struct Cli {
     /// Create this file once every probe is attached.
     #[arg(long, value_name = "PATH")]
     ready_file: Option<PathBuf>,
+    /// Also stream the records to a host agent for the end-to-end join:
+    /// `vsock[:CID]:PORT` (host CID 2, default port 5515), `unix:PATH` or `/PATH`.
+    /// Reconnects with back-off; records are buffered (bounded) while disconnected.
+    #[arg(long, value_name = "ENDPOINT")]
+    connect: Option<viotrace_shared::transport::Endpoint>,
 }
 
 /// Filters as the BPF side wants them.
@@ -409,11 +415,23 @@ fn main() -> Result<()> {
         eprintln!("viotrace-guest: cannot see {b}");
     }
 
+    let uplink = match &cli.connect {
+        Some(ep) => {
+            let hello = transport::local_hello(env!("CARGO_PKG_VERSION"), transport::local_cid());
+            let sender =
+                transport::GuestSender::start(transport::GuestSenderConfig::new(ep.clone(), hello))
+                    .with_context(|| format!("starting the uplink to {ep}"))?;
+            eprintln!("viotrace-guest: streaming records to {ep}");
+            Some(sender)
+        }
+        None => None,
+    };
     let sink = RefCell::new(Sink::new(
         cli.json,
         cli.threshold,
         run.mode.to_string(),
         run.blind.clone(),
+        uplink,
     ));
     let mut rb = RingBufferBuilder::new();
     rb.add(&run.skel.maps.events, |data: &[u8]| {
@@ -441,13 +459,15 @@ fn main() -> Result<()> {
         let mut s = sink.borrow_mut();
         if now >= next_table {
             s.interval_table(started.elapsed());
+            s.send_counters(&read_stats(&run.skel));
             next_table = now + cli.interval;
         }
         s.flush();
     }
     rb.consume().context("consuming ring buffer")?;
-    let stats = read_stats(&run.skel);
+    let mut stats = read_stats(&run.skel);
     let mut s = sink.borrow_mut();
+    s.close_uplink(&mut stats);
     s.finish(started.elapsed(), &stats);
     Ok(())
 }

@@ -5,8 +5,11 @@ use std::io::{self, BufWriter, Stdout, Write};
 use std::time::Duration;
 
 use serde::Serialize;
+use viotrace_shared::clock::monotonic_ns;
+use viotrace_shared::proto::{Counter, GuestStats};
 use viotrace_shared::record::{GuestIo, GuestRq, Point, Points};
 use viotrace_shared::stats::{render_waterfall, Aggregator, Summary};
+use viotrace_shared::transport::GuestSender;
 
 use crate::raw::{Decoder, Record};
 
@@ -32,6 +35,8 @@ pub struct Sink {
     pub ios: u64,
     pub decode_errors: u64,
     interval_records: u64,
+    /// Stream to the host agent (`--connect`).
+    uplink: Option<GuestSender>,
 }
 
 /// Writes `{"kind":K, ...fields of v}` and a newline into `out`, using `buf`
@@ -139,8 +144,15 @@ struct StatsLine<'a> {
 }
 
 impl Sink {
-    pub fn new(json: bool, threshold: Option<Duration>, mode: String, blind: Vec<String>) -> Self {
+    pub fn new(
+        json: bool,
+        threshold: Option<Duration>,
+        mode: String,
+        blind: Vec<String>,
+        uplink: Option<GuestSender>,
+    ) -> Self {
         Sink {
+            uplink,
             json,
             threshold_ns: threshold.map(|d| d.as_nanos().min(u128::from(u64::MAX)) as u64),
             mode,
@@ -188,6 +200,9 @@ impl Sink {
 
     fn on_rq(&mut self, r: &GuestRq) {
         self.rqs += 1;
+        if let Some(u) = &self.uplink {
+            u.send_rq(r.clone());
+        }
         if self.json {
             let _ = write_json_line(&mut self.out, &mut self.scratch, "guest_rq", r);
         }
@@ -208,6 +223,9 @@ impl Sink {
 
     fn on_io(&mut self, io: &GuestIo) {
         self.ios += 1;
+        if let Some(u) = &self.uplink {
+            u.send_io(io.clone());
+        }
         if self.json {
             let _ = write_json_line(&mut self.out, &mut self.scratch, "guest_io", io);
         }
@@ -259,6 +277,40 @@ impl Sink {
         self.human(&t);
         self.interval.clear();
         self.interval_records = 0;
+    }
+
+    /// Sends the agent's counters to the host (when connected).
+    pub fn send_counters(&self, counters: &[(&'static str, u64)]) {
+        if let Some(u) = &self.uplink {
+            u.send_stats(GuestStats {
+                ts: monotonic_ns(),
+                transport_dropped: 0,
+                counters: counters
+                    .iter()
+                    .map(|(n, v)| Counter {
+                        name: (*n).to_string(),
+                        value: *v,
+                    })
+                    .chain([Counter {
+                        name: "decode_errors".into(),
+                        value: self.decode_errors,
+                    }])
+                    .collect(),
+            });
+        }
+    }
+
+    /// Sends the final counters, flushes the uplink and adds its losses to `counters`.
+    pub fn close_uplink(&mut self, counters: &mut Vec<(&'static str, u64)>) {
+        self.send_counters(counters);
+        if let Some(u) = self.uplink.take() {
+            let st = u.shutdown("guest agent stopping", Duration::from_secs(5));
+            counters.push(("uplink_sent_records", st.sent_records));
+            counters.push(("uplink_dropped_full", st.dropped_full));
+            counters.push(("uplink_lost_disconnect", st.dropped_disconnect));
+            counters.push(("uplink_connects", st.connects));
+            counters.push(("uplink_connect_failures", st.connect_failures));
+        }
     }
 
     pub fn flush(&mut self) {

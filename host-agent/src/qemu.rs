@@ -107,9 +107,7 @@ impl QemuProc {
         }
         // Unknown drive: still known when every drive uses the same mode.
         match self.drives.split_first() {
-            Some((first, rest)) if rest.iter().all(|d| d.backend == first.backend) => {
-                first.backend
-            }
+            Some((first, rest)) if rest.iter().all(|d| d.backend == first.backend) => first.backend,
             _ => Backend::Unknown,
         }
     }

@@ -62,9 +62,6 @@ struct Cli {
     /// Create this file once the probes are attached.
     #[arg(long, value_name = "FILE")]
     ready_file: Option<PathBuf>,
-    /// In discovery mode, follow only QEMU processes whose VM name (`-name`) is this.
-    #[arg(long, value_name = "NAME")]
-    vm: Option<String>,
     /// Joined mode: accept guest agents on this Unix socket (hybrid vsock: the VMM's
     /// `<uds-path>_<port>`), as `VM=PATH`, or `PATH` when exactly one VM is traced. Repeatable.
     #[arg(long, value_name = "[VM=]PATH")]
@@ -222,9 +219,6 @@ fn run() -> Result<()> {
         explicit.iter().copied().collect()
     };
     for pid in initial {
-        if explicit.is_empty() && !vm_selected(&cli, pid) {
-            continue;
-        }
         if !explicit.is_empty() && !qemu::is_qemu(pid) {
             eprintln!("viotrace-host: warning: pid {pid} does not run a qemu-system-* binary; trying anyway");
         }
@@ -486,14 +480,6 @@ fn attach(
             failed.insert(pid);
             Ok(())
         }
-    }
-}
-
-/// Discovery filter: `--vm NAME` follows only that VM.
-fn vm_selected(cli: &Cli, pid: u32) -> bool {
-    match &cli.vm {
-        None => true,
-        Some(name) => qemu::QemuProc::inspect(pid).is_ok_and(|p| &p.vm == name),
     }
 }
 

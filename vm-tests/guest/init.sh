@@ -25,6 +25,8 @@ fail() {
 }
 
 . /viotrace/config.sh
+# The workload may restart the guest agent with the same arguments.
+export VIOTRACE_GUEST_ARGS
 
 for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk \
 	virtio_console vsock vmw_vsock_virtio_transport_common vmw_vsock_virtio_transport; do

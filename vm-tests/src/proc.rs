@@ -101,6 +101,11 @@ impl Guarded {
         Ok(st)
     }
 
+    /// Takes the child's stderr (for readers).
+    pub fn take_stderr(&mut self) -> Option<std::process::ChildStderr> {
+        self.child.as_mut().and_then(|c| c.stderr.take())
+    }
+
     /// Takes the child's stdout (for readers).
     pub fn take_stdout(&mut self) -> Option<std::process::ChildStdout> {
         self.child.as_mut().and_then(|c| c.stdout.take())

@@ -125,6 +125,9 @@ pub struct VmConfig {
     pub extra_disk_mib: Option<u32>,
     /// Host programs copied into the guest with their libraries (e.g. `bpftrace`).
     pub guest_tools: Vec<String>,
+    /// Fixed hybrid-vsock Unix socket path of the vhost-user backend (default: in the
+    /// run's private directory). Guest connections to port P arrive on `<path>_P`.
+    pub vsock_uds: Option<PathBuf>,
     pub timeout: Duration,
     pub vsock: VsockMode,
     pub accel: Accel,
@@ -153,6 +156,7 @@ impl Default for VmConfig {
             setup: None,
             extra_disk_mib: None,
             guest_tools: Vec::new(),
+            vsock_uds: None,
             timeout: Duration::from_secs(600),
             vsock: VsockMode::Auto,
             accel: Accel::Auto,
@@ -232,6 +236,9 @@ const MARK_DONE: &str = "VIOTRACE-DONE";
 const MARK_ERROR: &str = "VIOTRACE-ERROR";
 const MARK_AGENT_FAILED: &str = "VIOTRACE-AGENT-FAILED";
 const MARK_AGENT_EXIT: &str = "VIOTRACE-AGENT-EXIT";
+/// A workload that prints this line gets its host agent restarted (outputs of the
+/// earlier incarnations are kept as host.N.jsonl / joined.N.jsonl / host.N.log).
+pub const MARK_HOST_RESTART: &str = "VIOTRACE-HOST-AGENT-RESTART";
 
 /// The hybrid-vsock port the host agent listens on for guest agents.
 pub const AGENT_VSOCK_PORT: u32 = 5515;
@@ -392,7 +399,10 @@ impl Lab {
             }
             m => m,
         };
-        let uds = rd.join("vsock.sock");
+        let uds = cfg
+            .vsock_uds
+            .clone()
+            .unwrap_or_else(|| rd.join("vsock.sock"));
         let vhost_sock = rd.join("vhost.sock");
         let mut backend = None;
         if vsock == VsockMode::VhostUser {
@@ -535,7 +545,7 @@ impl Lab {
         // Host agent in discovery mode: up before QEMU exists.
         let mut host_agent = None;
         if let (Some(hb), HostAttach::BeforeQemu) = (&host_bin, cfg.host_attach) {
-            host_agent = Some(self.start_host_agent(cfg, hb, None, out, rd, &uds)?);
+            host_agent = Some(self.start_host_agent(cfg, hb, None, out, rd, &uds, 0)?);
         }
         let t_qemu = Instant::now();
         let mut qemu = Guarded::spawn("qemu-system-x86_64", &mut q)?;
@@ -572,7 +582,7 @@ impl Lab {
         // Host agent by pid on the paused VM, then resume.
         let mut t_resume = t_qemu;
         if let (Some(hb), HostAttach::Paused) = (&host_bin, cfg.host_attach) {
-            host_agent = Some(self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, &uds)?);
+            host_agent = Some(self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, &uds, 0)?);
             let mut qmp = Qmp::connect(&qmp_path, Duration::from_secs(10))?;
             qmp.execute("cont")?;
             t_resume = Instant::now();
@@ -596,6 +606,8 @@ impl Lab {
         };
         let (mut s_start, mut s_end) = ((None, None), (None, None));
         let (mut mono_start, mut mono_end) = (0u64, 0u64);
+        let mut host_restarts = 0u32;
+        let mut host_agent_rcs: Vec<Option<i32>> = Vec::new();
         let qemu_status = loop {
             match rx.recv_timeout(Duration::from_millis(50)) {
                 Ok(Event::Line(t, line)) => {
@@ -604,7 +616,7 @@ impl Lab {
                         mono_start = mono_at(t);
                         if let (Some(hb), HostAttach::Running) = (&host_bin, cfg.host_attach) {
                             let h =
-                                self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, &uds)?;
+                                self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, &uds, 0)?;
                             host_agent_pid = Some(h.pid());
                             host_agent = Some(h);
                         }
@@ -614,6 +626,23 @@ impl Lab {
                         mono_end = mono_at(t);
                         s_end = sample(host_agent_pid);
                         rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
+                    } else if line.contains(MARK_HOST_RESTART) {
+                        if let (Some(hb), Some(mut h)) = (&host_bin, host_agent.take()) {
+                            let st = h.stop(Signal::SIGINT, Duration::from_secs(30))?;
+                            host_restarts += 1;
+                            host_agent_rcs.push(st.code());
+                            let h = self.start_host_agent(
+                                cfg,
+                                hb,
+                                Some(qemu_pid),
+                                out,
+                                rd,
+                                &uds,
+                                host_restarts,
+                            )?;
+                            host_agent_pid = Some(h.pid());
+                            host_agent = Some(h);
+                        }
                     } else if line.contains(MARK_DONE) {
                         done = true;
                     } else if line.contains(MARK_ERROR) || line.contains(MARK_AGENT_FAILED) {
@@ -677,6 +706,10 @@ impl Lab {
         if let Some(mut h) = host_agent.take() {
             let st = h.stop(Signal::SIGINT, Duration::from_secs(30))?;
             host_agent_rc = st.code();
+        }
+        // An earlier incarnation that failed makes the whole run's host agent status fail.
+        if let Some(bad) = host_agent_rcs.into_iter().find(|rc| *rc != Some(0)) {
+            host_agent_rc = Some(bad.unwrap_or(-1));
         }
         if let Some(mut b) = backend.take() {
             let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
@@ -745,6 +778,7 @@ impl Lab {
 
 impl Lab {
     /// Starts the host agent (by pid, or in discovery mode) and waits until it is ready.
+    #[allow(clippy::too_many_arguments)]
     fn start_host_agent(
         &self,
         cfg: &VmConfig,
@@ -753,8 +787,17 @@ impl Lab {
         out: &Path,
         rd: &Path,
         uds: &Path,
+        incarnation: u32,
     ) -> Result<Guarded> {
         let ready = rd.join("host.ready");
+        let _ = fs::remove_file(&ready);
+        let name = |base: &str, ext: &str| {
+            if incarnation == 0 {
+                out.join(format!("{base}.{ext}"))
+            } else {
+                out.join(format!("{base}.{incarnation}.{ext}"))
+            }
+        };
         let mut cmd = Command::new(bin);
         if let Some(pid) = pid {
             cmd.arg("--pid").arg(pid.to_string());
@@ -764,26 +807,44 @@ impl Lab {
             cmd.arg("--listen-uds")
                 .arg(format!("{}={}_{AGENT_VSOCK_PORT}", cfg.name, uds.display()))
                 .arg("--joined-out")
-                .arg(out.join("joined.jsonl"));
+                .arg(name("joined", "jsonl"));
         }
+        let log = File::create(name("host", "log"))?;
         cmd.args(&cfg.host_args)
             .stdin(Stdio::null())
-            .stdout(File::create(out.join("host.jsonl"))?)
-            .stderr(File::create(out.join("host.log"))?);
+            .stdout(File::create(name("host", "jsonl"))?);
+        if cfg.console {
+            cmd.stderr(Stdio::piped());
+        } else {
+            cmd.stderr(log.try_clone()?);
+        }
         let mut h = Guarded::spawn("viotrace-host", &mut cmd)?;
+        if let Some(err) = h.take_stderr() {
+            // Live: the agent's tables and waterfalls on the terminal, and in host.log.
+            std::thread::spawn(move || {
+                let mut log = log;
+                let mut r = BufReader::new(err);
+                let mut line = String::new();
+                while r.read_line(&mut line).unwrap_or(0) > 0 {
+                    eprint!("{line}");
+                    let _ = log.write_all(line.as_bytes());
+                    line.clear();
+                }
+            });
+        }
         let t = Instant::now();
         while !ready.exists() {
             if let Some(st) = h.try_wait()? {
                 bail!(
                     "host agent exited before it was ready ({st}):\n{}",
-                    tail(&out.join("host.log"), 20)
+                    tail(&name("host", "log"), 20)
                 );
             }
             if t.elapsed() > Duration::from_secs(120) || self.interrupt.load(Ordering::SeqCst) {
                 bail!(
                     "host agent not ready after {:?}:\n{}",
                     t.elapsed(),
-                    tail(&out.join("host.log"), 20)
+                    tail(&name("host", "log"), 20)
                 );
             }
             std::thread::sleep(Duration::from_millis(20));

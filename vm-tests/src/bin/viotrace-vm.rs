@@ -154,6 +154,7 @@ impl VmArgs {
             },
             extra_disk_mib: self.extra_disk,
             guest_tools: self.guest_tool.clone(),
+            vsock_uds: None,
         })
     }
 }

@@ -208,6 +208,13 @@ impl Joined {
                         if error { " with an error" } else { "" },
                         c.records
                     ));
+                } else {
+                    self.human.push(format!(
+                        "viotrace-host: guest connection {} (vm={}) rejected{}: {reason}\n",
+                        ev.origin,
+                        ev.vm,
+                        if error { " with an error" } else { "" },
+                    ));
                 }
             }
         }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use object::{Object, ObjectSection, ObjectSymbol};
-use viotrace_shared::record::{Backend, Point};
+use viotrace_shared::record::Backend;
 
 /// A QEMU process we may trace.
 #[derive(Clone, Debug)]
@@ -330,15 +330,27 @@ pub struct BinaryInfo {
     pub layout_note: String,
 }
 
-/// The exported functions each point needs (h.notify and h.irq come from the
-/// queue's notifier eventfds, h.io_* and h.disk_* from kernel tracepoints).
-pub const POINT_SYMBOLS: &[(Point, &[&str])] = &[
-    (Point::HostPop, &["virtqueue_pop", "virtio_blk_handle_vq"]),
+/// The exported functions the probes use and what is lost without each (h.notify
+/// and h.irq come from the queue's notifier eventfds, h.io_* and h.disk_* from
+/// kernel tracepoints). `pop`: only used with --pop.
+pub const PROBE_SYMBOLS: &[(&str, &str, bool)] = &[
+    ("virtqueue_push", "every record (h.push)", false),
+    ("blk_aio_preadv", "h.submit and host I/O of reads", false),
+    ("blk_aio_pwritev", "h.submit and host I/O of writes", false),
+    ("blk_aio_flush", "h.submit and host I/O of flushes", false),
+    ("blk_aio_pdiscard", "h.submit of discards", false),
+    ("blk_aio_pwrite_zeroes", "h.submit of write-zeroes", false),
     (
-        Point::HostSubmit,
-        &["blk_aio_preadv", "blk_aio_pwritev", "blk_aio_flush"],
+        "virtio_notify",
+        "h.irq on the non-dataplane notification path",
+        false,
     ),
-    (Point::HostPush, &["virtqueue_push"]),
+    ("virtqueue_pop", "h.pop", true),
+    (
+        "virtio_blk_handle_vq",
+        "h.pop of a queue's first requests",
+        true,
+    ),
 ];
 
 impl BinaryInfo {
@@ -436,16 +448,13 @@ impl BinaryInfo {
         self.symbols.contains(s)
     }
 
-    /// Points that cannot be seen in this binary, with the reason.
-    pub fn missing_points(&self) -> Vec<(Point, String)> {
-        let mut out = Vec::new();
-        for (p, syms) in POINT_SYMBOLS {
-            let miss: Vec<&str> = syms.iter().copied().filter(|s| !self.has(s)).collect();
-            if !miss.is_empty() {
-                out.push((*p, format!("symbol(s) not exported: {}", miss.join(", "))));
-            }
-        }
-        out
+    /// What cannot be seen in this binary, as (symbol, what is lost).
+    pub fn missing(&self, pop: bool) -> Vec<(&'static str, &'static str)> {
+        PROBE_SYMBOLS
+            .iter()
+            .filter(|(sym, _, only_pop)| (pop || !only_pop) && !self.has(sym))
+            .map(|(sym, what, _)| (*sym, *what))
+            .collect()
     }
 }
 
@@ -599,6 +608,25 @@ mod tests {
             Some(0x68)
         );
         assert_eq!(decode_lea_rdi(&[0x55, 0, 0, 0, 0, 0, 0, 0]), None);
+    }
+
+    #[test]
+    fn reports_missing_symbols() {
+        let all: HashSet<String> = PROBE_SYMBOLS.iter().map(|s| s.0.to_string()).collect();
+        let mut info = BinaryInfo {
+            version: Some("7.2.22".into()),
+            symbols: all,
+            layout: None,
+            layout_note: String::new(),
+        };
+        assert!(info.missing(true).is_empty());
+        info.symbols.remove("blk_aio_flush");
+        info.symbols.remove("virtqueue_pop");
+        assert_eq!(
+            info.missing(false),
+            vec![("blk_aio_flush", "h.submit and host I/O of flushes")]
+        );
+        assert_eq!(info.missing(true).len(), 2);
     }
 
     #[test]

@@ -126,11 +126,8 @@ impl<'obj> Tracer<'obj> {
                 );
             }
         }
-        for (p, why) in info.missing_points() {
-            if p == Point::HostPop && !self.pop {
-                continue;
-            }
-            warn.push(format!("stage {p} not visible: {why}"));
+        for (sym, what) in info.missing(self.pop) {
+            warn.push(format!("not visible: {what} ({sym} is not exported)"));
         }
         if !self.pop {
             warn.push(format!(

@@ -47,7 +47,7 @@
 //! the hard cap bounds the damage a hostile guest could do.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::clock::{narrow, CausalBounds, ClockConfig, ClockEstimator, OffsetEstimate};
@@ -241,8 +241,8 @@ struct Vm {
     /// Whether headless guest records were seen (then hosts are indexed by sector).
     headless: bool,
     boot_id: Option<String>,
-    host_by_sector: FxMap<u64, Vec<u32>>,
-    guest_by_sector: FxMap<u64, Vec<u32>>,
+    host_by_sector: FxMap<u64, VecDeque<u32>>,
+    guest_by_sector: FxMap<u64, VecDeque<u32>>,
 }
 
 /// Guest points that precede the avail-ring publication, latest first
@@ -272,6 +272,36 @@ fn max_point(ts: &Points) -> Option<u64> {
 
 fn min_point(ts: &Points) -> Option<u64> {
     ts.iter().map(|e| e.1).min()
+}
+
+/// Removes `id` from an index list (matches are usually near the front).
+fn remove_id(l: &mut VecDeque<u32>, id: u32) {
+    if let Some(p) = l.iter().position(|&x| x == id) {
+        l.remove(p);
+    }
+}
+
+/// Index lists are kept sorted (guests by submission, hosts by end) so that a
+/// scan can stop at the first candidate that is too late. Arrivals are nearly
+/// in order, so the insertion point is found from the back in a few steps.
+fn insert_sorted(l: &mut VecDeque<u32>, id: u32, key_of: impl Fn(u32) -> Option<u64>) {
+    let Some(k) = key_of(id) else {
+        l.push_back(id);
+        return;
+    };
+    let mut pos = l.len();
+    while pos > 0 && key_of(l[pos - 1]).is_some_and(|x| x > k) {
+        pos -= 1;
+    }
+    l.insert(pos, id);
+}
+
+fn guest_sort_key(g: &GuestPending) -> u64 {
+    g.sub.unwrap_or(g.last)
+}
+
+fn host_sort_key(h: &HostPending) -> u64 {
+    h.end.unwrap_or(h.last)
 }
 
 fn key(vm: u32, queue: u16, head: u16) -> u64 {
@@ -346,8 +376,8 @@ pub struct JoinEngine {
     vm_ids: FxMap<String, u32>,
     guests: Slab<GuestPending>,
     hosts: Slab<HostPending>,
-    guest_idx: FxMap<u64, Vec<u32>>,
-    host_idx: FxMap<u64, Vec<u32>>,
+    guest_idx: FxMap<u64, VecDeque<u32>>,
+    host_idx: FxMap<u64, VecDeque<u32>>,
     stats: JoinStats,
 }
 
@@ -462,10 +492,12 @@ impl JoinEngine {
         for (id, s) in self.hosts.items.iter().enumerate() {
             if let Some(h) = &s.val {
                 if h.vm == vm {
-                    v.host_by_sector
-                        .entry(h.el.sector)
-                        .or_default()
-                        .push(id as u32);
+                    let hosts = &self.hosts;
+                    insert_sorted(
+                        v.host_by_sector.entry(h.el.sector).or_default(),
+                        id as u32,
+                        |x| hosts.get(x).map(host_sort_key),
+                    );
                 }
             }
         }
@@ -507,17 +539,22 @@ impl JoinEngine {
         let mut mismatched: Vec<u32> = Vec::new();
         {
             let v = &self.vms[vid as usize];
-            let cands: &[u32] = match keyed {
-                Some(k) => self.host_idx.get(&k).map_or(&[], |c| c.as_slice()),
-                None => v
-                    .host_by_sector
-                    .get(&rq.sector)
-                    .map_or(&[], |c| c.as_slice()),
+            let cands = match keyed {
+                Some(k) => self.host_idx.get(&k),
+                None => v.host_by_sector.get(&rq.sector),
             };
-            for &id in cands {
+            // Host lists are sorted by end time: once a host ended too late
+            // for this request (θ ≥ end − done > hi), all later ones did too.
+            for &id in cands.into_iter().flatten() {
                 let Some(h) = self.hosts.get(id) else {
                     continue;
                 };
+                if let (Some(e), Some(d), Some(he)) = (est, done, h.end) {
+                    let lo_needed = he as i128 - d as i128 - slack as i128;
+                    if lo_needed > e.hi() as i128 + slack as i128 {
+                        break;
+                    }
+                }
                 if h.vm != vid || !Self::binding_ok(v, &rq.disk, &h.el.device) {
                     continue;
                 }
@@ -562,13 +599,20 @@ impl JoinEngine {
                 mismatch,
             });
             let g = self.guests.get(id).map(|g| (g.rq.sector, keyed));
+            let guests = &self.guests;
+            let key_of = |x: u32| guests.get(x).map(guest_sort_key);
             match g {
-                Some((_, Some(k))) => self.guest_idx.entry(k).or_default().push(id),
-                Some((sector, None)) => self.vms[vid as usize]
-                    .guest_by_sector
-                    .entry(sector)
-                    .or_default()
-                    .push(id),
+                Some((_, Some(k))) => {
+                    insert_sorted(self.guest_idx.entry(k).or_default(), id, key_of)
+                }
+                Some((sector, None)) => insert_sorted(
+                    self.vms[vid as usize]
+                        .guest_by_sector
+                        .entry(sector)
+                        .or_default(),
+                    id,
+                    key_of,
+                ),
                 None => {}
             }
             let deadline = last.saturating_add(self.cfg.timeout_ns);
@@ -609,40 +653,49 @@ impl JoinEngine {
         {
             let v = &mut self.vms[vid as usize];
             let synced = v.clock.is_synced();
-            let keyed = self.guest_idx.get(&k).map_or(&[][..], |c| c.as_slice());
+            let keyed = self.guest_idx.get(&k);
             let headless = if v.headless {
-                v.guest_by_sector
-                    .get(&el.sector)
-                    .map_or(&[][..], |c| c.as_slice())
+                v.guest_by_sector.get(&el.sector)
             } else {
-                &[]
+                None
             };
-            for &id in keyed.iter().chain(headless.iter()) {
-                let Some(g) = self.guests.get(id) else {
-                    continue;
-                };
-                if g.vm != vid || !Self::binding_ok(v, &g.rq.disk, &el.device) {
-                    continue;
-                }
-                if g.rq.queue.is_some_and(|q| q != el.queue) {
-                    continue;
-                }
-                let est = if synced {
-                    v.clock.offset_at(g.sub.or(g.done).unwrap_or(g.last))
-                } else {
-                    None
-                };
-                if !time_ok(g.sub, g.done, start, end, est, slack) {
-                    continue;
-                }
-                if !confirm(&g.rq, &el) {
-                    mismatched.push(id);
-                    continue;
-                }
-                valid += 1;
-                let sc = score(mid(g.sub, g.done), h_mid, est, g.sub.unwrap_or(g.last));
-                if best.as_ref().is_none_or(|(b, _, _)| sc < *b) {
-                    best = Some((sc, id, est));
+            for list in [keyed, headless].into_iter().flatten() {
+                // Guest lists are sorted by submission time: once a guest was
+                // submitted too late for this element (θ ≤ start − sub < lo),
+                // all later ones were too.
+                for &id in list {
+                    let Some(g) = self.guests.get(id) else {
+                        continue;
+                    };
+                    if g.vm != vid || !Self::binding_ok(v, &g.rq.disk, &el.device) {
+                        continue;
+                    }
+                    if g.rq.queue.is_some_and(|q| q != el.queue) {
+                        continue;
+                    }
+                    let est = if synced {
+                        v.clock.offset_at(g.sub.or(g.done).unwrap_or(g.last))
+                    } else {
+                        None
+                    };
+                    if let (Some(e), Some(gs), Some(hs)) = (est, g.sub, start) {
+                        let hi_allowed = hs as i128 - gs as i128 + slack as i128;
+                        if hi_allowed < e.lo() as i128 - slack as i128 {
+                            break;
+                        }
+                    }
+                    if !time_ok(g.sub, g.done, start, end, est, slack) {
+                        continue;
+                    }
+                    if !confirm(&g.rq, &el) {
+                        mismatched.push(id);
+                        continue;
+                    }
+                    valid += 1;
+                    let sc = score(mid(g.sub, g.done), h_mid, est, g.sub.unwrap_or(g.last));
+                    if best.as_ref().is_none_or(|(b, _, _)| sc < *b) {
+                        best = Some((sc, id, est));
+                    }
                 }
             }
         }
@@ -671,10 +724,12 @@ impl JoinEngine {
                 other_at_arrival: other,
                 mismatch,
             });
-            self.host_idx.entry(k).or_default().push(id);
+            let hosts = &self.hosts;
+            let key_of = |x: u32| hosts.get(x).map(host_sort_key);
+            insert_sorted(self.host_idx.entry(k).or_default(), id, key_of);
             let v = &mut self.vms[vid as usize];
             if v.headless {
-                v.host_by_sector.entry(sector).or_default().push(id);
+                insert_sorted(v.host_by_sector.entry(sector).or_default(), id, key_of);
             }
             let deadline = last.saturating_add(self.cfg.timeout_ns);
             v.host_heap.push(Reverse((deadline, id, gen)));
@@ -751,7 +806,7 @@ impl JoinEngine {
                 .get_mut(&g.rq.sector),
         };
         if let Some(l) = list {
-            l.retain(|&x| x != id);
+            remove_id(l, id);
         }
         if !matches!((g.rq.queue, g.rq.head), (Some(_), Some(_))) {
             let m = &mut self.vms[g.vm as usize].guest_by_sector;
@@ -768,12 +823,12 @@ impl JoinEngine {
             .remove(id)
             .expect("remove_host is only called with live ids");
         if let Some(l) = self.host_idx.get_mut(&key(h.vm, h.el.queue, h.el.head)) {
-            l.retain(|&x| x != id);
+            remove_id(l, id);
         }
         let v = &mut self.vms[h.vm as usize];
         if v.headless {
             if let Some(l) = v.host_by_sector.get_mut(&h.el.sector) {
-                l.retain(|&x| x != id);
+                remove_id(l, id);
                 if l.is_empty() {
                     v.host_by_sector.remove(&h.el.sector);
                 }
@@ -1845,6 +1900,27 @@ mod tests {
             let out = run(&mut e, "vm0", ev);
             check_all_joined(&s, &out);
         }
+    }
+
+    /// Scale check for offline joins: `cargo test --release -p viotrace-shared
+    /// --lib offline_scale -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn offline_scale() {
+        let s = generate(&SynthConfig {
+            requests: 150_000,
+            queues: 2,
+            interval_ns: 200_000,
+            probe_every_ns: 0,
+            ..SynthConfig::default()
+        });
+        let t = std::time::Instant::now();
+        let mut e = JoinEngine::new(JoinConfig::offline());
+        let mut ev: Vec<Event> = s.guest.iter().cloned().map(Event::Guest).collect();
+        ev.extend(s.host.iter().cloned().map(Event::Host));
+        let out = run(&mut e, "vm0", ev);
+        eprintln!("offline join of 2x150k records: {:?}", t.elapsed());
+        check_all_joined(&s, &out);
     }
 
     #[test]

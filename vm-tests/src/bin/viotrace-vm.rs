@@ -207,11 +207,20 @@ fn real_main() -> Result<ExitCode> {
                 .with_context(|| format!("read workload {}", workload.display()))?;
             (vm.config(Agents::None, "viotrace-lab")?, text, out)
         }
-        Cmd::Demo { vm, out } => (
-            vm.config(Agents::Both, "viotrace-demo")?,
-            workloads::DEMO.to_string(),
-            out,
-        ),
+        Cmd::Demo { vm, out } => {
+            let mut cfg = vm.config(Agents::Both, "viotrace-demo")?;
+            if cfg.host_args.is_empty() {
+                // Live end-to-end table every 5 s, waterfalls for I/O slower than 20 ms,
+                // and a Perfetto trace of the whole run.
+                cfg.host_args = ["-i", "5s", "-t", "20ms", "--chrome-trace"]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect();
+                cfg.host_args
+                    .push(out.join("trace.json").display().to_string());
+            }
+            (cfg, workloads::DEMO.to_string(), out)
+        }
     };
     let lab = Lab::new()?;
     let flag = lab.interrupt_flag();

@@ -1017,6 +1017,10 @@ impl JoinEngine {
             }
             None => el.ts,
         };
+        let mut ts = ts;
+        if let Some((_, unc)) = offset {
+            drop_unrelated_notifications(&mut ts, unc.unwrap_or(0));
+        }
         let domain = ClockDomain::Host;
         let bd = stages::derive(&ts);
         out.push(JoinedIo {
@@ -1150,6 +1154,33 @@ impl JoinEngine {
 }
 
 /// The stage breakdown of a guest-only record (guest clock domain).
+/// Removes the guest's notification points that did not carry this request across.
+///
+/// * `g.kick` is the first kick after the request was added; when the host had
+///   already popped the element before it (QEMU drains the ring with
+///   notifications off, so a later add needs no kick), that kick was for other
+///   requests.
+/// * `g.irq` is the interrupt whose handler completed the request; when it fired
+///   before the host pushed the element, the handler was already running and
+///   found the element while draining the used ring.
+///
+/// `ts` holds both sides in the host clock; `unc` is the mapping's uncertainty.
+/// The stage derivation then uses the next point (`g.vq_add`, `g.driver_complete`).
+fn drop_unrelated_notifications(ts: &mut Points, unc: u64) {
+    let host_start = ts.get(Point::HostPop).or(ts.get(Point::HostNotify));
+    if let (Some(kick), Some(pop)) = (ts.get(Point::Kick), host_start) {
+        if kick > pop.saturating_add(unc) {
+            ts.remove(Point::Kick);
+        }
+    }
+    let host_end = ts.get(Point::HostPush).or(ts.get(Point::HostIrq));
+    if let (Some(irq), Some(push)) = (ts.get(Point::Irq), host_end) {
+        if irq.saturating_add(unc) < push {
+            ts.remove(Point::Irq);
+        }
+    }
+}
+
 pub fn guest_breakdown(rq: &GuestRq) -> stages::Breakdown {
     stages::derive(&rq.ts)
 }
@@ -2013,5 +2044,44 @@ mod tests {
             h.stages.iter().map(|e| e.0).collect::<Vec<_>>(),
             ["qemu_submit", "host_io", "qemu_complete"]
         );
+    }
+}
+
+#[cfg(test)]
+mod notification_tests {
+    use super::*;
+
+    #[test]
+    fn kick_after_pop_and_irq_before_push_are_dropped() {
+        let mut ts: Points = [
+            (Point::VqAdd, 100),
+            (Point::Kick, 500),
+            (Point::HostPop, 300),
+            (Point::HostPush, 900),
+            (Point::Irq, 700),
+            (Point::DriverComplete, 1000),
+        ]
+        .into_iter()
+        .collect();
+        drop_unrelated_notifications(&mut ts, 50);
+        assert_eq!(ts.get(Point::Kick), None);
+        assert_eq!(ts.get(Point::Irq), None);
+        let bd = stages::derive(&ts);
+        assert!(bd.stages.iter().all(|(_, ns)| ns >= 0), "{:?}", bd.stages);
+    }
+
+    #[test]
+    fn causal_notifications_within_uncertainty_stay() {
+        let mut ts: Points = [
+            (Point::Kick, 320),
+            (Point::HostPop, 300),
+            (Point::HostPush, 900),
+            (Point::Irq, 880),
+        ]
+        .into_iter()
+        .collect();
+        drop_unrelated_notifications(&mut ts, 50);
+        assert_eq!(ts.get(Point::Kick), Some(320));
+        assert_eq!(ts.get(Point::Irq), Some(880));
     }
 }

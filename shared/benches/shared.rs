@@ -2,7 +2,8 @@
 //! * join engine throughput on realistic synthetic streams (several queues,
 //!   head reuse, guest batching and QEMU merges, out-of-order arrival);
 //! * wire frame encode/decode throughput;
-//! * clock estimator update and lookup cost.
+//! * clock estimator update and lookup cost;
+//! * guest sender throughput over a Unix socket.
 //!
 //! `cargo bench -p viotrace-shared` (add `-- --quick` for a short run).
 
@@ -200,5 +201,93 @@ fn bench_clock(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_join, bench_proto, bench_clock);
+/// Guest sender → Unix socket → a reader that decodes frames: records per second.
+fn bench_transport(c: &mut Criterion) {
+    use std::io::Read;
+    use std::os::unix::net::UnixListener;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use viotrace_shared::proto::{write_message, HelloAck, PROTOCOL_VERSION};
+    use viotrace_shared::transport::{local_hello, Endpoint, GuestSender, GuestSenderConfig};
+
+    let path = std::env::temp_dir().join(format!("viotrace-bench-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let lis = UnixListener::bind(&path).unwrap();
+    let got = Arc::new(AtomicU64::new(0));
+    let got2 = got.clone();
+    let reader = std::thread::spawn(move || {
+        let (mut s, _) = lis.accept().unwrap();
+        let mut d = FrameDecoder::new();
+        let mut buf = vec![0u8; 256 * 1024];
+        let mut acked = false;
+        loop {
+            let n = match s.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            d.feed(&buf[..n]);
+            while let Ok(Some(m)) = d.next_message() {
+                match m {
+                    Message::Hello(_) if !acked => {
+                        acked = true;
+                        write_message(
+                            &mut s,
+                            &Message::HelloAck(HelloAck {
+                                protocol_version: PROTOCOL_VERSION,
+                                agent_version: "bench".into(),
+                                vm: "vm".into(),
+                            }),
+                        )
+                        .unwrap();
+                    }
+                    Message::GuestRqBatch(v) => {
+                        got2.fetch_add(v.len() as u64, Ordering::Relaxed);
+                    }
+                    Message::Bye { .. } => return,
+                    _ => {}
+                }
+            }
+        }
+    });
+    let mut cfg = GuestSenderConfig::new(Endpoint::Unix(path.clone()), local_hello("bench", None));
+    cfg.flush_interval = Duration::from_millis(1);
+    cfg.max_buffered = 1 << 20;
+    let sender = GuestSender::start(cfg).unwrap();
+    let s = generate(&SynthConfig {
+        requests: 10_000,
+        ..SynthConfig::default()
+    });
+    let mut g = c.benchmark_group("transport");
+    g.measurement_time(Duration::from_secs(3));
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(s.guest.len() as u64));
+    g.bench_function("guest_sender_unix_10k_rq", |b| {
+        b.iter_batched(
+            || s.guest.clone(),
+            |recs| {
+                let target = got.load(Ordering::Relaxed) + recs.len() as u64;
+                for r in recs {
+                    sender.send_rq(r);
+                }
+                while got.load(Ordering::Relaxed) < target {
+                    std::thread::yield_now();
+                }
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    g.finish();
+    let st = sender.shutdown("bench done", Duration::from_secs(5));
+    assert_eq!(st.dropped(), 0);
+    let _ = reader.join();
+    let _ = std::fs::remove_file(&path);
+}
+
+criterion_group!(
+    benches,
+    bench_join,
+    bench_proto,
+    bench_clock,
+    bench_transport
+);
 criterion_main!(benches);

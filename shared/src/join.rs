@@ -1153,7 +1153,6 @@ impl JoinEngine {
     }
 }
 
-/// The stage breakdown of a guest-only record (guest clock domain).
 /// Removes the guest's notification points that did not carry this request across.
 ///
 /// * `g.kick` is the first kick after the request was added; when the host had
@@ -1181,6 +1180,7 @@ fn drop_unrelated_notifications(ts: &mut Points, unc: u64) {
     }
 }
 
+/// The stage breakdown of a guest-only record (guest clock domain).
 pub fn guest_breakdown(rq: &GuestRq) -> stages::Breakdown {
     stages::derive(&rq.ts)
 }

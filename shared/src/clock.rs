@@ -304,6 +304,7 @@ pub struct ClockEstimator {
     dirty: bool,
     samples: u64,
     rejected: u64,
+    resets: u64,
 }
 
 impl Default for ClockEstimator {
@@ -317,6 +318,8 @@ impl Default for ClockEstimator {
 pub struct ClockSummary {
     pub samples: u64,
     pub rejected: u64,
+    /// Times the guest clock was seen to restart (samples far behind the window).
+    pub resets: u64,
     pub buckets: usize,
     pub fitted: usize,
     pub best_half_rtt_ns: f64,
@@ -333,6 +336,7 @@ impl ClockEstimator {
             dirty: false,
             samples: 0,
             rejected: 0,
+            resets: 0,
         }
     }
 
@@ -401,6 +405,15 @@ impl ClockEstimator {
     pub fn add_sample(&mut self, s: OffsetSample) {
         self.samples += 1;
         let idx = s.guest_ns / self.cfg.bucket_ns.max(1);
+        // A sample a whole window before the newest one cannot be a late
+        // arrival: the guest's clock restarted (reboot). Start over.
+        if let Some(newest) = self.buckets.back() {
+            if idx.saturating_add(2 * self.cfg.max_buckets as u64) < newest.idx {
+                self.buckets.clear();
+                self.fit = None;
+                self.resets += 1;
+            }
+        }
         // Find the bucket (usually the last one).
         let pos = self.buckets.iter().rposition(|b| b.idx <= idx);
         match pos {
@@ -445,6 +458,7 @@ impl ClockEstimator {
         ClockSummary {
             samples: self.samples,
             rejected: self.rejected,
+            resets: self.resets,
             buckets: self.buckets.len(),
             fitted: f.map_or(0, |f| f.used),
             best_half_rtt_ns: f.map_or(f64::NAN, |f| f.best_half_rtt),
@@ -816,9 +830,31 @@ mod tests {
             e.add_guest_probe(g, g + 10, g + 11, g + 20).unwrap();
         }
         assert_eq!(e.summary().buckets, 4);
-        // A sample older than the window is ignored.
-        e.add_guest_probe(5, 15, 16, 25).unwrap();
+        // A sample older than the window (but not a whole window older) is ignored.
+        let g = 2_000_000_005;
+        e.add_guest_probe(g, g + 10, g + 11, g + 20).unwrap();
         assert_eq!(e.summary().buckets, 4);
+    }
+
+    #[test]
+    fn guest_reboot_restarts_the_estimate() {
+        let mut e = ClockEstimator::default();
+        // First boot: guest clock far along (1000 s), offset 5 s.
+        for k in 0..100u64 {
+            let g = 1_000_000_000_000 + k * 1_000_000_000;
+            e.add_guest_probe(g, g + 5_000_000_010, g + 5_000_000_011, g + 20)
+                .unwrap();
+        }
+        // Reboot: guest clock restarts near 0; host time went on (offset ~1105 s).
+        let off = 1_105_000_000_000u64;
+        for k in 0..5u64 {
+            let g = 2_000_000_000 + k * 1_000_000_000;
+            e.add_guest_probe(g, g + off + 10, g + off + 11, g + 20)
+                .unwrap();
+        }
+        let o = e.offset_at(6_000_000_000).unwrap();
+        assert!((o.offset_ns - off as i64).abs() < 100, "{o:?}");
+        assert_eq!(e.summary().resets, 1);
     }
 
     proptest! {

@@ -597,6 +597,10 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 	}
 	r->ts[HP_PUSH] = bpf_ktime_get_ns();
 	r->in_len = len;
+	/* A kick's requests are all taken before the queue's next completion on this
+	 * thread: later requests did not come from that kick (e.g. an iothread that
+	 * polls the ring instead of reading the eventfd) and get no h.notify. */
+	st->last_kick = 0;
 	if (l->flags & QL_HAVE_REQ_IN) {
 		__u64 in = read_u64((__u64)elem + l->req_in);
 		if (in && !bpf_probe_read_user(&r->status, 1, (void *)in))

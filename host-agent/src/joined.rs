@@ -147,13 +147,13 @@ impl Joined {
                     "viotrace-host: guest agent {} connected from {} as vm={} (kernel {}, boot {})\n",
                     hello.agent_version, ev.origin, ev.vm, hello.kernel_release, hello.boot_id
                 ));
-                // A new boot of the guest has a new CLOCK_MONOTONIC.
-                let rebooted = self
-                    .conns
-                    .values()
-                    .any(|c| c.vm == ev.vm && c.origin == ev.origin);
-                if rebooted {
-                    self.engine.reset_clock(&ev.vm);
+                // A new boot of the guest has a new CLOCK_MONOTONIC: the engine resets
+                // that VM's clock when the boot id changes (a plain reconnect keeps it).
+                if self.engine.guest_connected(&ev.vm, &hello.boot_id) {
+                    self.human.push(format!(
+                        "viotrace-host: vm={} rebooted: its clock mapping starts over\n",
+                        ev.vm
+                    ));
                 }
                 self.conns.insert(
                     ev.conn,

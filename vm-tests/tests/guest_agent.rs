@@ -1,40 +1,14 @@
 //! End-to-end tests of the guest agent (issue 3) in real guests.
 
-use std::collections::BTreeMap;
-
 use serde_json::Value;
 use viotrace_shared::record::Point;
 use viotrace_vm_tests::{Agents, RunResult, VmConfig};
 
 mod common;
-use common::{lab, lab_lock, out_dir};
-
-/// Exactly known I/O on the blank raw disk vdb: 300 random 4 KiB O_DIRECT writes, 300 random
-/// 4 KiB reads (fio, psync), and 50 sequential 64 KiB reads (dd).
-const KNOWN_IO: &str = "set -e\n\
-fio --name=w --filename=/dev/vdb --rw=randwrite --bs=4k --direct=1 --ioengine=psync --size=32M \
---number_ios=300 --randrepeat=0 --output=/dev/null\n\
-fio --name=r --filename=/dev/vdb --rw=randread --bs=4k --direct=1 --ioengine=psync --size=32M \
---number_ios=300 --randrepeat=0 --output=/dev/null\n\
-dd if=/dev/vdb of=/dev/null bs=64k count=50 iflag=direct\n";
+use common::{known_io_shape, run_agents, Shape, KNOWN_IO};
 
 fn run_guest(name: &str, cfg: VmConfig, workload: &str) -> RunResult {
-    let _g = lab_lock();
-    let out = out_dir(name);
-    let cfg = VmConfig {
-        name: format!("vt-{name}"),
-        agents: Agents::Guest,
-        extra_disk_mib: Some(64),
-        ..cfg
-    };
-    let r = lab().run(&cfg, workload, &out).expect("lab run");
-    assert_eq!(
-        r.workload_rc,
-        0,
-        "workload failed:\n{}\nguest agent log:\n{}",
-        r.workload_log(),
-        std::fs::read_to_string(r.path("guest.log")).unwrap_or_default()
-    );
+    let r = run_agents(name, Agents::Guest, cfg, workload);
     assert_eq!(r.guest_agent_rc, Some(0), "guest agent exit status");
     r
 }
@@ -84,7 +58,7 @@ fn check_known_io(r: &RunResult, with_virtio: bool) -> Vec<Value> {
         .filter(|v| v["disk"] == "vdb")
         .cloned()
         .collect();
-    let mut by_shape: BTreeMap<(String, u64), usize> = BTreeMap::new();
+    let mut by_shape = Shape::new();
     for v in &rqs {
         *by_shape
             .entry((
@@ -93,16 +67,9 @@ fn check_known_io(r: &RunResult, with_virtio: bool) -> Vec<Value> {
             ))
             .or_default() += 1;
     }
-    let expect: BTreeMap<(String, u64), usize> = [
-        (("write".to_string(), 4096), 300),
-        (("read".to_string(), 4096), 300),
-        (("read".to_string(), 65536), 50),
-    ]
-    .into_iter()
-    .collect();
     assert_eq!(
         by_shape,
-        expect,
+        known_io_shape(),
         "vdb requests by (op, bytes); log:\n{}",
         guest_log(r)
     );

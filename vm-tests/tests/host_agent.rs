@@ -6,26 +6,10 @@ use serde_json::Value;
 use viotrace_vm_tests::{Agents, Aio, DiskFormat, HostAttach, RunResult, VmConfig};
 
 mod common;
-use common::{lab, lab_lock, out_dir};
-
-/// Exactly known I/O on the blank disk vdb (see guest_agent.rs).
-const KNOWN_IO: &str = "set -e\n\
-fio --name=w --filename=/dev/vdb --rw=randwrite --bs=4k --direct=1 --ioengine=psync --size=32M \
---number_ios=300 --randrepeat=0 --output=/dev/null\n\
-fio --name=r --filename=/dev/vdb --rw=randread --bs=4k --direct=1 --ioengine=psync --size=32M \
---number_ios=300 --randrepeat=0 --output=/dev/null\n\
-dd if=/dev/vdb of=/dev/null bs=64k count=50 iflag=direct\n";
+use common::{known_io_shape, run_agents, Shape, KNOWN_IO};
 
 fn run_host(name: &str, cfg: VmConfig, workload: &str) -> RunResult {
-    let _g = lab_lock();
-    let out = out_dir(name);
-    let cfg = VmConfig {
-        name: format!("vt-{name}"),
-        agents: Agents::Host,
-        extra_disk_mib: Some(64),
-        ..cfg
-    };
-    let r = lab().run(&cfg, workload, &out).expect("lab run");
+    let r = run_agents(name, Agents::Host, cfg, workload);
     let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
     assert_eq!(r.workload_rc, 0, "workload failed:\n{}", r.workload_log());
     assert_eq!(
@@ -55,9 +39,6 @@ fn elems(r: &RunResult) -> Vec<Value> {
         .collect()
 }
 
-/// (op, bytes) → count.
-type Shape = BTreeMap<(String, u64), usize>;
-
 fn shape(recs: &[&Value]) -> Shape {
     let mut m = BTreeMap::new();
     for v in recs {
@@ -79,13 +60,7 @@ fn known_io_device(all: &[Value]) -> Vec<&Value> {
             .or_default()
             .push(v);
     }
-    let expect: Shape = [
-        (("write".to_string(), 4096), 300),
-        (("read".to_string(), 4096), 300),
-        (("read".to_string(), 65536), 50),
-    ]
-    .into_iter()
-    .collect();
+    let expect = known_io_shape();
     let shapes: Vec<(String, Shape)> = by_dev.iter().map(|(d, v)| (d.clone(), shape(v))).collect();
     let Some((dev, _)) = shapes.iter().find(|(_, s)| *s == expect) else {
         panic!(

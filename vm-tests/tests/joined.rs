@@ -11,7 +11,7 @@ use serde_json::Value;
 use viotrace_vm_tests::{assets, read_jsonl, Agents, RunResult, VmConfig};
 
 mod common;
-use common::{lab, lab_lock, out_dir};
+use common::{lab, lab_lock, out_dir, run_agents};
 
 /// Random and sequential reads and writes on vdb (raw) and buffered writes + fsync on /data.
 const MIXED: &str = "set -e\n\
@@ -107,16 +107,8 @@ fn check_joined(guest: &[Value], joined: &[Value], min_ratio: f64) {
 }
 
 fn run_both(name: &str, cfg: VmConfig, workload: &str) -> RunResult {
-    let _g = lab_lock();
-    let cfg = VmConfig {
-        name: format!("vt-{name}"),
-        agents: Agents::Both,
-        extra_disk_mib: Some(64),
-        ..cfg
-    };
-    let r = lab().run(&cfg, workload, &out_dir(name)).expect("lab run");
+    let r = run_agents(name, Agents::Both, cfg, workload);
     let hlog = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
-    assert_eq!(r.workload_rc, 0, "workload:\n{}", r.workload_log());
     assert_eq!(r.host_agent_rc, Some(0), "host agent:\n{hlog}");
     assert_eq!(r.guest_agent_rc, Some(0), "guest agent");
     r

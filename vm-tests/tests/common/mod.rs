@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use viotrace_vm_tests::{assets, Lab};
+use viotrace_vm_tests::{assets, Agents, Lab, RunResult, VmConfig};
 
 /// The lab, prepared once per test binary.
 pub fn lab() -> &'static Lab {
@@ -48,4 +48,41 @@ pub fn qemu_processes_named(needle: &str) -> Vec<u32> {
         }
     }
     pids
+}
+
+/// Exactly known I/O on the blank raw disk vdb: 300 random 4 KiB O_DIRECT writes, 300 random
+/// 4 KiB reads (fio, psync), and 50 sequential 64 KiB reads (dd).
+pub const KNOWN_IO: &str = "set -e\n\
+fio --name=w --filename=/dev/vdb --rw=randwrite --bs=4k --direct=1 --ioengine=psync --size=32M \
+--number_ios=300 --randrepeat=0 --output=/dev/null\n\
+fio --name=r --filename=/dev/vdb --rw=randread --bs=4k --direct=1 --ioengine=psync --size=32M \
+--number_ios=300 --randrepeat=0 --output=/dev/null\n\
+dd if=/dev/vdb of=/dev/null bs=64k count=50 iflag=direct\n";
+
+/// (op, bytes) → count.
+pub type Shape = std::collections::BTreeMap<(String, u64), usize>;
+
+/// KNOWN_IO's requests by (op, bytes).
+pub fn known_io_shape() -> Shape {
+    [
+        (("write".to_string(), 4096), 300),
+        (("read".to_string(), 4096), 300),
+        (("read".to_string(), 65536), 50),
+    ]
+    .into_iter()
+    .collect()
+}
+
+/// Runs `workload` in a VM named `vt-<name>` with `agents` and a 64 MiB blank vdb.
+pub fn run_agents(name: &str, agents: Agents, cfg: VmConfig, workload: &str) -> RunResult {
+    let _g = lab_lock();
+    let cfg = VmConfig {
+        name: format!("vt-{name}"),
+        agents,
+        extra_disk_mib: Some(64),
+        ..cfg
+    };
+    let r = lab().run(&cfg, workload, &out_dir(name)).expect("lab run");
+    assert_eq!(r.workload_rc, 0, "workload failed:\n{}", r.workload_log());
+    r
 }

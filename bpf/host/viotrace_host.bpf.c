@@ -27,7 +27,8 @@ char LICENSE[] SEC("license") = "GPL";
 #define MAX_ELEMS 16384
 #define MAX_SG 16        /* iovecs summed per direction */
 #define MAX_CHAIN 32     /* VIRTIO_BLK_MAX_MERGE_REQS */
-#define MAX_PENDING 256  /* pushed elements waiting for a notification, per queue */
+#define MAX_PENDING 256
+#define MAX_IOCBS 128   /* iocbs looked at per io_submit */  /* pushed elements waiting for a notification, per queue */
 #define VIRTIO_BLK_OUTHDR 16
 #define RB_SIZE (4 << 20)
 #define RB_WAKE_BYTES (RB_SIZE / 4)
@@ -732,7 +733,9 @@ int BPF_KPROBE(notify_direct, void *vdev, void *vq)
 
 /* ---- host I/O: syscalls of QEMU's threads ---- */
 
-static __always_inline int io_enter(__u64 buf)
+/* A host I/O of a traced QEMU starts on this thread; with assoc, the block
+ * requests this thread issues until the syscall returns belong to it. */
+static __always_inline int io_enter_assoc(__u64 buf, int assoc)
 {
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
@@ -749,9 +752,16 @@ static __always_inline int io_enter(__u64 buf)
 	if (!io->ts[HP_IO_ISSUE])
 		io->ts[HP_IO_ISSUE] = bpf_ktime_get_ns();
 	stat_inc(ST_IO_MATCHED);
+	if (!assoc)
+		return 0;
 	struct tid_io t = { .tgid = tgid, .merge_id = *mid };
 	bpf_map_update_elem(&tid_ios, &tid, &t, BPF_ANY);
 	return 0;
+}
+
+static __always_inline int io_enter(__u64 buf)
+{
+	return io_enter_assoc(buf, 1);
 }
 
 static __always_inline int io_exit(int complete)
@@ -877,6 +887,31 @@ int fsync_exit(void *ctx)
 
 /* aio=native: io_submit(ctx, nr, iocbpp); completions are reaped from the
  * user-mapped ring without a syscall, so h.io_complete is not seen. */
+struct iocbs_ctx {
+	__u64 iocbpp;
+	__u32 nr;
+	__u32 assoc;
+};
+
+static long iocb_one(__u64 i, void *data)
+{
+	struct iocbs_ctx *c = data;
+	if (i >= c->nr)
+		return 1;
+	__u64 iocb = read_u64(c->iocbpp + i * 8);
+	if (!iocb)
+		return 0;
+	__u16 opcode = 0;
+	bpf_probe_read_user(&opcode, sizeof(opcode), (void *)(iocb + 16)); /* aio_lio_opcode */
+	__u64 buf = read_u64(iocb + 24);                                   /* aio_buf */
+	if (opcode == 7 || opcode == 8) /* IOCB_CMD_PREADV/PWRITEV: buf is the iovec array */
+		buf = read_u64(buf);
+	else if (opcode == 2 || opcode == 3) /* FSYNC/FDSYNC */
+		buf = 0;
+	io_enter_assoc(buf, c->assoc);
+	return 0;
+}
+
 SEC("tracepoint/syscalls/sys_enter_io_submit")
 int io_submit_enter(struct trace_event_raw_sys_enter *ctx)
 {
@@ -884,19 +919,17 @@ int io_submit_enter(struct trace_event_raw_sys_enter *ctx)
 	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
 		return 0;
 	__s64 nr = ctx->args[1];
-	if (nr != 1)
-		return 0; /* block requests of a batch cannot be told apart: skip */
-	__u64 iocb = read_u64(ctx->args[2]);
-	if (!iocb)
+	if (nr <= 0)
 		return 0;
-	__u16 opcode = 0;
-	bpf_probe_read_user(&opcode, sizeof(opcode), (void *)(iocb + 16));
-	__u64 buf = read_u64(iocb + 24);
-	if (opcode == 7 || opcode == 8) /* IOCB_CMD_PREADV/PWRITEV: buf is the iovec array */
-		buf = read_u64(buf);
-	else if (opcode == 2 || opcode == 3) /* FSYNC/FDSYNC */
-		buf = 0;
-	return io_enter(buf);
+	/* The block requests of a batch cannot be told apart: only a single iocb's
+	 * are attributed (h.disk_*); every iocb gets its h.io_issue. */
+	struct iocbs_ctx c = {
+		.iocbpp = ctx->args[2],
+		.nr = nr > MAX_IOCBS ? MAX_IOCBS : (__u32)nr,
+		.assoc = nr == 1,
+	};
+	bpf_loop(MAX_IOCBS, iocb_one, &c, 0);
+	return 0;
 }
 
 SEC("tracepoint/syscalls/sys_exit_io_submit")

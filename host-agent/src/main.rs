@@ -147,6 +147,10 @@ impl Sink {
     }
 }
 
+/// How long a pushed element waits for QEMU's guest notification before it is
+/// reported without one.
+const UNNOTIFIED_AFTER_NS: u64 = 200_000_000;
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("viotrace-host: error: {e:#}");
@@ -297,6 +301,17 @@ fn run() -> Result<()> {
         let now = Instant::now();
         if cli.duration.is_some_and(|d| now - start >= d) {
             break;
+        }
+        // Elements whose guest notification QEMU skipped must not wait for the next one.
+        let stale = tracer
+            .borrow_mut()
+            .sweep_unnotified(viotrace_shared::clock::monotonic_ns(), UNNOTIFIED_AFTER_NS);
+        for r in stale {
+            let e = tracer.borrow_mut().make_record(&r);
+            match e {
+                Some(e) => sink.borrow_mut().elem(&e),
+                None => *unknown.borrow_mut() += 1,
+            }
         }
         if now >= next_scan {
             next_scan = now + Duration::from_secs(1);

@@ -74,6 +74,8 @@ pub struct Tracer<'obj> {
     pub missing_kernel: Vec<(String, String)>,
     /// Also probe virtqueue_pop (h.pop) at three more traps per request.
     pub pop: bool,
+    /// Elements emitted by [`Tracer::sweep_unnotified`].
+    unnotified: u64,
 }
 
 impl<'obj> Tracer<'obj> {
@@ -103,6 +105,7 @@ impl<'obj> Tracer<'obj> {
             targets: HashMap::new(),
             missing_kernel,
             pop,
+            unnotified: 0,
         })
     }
 
@@ -294,6 +297,35 @@ impl<'obj> Tracer<'obj> {
         (t, leftover, abandoned)
     }
 
+    /// Takes the elements that have waited longer than `max_age_ns` for a guest
+    /// notification (QEMU may skip one when the guest does not ask for it, and an
+    /// idle queue sends no later one), so they reach the join in time, without h.irq.
+    /// A notification racing with this sweep can emit an element twice (microsecond
+    /// window, after `max_age_ns` of waiting); the join then reports the copy unmatched.
+    pub fn sweep_unnotified(&mut self, now_ns: u64, max_age_ns: u64) -> Vec<host_rec> {
+        let map = &self.skel.maps.pushed;
+        let mut out = Vec::new();
+        let keys: Vec<Vec<u8>> = map.keys().collect();
+        for k in keys {
+            let Ok(Some(v)) = map.lookup(&k, MapFlags::ANY) else {
+                continue;
+            };
+            let Some(r) = parse_rec(&v) else { continue };
+            let pushed = r.ts[8];
+            if pushed == 0 || now_ns.saturating_sub(pushed) < max_age_ns {
+                continue;
+            }
+            if let Ok(Some(v)) = map.lookup_and_delete(&k) {
+                if let Some(r) = parse_rec(&v) {
+                    self.unnotified += 1;
+                    out.push(r);
+                }
+            }
+        }
+        out.sort_by_key(|r| r.ts[8]);
+        out
+    }
+
     /// Reads the kernel-side counters.
     pub fn stats(&self) -> Vec<(&'static str, u64)> {
         let mut out = Vec::new();
@@ -313,6 +345,7 @@ impl<'obj> Tracer<'obj> {
                 .unwrap_or(0);
             out.push((*name, v));
         }
+        out.push(("emitted_without_notification", self.unnotified));
         out
     }
 

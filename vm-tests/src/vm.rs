@@ -255,6 +255,17 @@ fn mono_at(t: Instant) -> u64 {
     now.saturating_sub(t.elapsed().as_nanos() as u64)
 }
 
+/// Kernel vhost-vsock CIDs are global on the host: concurrent labs get distinct ones
+/// (the default 3 becomes a per-run CID; an explicit other CID is kept).
+fn kernel_cid(requested: u32) -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    if requested != 3 {
+        return requested;
+    }
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    1000 + (std::process::id() % 100_000) * 16 + n % 16
+}
+
 fn kvm_usable() -> bool {
     let cpu = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     Path::new("/dev/kvm").exists()
@@ -531,7 +542,7 @@ impl Lab {
             }
             VsockMode::Kernel => {
                 q.arg("-device")
-                    .arg(format!("vhost-vsock-pci,guest-cid={}", cfg.cid));
+                    .arg(format!("vhost-vsock-pci,guest-cid={}", kernel_cid(cfg.cid)));
             }
             _ => {}
         }

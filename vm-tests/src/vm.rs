@@ -550,13 +550,14 @@ impl Lab {
             q.arg("-S");
         }
         q.args(&cfg.qemu_args);
+        let hybrid_uds = (vsock != VsockMode::Kernel).then_some(uds.as_path());
         let qlog = File::create(out.join("qemu.log"))?;
         q.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(qlog);
 
         // Host agent in discovery mode: up before QEMU exists.
         let mut host_agent = None;
         if let (Some(hb), HostAttach::BeforeQemu) = (&host_bin, cfg.host_attach) {
-            host_agent = Some(self.start_host_agent(cfg, hb, None, out, rd, &uds, 0)?);
+            host_agent = Some(self.start_host_agent(cfg, hb, None, out, rd, hybrid_uds, 0)?);
         }
         let t_qemu = Instant::now();
         let mut qemu = Guarded::spawn("qemu-system-x86_64", &mut q)?;
@@ -593,7 +594,8 @@ impl Lab {
         // Host agent by pid on the paused VM, then resume.
         let mut t_resume = t_qemu;
         if let (Some(hb), HostAttach::Paused) = (&host_bin, cfg.host_attach) {
-            host_agent = Some(self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, &uds, 0)?);
+            host_agent =
+                Some(self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, hybrid_uds, 0)?);
             let mut qmp = Qmp::connect(&qmp_path, Duration::from_secs(10))?;
             qmp.execute("cont")?;
             t_resume = Instant::now();
@@ -626,8 +628,15 @@ impl Lab {
                         t_start = Some(t);
                         mono_start = mono_at(t);
                         if let (Some(hb), HostAttach::Running) = (&host_bin, cfg.host_attach) {
-                            let h =
-                                self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, &uds, 0)?;
+                            let h = self.start_host_agent(
+                                cfg,
+                                hb,
+                                Some(qemu_pid),
+                                out,
+                                rd,
+                                hybrid_uds,
+                                0,
+                            )?;
                             host_agent_pid = Some(h.pid());
                             host_agent = Some(h);
                         }
@@ -648,7 +657,7 @@ impl Lab {
                                 Some(qemu_pid),
                                 out,
                                 rd,
-                                &uds,
+                                hybrid_uds,
                                 host_restarts,
                             )?;
                             host_agent_pid = Some(h.pid());
@@ -797,7 +806,7 @@ impl Lab {
         pid: Option<u32>,
         out: &Path,
         rd: &Path,
-        uds: &Path,
+        uds: Option<&Path>,
         incarnation: u32,
     ) -> Result<Guarded> {
         let ready = rd.join("host.ready");
@@ -815,10 +824,17 @@ impl Lab {
         }
         cmd.arg("--json").arg("--ready-file").arg(&ready);
         if cfg.agents == Agents::Both {
-            cmd.arg("--listen-uds")
-                .arg(format!("{}={}_{AGENT_VSOCK_PORT}", cfg.name, uds.display()))
-                .arg("--joined-out")
-                .arg(name("joined", "jsonl"));
+            match uds {
+                // Hybrid vsock: guest connections to the port arrive on <uds>_<port>.
+                Some(uds) => cmd.arg("--listen-uds").arg(format!(
+                    "{}={}_{AGENT_VSOCK_PORT}",
+                    cfg.name,
+                    uds.display()
+                )),
+                // Kernel vhost-vsock: real AF_VSOCK on the host.
+                None => cmd.arg("--listen-vsock").arg(AGENT_VSOCK_PORT.to_string()),
+            };
+            cmd.arg("--joined-out").arg(name("joined", "jsonl"));
         }
         let log = File::create(name("host", "log"))?;
         cmd.args(&cfg.host_args)

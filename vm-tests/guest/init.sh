@@ -62,7 +62,7 @@ AGENT_PID=
 if [ "$VIOTRACE_GUEST_AGENT" = 1 ]; then
 	echo "VIOTRACE-AGENT-START"
 	eval "set -- $VIOTRACE_GUEST_ARGS"
-	/bin/viotrace-guest --json --ready-file /run/viotrace-guest.ready "$@" \
+	/bin/viotrace-guest $VIOTRACE_GUEST_OUTPUT --ready-file /run/viotrace-guest.ready "$@" \
 		>/out/guest.jsonl 2>/out/guest.log &
 	AGENT_PID=$!
 	i=0

@@ -114,6 +114,9 @@ pub struct VmConfig {
     pub cache: String,
     pub format: DiskFormat,
     pub agents: Agents,
+    /// The guest agent writes JSON records to guest.jsonl (default). Off: it keeps only its
+    /// periodic per-stage tables (guest.log) — the always-on configuration the bench measures.
+    pub guest_json: bool,
     /// Extra guest agent arguments: shell words evaluated by the guest's shell when the
     /// agent starts (after `setup`), so `--pid $(cat /run/x.pid)` works.
     pub guest_args: String,
@@ -150,6 +153,7 @@ impl Default for VmConfig {
             cache: "writeback".into(),
             format: DiskFormat::Raw,
             agents: Agents::None,
+            guest_json: true,
             guest_args: String::new(),
             host_args: Vec::new(),
             host_attach: HostAttach::Paused,
@@ -374,6 +378,10 @@ impl Lab {
                 gargs += &format!(" --connect vsock:2:{AGENT_VSOCK_PORT}");
             }
             conf += &format!("VIOTRACE_GUEST_ARGS={}\n", shell_quote(&gargs));
+            conf += &format!(
+                "VIOTRACE_GUEST_OUTPUT={}\n",
+                if cfg.guest_json { "--json" } else { "" }
+            );
             c.file("viotrace/config.sh", 0o644, conf.as_bytes())?;
             c.file(
                 "viotrace/setup.sh",

@@ -52,6 +52,10 @@ enum Cmd {
         /// Seconds per fio job.
         #[arg(long, default_value_t = 5)]
         runtime: u32,
+        /// Guest agent writes JSON records too (default: tables only, the always-on setup;
+        /// in "both" the records go to the host over vsock either way).
+        #[arg(long)]
+        json: bool,
         /// Conditions to alternate (none, guest, host, both, bpftrace).
         #[arg(
             long,
@@ -86,6 +90,9 @@ struct VmArgs {
     /// Agents to run.
     #[arg(long, value_enum)]
     agents: Option<Agents>,
+    /// The guest agent prints only its per-stage tables (guest.log), no JSON records.
+    #[arg(long)]
+    guest_tables_only: bool,
     /// Extra guest agent arguments, as shell words evaluated in the guest.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     guest_args: String,
@@ -136,6 +143,7 @@ impl VmArgs {
             cache: self.cache.clone(),
             format: self.format,
             agents: self.agents.unwrap_or(default_agents),
+            guest_json: !self.guest_tables_only,
             guest_args: self.guest_args.clone(),
             host_args: split(&self.host_args, "host-args")?,
             timeout: self.timeout,
@@ -183,6 +191,7 @@ fn real_main() -> Result<ExitCode> {
             rounds,
             runtime,
             conditions,
+            json,
             out,
         } => {
             let lab = Lab::new()?;
@@ -195,6 +204,7 @@ fn real_main() -> Result<ExitCode> {
                 conditions,
                 vm: VmConfig {
                     console: false,
+                    guest_json: json,
                     ..vm.config(Agents::None, "viotrace-bench")?
                 },
             };

@@ -599,11 +599,15 @@ impl Lab {
             Ok(())
         });
 
+        // The host agent attached to this QEMU by pid (incarnation 0, or a restart).
+        let attach_by_pid = |hb: &Path, incarnation: u32| {
+            self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, hybrid_uds, incarnation)
+        };
+
         // Host agent by pid on the paused VM, then resume.
         let mut t_resume = t_qemu;
         if let (Some(hb), HostAttach::Paused) = (&host_bin, cfg.host_attach) {
-            host_agent =
-                Some(self.start_host_agent(cfg, hb, Some(qemu_pid), out, rd, hybrid_uds, 0)?);
+            host_agent = Some(attach_by_pid(hb, 0)?);
             let mut qmp = Qmp::connect(&qmp_path, Duration::from_secs(10))?;
             qmp.execute("cont")?;
             t_resume = Instant::now();
@@ -636,15 +640,7 @@ impl Lab {
                         t_start = Some(t);
                         mono_start = mono_at(t);
                         if let (Some(hb), HostAttach::Running) = (&host_bin, cfg.host_attach) {
-                            let h = self.start_host_agent(
-                                cfg,
-                                hb,
-                                Some(qemu_pid),
-                                out,
-                                rd,
-                                hybrid_uds,
-                                0,
-                            )?;
+                            let h = attach_by_pid(hb, 0)?;
                             host_agent_pid = Some(h.pid());
                             host_agent = Some(h);
                         }
@@ -659,15 +655,7 @@ impl Lab {
                             let st = h.stop(Signal::SIGINT, Duration::from_secs(30))?;
                             host_restarts += 1;
                             host_agent_rcs.push(st.code());
-                            let h = self.start_host_agent(
-                                cfg,
-                                hb,
-                                Some(qemu_pid),
-                                out,
-                                rd,
-                                hybrid_uds,
-                                host_restarts,
-                            )?;
+                            let h = attach_by_pid(hb, host_restarts)?;
                             host_agent_pid = Some(h.pid());
                             host_agent = Some(h);
                         }

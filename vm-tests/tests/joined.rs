@@ -116,11 +116,49 @@ fn run_both(name: &str, cfg: VmConfig, workload: &str) -> RunResult {
 
 #[test]
 fn mixed_workload_one_queue_is_joined() {
-    let r = run_both("joined-1q", VmConfig::default(), MIXED);
-    check_joined(
-        &r.jsonl("guest.jsonl").unwrap(),
-        &r.jsonl("joined.jsonl").unwrap(),
-        0.999,
+    let trace = assets::workspace_root().join("target/lab-tests/joined-1q-trace.json");
+    let _ = std::fs::remove_file(&trace);
+    let r = run_both(
+        "joined-1q",
+        VmConfig {
+            host_args: vec!["--chrome-trace".into(), trace.display().to_string()],
+            ..VmConfig::default()
+        },
+        MIXED,
+    );
+    let joined = r.jsonl("joined.jsonl").unwrap();
+    check_joined(&r.jsonl("guest.jsonl").unwrap(), &joined, 0.999);
+
+    // The Perfetto / chrome://tracing export: one process for the VM, a track per
+    // disk queue, one complete slice per request with its stages nested inside.
+    let t: Value = serde_json::from_slice(&std::fs::read(&trace).expect("trace written"))
+        .expect("trace is JSON");
+    let events = t["traceEvents"].as_array().expect("traceEvents");
+    let names: BTreeSet<&str> = events
+        .iter()
+        .filter(|e| e["ph"] == "M")
+        .filter_map(|e| e["args"]["name"].as_str())
+        .collect();
+    assert!(
+        names.contains("vt-joined-1q"),
+        "process named after the VM: {names:?}"
+    );
+    assert!(
+        names.iter().any(|n| n.starts_with("vdb q0")),
+        "track per queue: {names:?}"
+    );
+    let slices: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    let n_joined = joined.iter().filter(|j| j["joined"] == true).count();
+    let requests = slices.iter().filter(|e| e["cat"] == "io").count();
+    assert!(
+        requests >= n_joined,
+        "{requests} request slices for {n_joined} joined I/Os"
+    );
+    assert!(
+        slices
+            .iter()
+            .any(|e| e["cat"] == "stage" && e["name"] == "host_io"),
+        "stages as slices"
     );
 }
 

@@ -48,7 +48,7 @@ const BPFTRACE_SCRIPT: &str = "tracepoint:block:block_rq_issue { @s[args->dev, a
 tracepoint:block:block_rq_complete /@s[args->dev, args->sector]/ { \
 @usecs = hist((nsecs - @s[args->dev, args->sector]) / 1000); delete(@s[args->dev, args->sector]); }";
 
-fn condition_vm(cond: &str, base: &VmConfig) -> VmConfig {
+fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool) -> VmConfig {
     let agents = match cond {
         "guest" => Agents::Guest,
         "host" => Agents::Host,
@@ -72,7 +72,43 @@ fn condition_vm(cond: &str, base: &VmConfig) -> VmConfig {
              [ $i -gt 1200 ] && exit 1; sleep 0.1; done\n"
         ));
     }
+    if bpf_stats && cond != "none" && cond != "host" {
+        vm.guest_tools.push("bpftool".into());
+        let setup = vm.setup.take().unwrap_or_default();
+        vm.setup = Some(format!(
+            "echo 1 >/proc/sys/kernel/bpf_stats_enabled\n{setup}"
+        ));
+    }
     vm
+}
+
+/// Per-program BPF run time in the guest (`bpftool prog show` at the window's ends).
+const BPF_SAMPLE: &str = "if command -v bpftool >/dev/null; then \
+bpftool prog show >/out/bpf-progs.$1.txt 2>/dev/null || true; fi\n";
+
+/// Parses `bpftool prog show`: program name → (run_time_ns, run_cnt).
+pub fn parse_bpf_progs(text: &str) -> BTreeMap<String, (u64, u64)> {
+    let mut m = BTreeMap::new();
+    for line in text.lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let field = |k: &str| {
+            w.iter()
+                .position(|x| *x == k)
+                .and_then(|i| w.get(i + 1))
+                .map(|v| v.to_string())
+        };
+        let (Some(name), Some(t), Some(c)) = (
+            field("name"),
+            field("run_time_ns").and_then(|v| v.parse::<u64>().ok()),
+            field("run_cnt").and_then(|v| v.parse::<u64>().ok()),
+        ) else {
+            continue;
+        };
+        let e = m.entry(name).or_insert((0, 0));
+        e.0 += t;
+        e.1 += c;
+    }
+    m
 }
 
 /// Samples of the anchor process, written where the lab reads the guest agent's.
@@ -89,6 +125,9 @@ pub struct BenchConfig {
     pub vm: VmConfig,
     /// Conditions to run (a subset of CONDITIONS, in that order).
     pub conditions: Vec<String>,
+    /// Measure the guest's per-program BPF run time (kernel.bpf_stats_enabled + bpftool in
+    /// the guest). The accounting itself costs a little, so it is off by default.
+    pub bpf_stats: bool,
 }
 
 /// Per (condition, job) samples over rounds.
@@ -109,6 +148,10 @@ pub struct Costs {
     pub guest_agent_peak_rss_kib: Vec<u64>,
     pub host_agent_peak_rss_kib: Vec<u64>,
     pub drops: Vec<u64>,
+    /// Guest BPF run time per I/O (ns, guest clock), with --bpf-stats.
+    pub guest_bpf_ns_per_io: Vec<f64>,
+    /// Per program: ns per I/O, one value per round.
+    pub guest_bpf_programs: BTreeMap<String, Vec<f64>>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -121,9 +164,9 @@ pub struct BenchResult {
 
 fn workload(runtime: u32) -> String {
     let mut s = format!(
-        "set -e\nanchor_sample() {{ {ANCHOR_SAMPLE} }}\n\
+        "set -e\nanchor_sample() {{ {ANCHOR_SAMPLE} }}\nbpf_sample() {{ {BPF_SAMPLE} }}\n\
          fio --name=prep --filename=/data/bench.dat --size=128M --rw=write --bs=1M \
-         --direct=1 --output=/dev/null\nanchor_sample start\n"
+         --direct=1 --output=/dev/null\nanchor_sample start\nbpf_sample start\n"
     );
     for j in JOBS {
         let _ = writeln!(
@@ -134,7 +177,7 @@ fn workload(runtime: u32) -> String {
             a = j.args
         );
     }
-    s += "anchor_sample end\n";
+    s += "anchor_sample end\nbpf_sample end\n";
     s
 }
 
@@ -231,7 +274,7 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
         {
             let name = cond.to_string();
             let dir: PathBuf = out.join(format!("round{round}-{name}"));
-            let vm = condition_vm(cond, &cfg.vm);
+            let vm = condition_vm(cond, &cfg.vm, cfg.bpf_stats);
             eprintln!(
                 "bench: round {} of {}, condition {name}",
                 round + 1,
@@ -276,6 +319,26 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
                 c.host_agent_peak_rss_kib.push(u.peak_rss_kib);
             }
             c.drops.push(drops(&r));
+            let progs = |w: &str| {
+                fs::read_to_string(dir.join(format!("bpf-progs.{w}.txt")))
+                    .ok()
+                    .map(|t| parse_bpf_progs(&t))
+            };
+            if let (Some(a), Some(b)) = (progs("start"), progs("end")) {
+                let mut total = 0.0;
+                for (name, (t1, _)) in &b {
+                    let t0 = a.get(name).map_or(0, |x| x.0);
+                    let per_io = t1.saturating_sub(t0) as f64 / total_ios.max(1) as f64;
+                    if per_io > 0.0 {
+                        total += per_io;
+                        c.guest_bpf_programs
+                            .entry(name.clone())
+                            .or_default()
+                            .push(per_io);
+                    }
+                }
+                c.guest_bpf_ns_per_io.push(total);
+            }
             fs::write(out.join("bench.json"), serde_json::to_vec_pretty(&res)?)?;
         }
     }
@@ -352,6 +415,28 @@ pub fn render(res: &BenchResult) -> String {
             c.drops.iter().sum::<u64>()
         );
     }
+    for &name in CONDITIONS {
+        let Some(c) = res.costs.get(name) else {
+            continue;
+        };
+        if c.guest_bpf_ns_per_io.is_empty() {
+            continue;
+        }
+        let _ = writeln!(
+            s,
+            "\n{name}: guest BPF run time {:.0} ns per I/O (guest clock), by program:",
+            median(&c.guest_bpf_ns_per_io)
+        );
+        let mut progs: Vec<(&String, f64)> = c
+            .guest_bpf_programs
+            .iter()
+            .map(|(p, v)| (p, median(v)))
+            .collect();
+        progs.sort_by(|a, b| b.1.total_cmp(&a.1));
+        for (p, ns) in progs {
+            let _ = writeln!(s, "  {p:<24} {ns:>8.0} ns/IO");
+        }
+    }
     s
 }
 
@@ -366,6 +451,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(sum_counters(&v), 5);
+    }
+
+    #[test]
+    fn parses_bpftool_prog_show() {
+        let t = "6: raw_tracepoint  name sys_enter  tag 52f2b8cbe0cd2fd9  gpl run_time_ns 1000 run_cnt 10\n\
+                 8: tracing  name fe_io_submit_one  tag 440df2c7d8f14a3a  gpl\n\
+                 \tloaded_at 2026-11-22T12:00:00+0000  uid 0\n";
+        let m = parse_bpf_progs(t);
+        assert_eq!(m.get("sys_enter"), Some(&(1000, 10)));
+        assert_eq!(m.len(), 1);
     }
 
     #[test]

@@ -56,6 +56,9 @@ enum Cmd {
         /// in "both" the records go to the host over vsock either way).
         #[arg(long)]
         json: bool,
+        /// Also measure the guest's BPF run time per program (bpftool in the guest).
+        #[arg(long)]
+        bpf_stats: bool,
         /// Conditions to alternate (none, guest, host, both, bpftrace).
         #[arg(
             long,
@@ -192,6 +195,7 @@ fn real_main() -> Result<ExitCode> {
             runtime,
             conditions,
             json,
+            bpf_stats,
             out,
         } => {
             let lab = Lab::new()?;
@@ -202,6 +206,7 @@ fn real_main() -> Result<ExitCode> {
                 rounds,
                 runtime_secs: runtime,
                 conditions,
+                bpf_stats,
                 vm: VmConfig {
                     console: false,
                     guest_json: json,

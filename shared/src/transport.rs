@@ -871,45 +871,65 @@ pub mod host {
         }
     }
 
+    /// What every accept loop needs to start a connection task.
+    #[derive(Clone)]
+    struct Acceptor {
+        cfg: Arc<HostConfig>,
+        tx: mpsc::Sender<Event>,
+        conns: Arc<tokio::sync::Mutex<Vec<JoinHandle<()>>>>,
+        ids: Arc<AtomicU64>,
+        stop_rx: watch::Receiver<bool>,
+    }
+
+    impl Acceptor {
+        /// Serves one accepted stream in its own task, remembered for shutdown.
+        async fn spawn<S: AsyncRead + AsyncWrite + Send + 'static>(
+            &self,
+            stream: S,
+            origin: Origin,
+            vm: String,
+        ) {
+            let id = self.ids.fetch_add(1, Ordering::Relaxed);
+            let h = tokio::spawn(connection(
+                stream,
+                id,
+                origin,
+                vm,
+                self.cfg.clone(),
+                self.tx.clone(),
+                self.stop_rx.clone(),
+            ));
+            let mut c = self.conns.lock().await;
+            c.retain(|h| !h.is_finished());
+            c.push(h);
+        }
+    }
+
     /// Binds every listener (failing if any cannot be bound) and starts serving.
     pub async fn serve(cfg: HostConfig, tx: mpsc::Sender<Event>) -> io::Result<Server> {
-        let cfg = Arc::new(cfg);
         let (stop, stop_rx) = watch::channel(false);
-        let conns: Arc<tokio::sync::Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let ids = Arc::new(AtomicU64::new(1));
+        let acc = Acceptor {
+            cfg: Arc::new(cfg),
+            tx,
+            conns: Arc::default(),
+            ids: Arc::new(AtomicU64::new(1)),
+            stop_rx,
+        };
         let mut accept = Vec::new();
-        for l in &cfg.listens {
+        for l in &acc.cfg.listens {
             match l.clone() {
                 Listen::Unix { path, vm } => {
                     prepare_unix_path(&path)?;
                     let lis = tokio::net::UnixListener::bind(&path).map_err(|e| {
                         io::Error::new(e.kind(), format!("bind {}: {e}", path.display()))
                     })?;
-                    let (cfg, tx, conns, ids, stop_rx) = (
-                        cfg.clone(),
-                        tx.clone(),
-                        conns.clone(),
-                        ids.clone(),
-                        stop_rx.clone(),
-                    );
+                    let acc = acc.clone();
                     accept.push(tokio::spawn(async move {
                         loop {
                             match lis.accept().await {
                                 Ok((s, _)) => {
-                                    let id = ids.fetch_add(1, Ordering::Relaxed);
                                     let origin = Origin::Unix { path: path.clone() };
-                                    let h = tokio::spawn(connection(
-                                        s,
-                                        id,
-                                        origin,
-                                        vm.clone(),
-                                        cfg.clone(),
-                                        tx.clone(),
-                                        stop_rx.clone(),
-                                    ));
-                                    let mut c = conns.lock().await;
-                                    c.retain(|h| !h.is_finished());
-                                    c.push(h);
+                                    acc.spawn(s, origin, vm.clone()).await;
                                 }
                                 Err(e) => {
                                     log::warn!("accept on {}: {e}", path.display());
@@ -924,36 +944,19 @@ pub mod host {
                     let lis = tokio_vsock::VsockListener::bind(addr).map_err(|e| {
                         io::Error::new(e.kind(), format!("bind vsock port {port}: {e}"))
                     })?;
-                    let (cfg, tx, conns, ids, stop_rx) = (
-                        cfg.clone(),
-                        tx.clone(),
-                        conns.clone(),
-                        ids.clone(),
-                        stop_rx.clone(),
-                    );
+                    let acc = acc.clone();
                     accept.push(tokio::spawn(async move {
                         loop {
                             match lis.accept().await {
                                 Ok((s, peer)) => {
-                                    let id = ids.fetch_add(1, Ordering::Relaxed);
                                     let cid = peer.cid();
-                                    let vm = cfg
+                                    let vm = acc
+                                        .cfg
                                         .vm_for_cid
                                         .get(&cid)
                                         .cloned()
                                         .unwrap_or_else(|| format!("cid{cid}"));
-                                    let h = tokio::spawn(connection(
-                                        s,
-                                        id,
-                                        Origin::Vsock { cid },
-                                        vm,
-                                        cfg.clone(),
-                                        tx.clone(),
-                                        stop_rx.clone(),
-                                    ));
-                                    let mut c = conns.lock().await;
-                                    c.retain(|h| !h.is_finished());
-                                    c.push(h);
+                                    acc.spawn(s, Origin::Vsock { cid }, vm).await;
                                 }
                                 Err(e) => {
                                     log::warn!("accept on vsock port {port}: {e}");
@@ -968,8 +971,8 @@ pub mod host {
         Ok(Server {
             stop,
             accept,
-            conns,
-            bound: cfg.listens.clone(),
+            conns: acc.conns.clone(),
+            bound: acc.cfg.listens.clone(),
         })
     }
 

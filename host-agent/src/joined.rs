@@ -14,7 +14,7 @@ use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::join::{JoinConfig, JoinEngine, JoinStats};
 use viotrace_shared::record::{HostElem, JoinedIo, Record};
 use viotrace_shared::stats::{fmt_ns, render_waterfall, Aggregator, TOTAL_STAGE};
-use viotrace_shared::transport::host::{self, ClockSample, EventKind, Listen, Origin, Server};
+use viotrace_shared::transport::host::{self, EventKind, Listen, Origin, Server};
 
 /// What joined mode listens on and writes.
 #[derive(Clone, Debug, Default)]
@@ -141,20 +141,21 @@ impl Joined {
     }
 
     fn event(&mut self, ev: host::Event) {
+        if let (EventKind::GuestRqs(rqs), Some(c)) = (&ev.kind, self.conns.get_mut(&ev.conn)) {
+            c.records += rqs.len() as u64;
+        }
+        // Guest records and clock samples go to the join; a new boot id (shown in the
+        // connection notice) resets that VM's clock mapping there.
+        let Some(ev) = host::feed_join(&mut self.engine, ev, &mut self.buf) else {
+            self.emit();
+            return;
+        };
         match ev.kind {
             EventKind::Connected(hello) => {
                 self.human.push(format!(
                     "viotrace-host: guest agent {} connected from {} as vm={} (kernel {}, boot {})\n",
                     hello.agent_version, ev.origin, ev.vm, hello.kernel_release, hello.boot_id
                 ));
-                // A new boot of the guest has a new CLOCK_MONOTONIC: the engine resets
-                // that VM's clock when the boot id changes (a plain reconnect keeps it).
-                if self.engine.guest_connected(&ev.vm, &hello.boot_id) {
-                    self.human.push(format!(
-                        "viotrace-host: vm={} rebooted: its clock mapping starts over\n",
-                        ev.vm
-                    ));
-                }
                 self.conns.insert(
                     ev.conn,
                     Conn {
@@ -166,14 +167,8 @@ impl Joined {
                     },
                 );
             }
-            EventKind::GuestRqs(rqs) => {
-                if let Some(c) = self.conns.get_mut(&ev.conn) {
-                    c.records += rqs.len() as u64;
-                }
-                for rq in rqs {
-                    self.engine.push_guest(&ev.vm, rq, &mut self.buf);
-                }
-                self.emit();
+            EventKind::GuestRqs(_) | EventKind::Clock(_) => {
+                // Consumed by feed_join.
             }
             EventKind::GuestIos(_) => {
                 // Syscall-level records stay in the guest's own output; the join is per request.
@@ -183,17 +178,6 @@ impl Joined {
                     c.transport_dropped = st.transport_dropped;
                     c.guest_counters = st.counters.into_iter().map(|k| (k.name, k.value)).collect();
                 }
-            }
-            EventKind::Clock(s) => {
-                let clock = self.engine.clock(&ev.vm);
-                let _ = match s {
-                    ClockSample::HostInitiated { h1, g2, g3, h4 } => {
-                        clock.add_host_probe(h1, g2, g3, h4)
-                    }
-                    ClockSample::GuestInitiated { t1, t2, t3, t4 } => {
-                        clock.add_guest_probe(t1, t2, t3, t4)
-                    }
-                };
             }
             EventKind::Disconnected { reason, error } => {
                 if error {

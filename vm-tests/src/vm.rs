@@ -676,18 +676,9 @@ impl Lab {
                 if let Some(st) = qemu.wait_timeout(Duration::from_secs(10))? {
                     break st;
                 }
-            } else if let Some(st) = qemu.try_wait()? {
-                // Drain what the reader still has.
-                while let Ok(Event::Line(t, line)) = rx.recv_timeout(Duration::from_millis(200)) {
-                    if line.contains(MARK_DONE) {
-                        done = true;
-                    }
-                    if line.contains(MARK_END) && t_end.is_none() {
-                        t_end = Some(t);
-                    }
-                }
-                break st;
             }
+            // When QEMU exits its stdout closes: the reader's Eof ends the loop above
+            // after every console line has gone through the marker parsing.
             let interrupted = self.interrupt.load(Ordering::SeqCst);
             if Instant::now() >= deadline || interrupted {
                 qemu.stop(Signal::SIGTERM, Duration::from_secs(2))?;

@@ -14,7 +14,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughpu
 use viotrace_shared::clock::ClockEstimator;
 use viotrace_shared::join::synth::{generate, interleave, Event, SynthConfig};
 use viotrace_shared::join::JoinEngine;
-use viotrace_shared::proto::{encode_frame_into, FrameDecoder, Message};
+use viotrace_shared::proto::{encode_frame_into, FrameDecoder, GuestRecord, Message};
 
 fn feed(events: Vec<Event>) -> usize {
     let mut e = JoinEngine::default();
@@ -117,7 +117,10 @@ fn bench_proto(c: &mut Criterion) {
         requests: 1024,
         ..SynthConfig::default()
     });
-    let msg = Message::GuestRqBatch(s.guest.clone());
+    let msg = Message::Batch {
+        first_seq: 0,
+        records: s.guest.iter().cloned().map(GuestRecord::Rq).collect(),
+    };
     let mut frame = Vec::new();
     encode_frame_into(&msg, &mut frame).unwrap();
     let mut g = c.benchmark_group("proto");
@@ -139,8 +142,8 @@ fn bench_proto(c: &mut Criterion) {
             for chunk in frame.chunks(16 * 1024) {
                 d.feed(chunk);
                 while let Some(m) = d.next_message().unwrap() {
-                    if let Message::GuestRqBatch(v) = m {
-                        n += v.len();
+                    if let Message::Batch { records, .. } = m {
+                        n += records.len();
                     }
                 }
             }
@@ -236,12 +239,15 @@ fn bench_transport(c: &mut Criterion) {
                                 protocol_version: PROTOCOL_VERSION,
                                 agent_version: "bench".into(),
                                 vm: "vm".into(),
+                                resume: None,
                             }),
                         )
                         .unwrap();
                     }
-                    Message::GuestRqBatch(v) => {
-                        got2.fetch_add(v.len() as u64, Ordering::Relaxed);
+                    Message::Batch { first_seq, records } => {
+                        got2.fetch_add(records.len() as u64, Ordering::Relaxed);
+                        let next_seq = first_seq + records.len() as u64;
+                        write_message(&mut s, &Message::Ack { next_seq }).unwrap();
                     }
                     Message::Bye { .. } => return,
                     _ => {}
@@ -278,7 +284,7 @@ fn bench_transport(c: &mut Criterion) {
     });
     g.finish();
     let st = sender.shutdown("bench done", Duration::from_secs(5));
-    assert_eq!(st.dropped(), 0);
+    assert_eq!(st.lost(), 0);
     let _ = reader.join();
     let _ = std::fs::remove_file(&path);
 }

@@ -1,11 +1,14 @@
 //! viotrace-shared: record types, wire protocol, clock synchronisation and the
 //! guest↔host join engine. Pure Rust, no BPF.
 
+pub mod cause;
 pub mod chrome;
 pub mod clock;
 pub mod join;
+pub mod metrics;
 pub mod proto;
 pub mod record;
 pub mod stages;
 pub mod stats;
 pub mod transport;
+pub mod walltime;

@@ -7,8 +7,18 @@
 //!
 //! The guest opens the conversation with [`Message::Hello`] and the host answers
 //! [`Message::HelloAck`]. After that the guest streams record batches
-//! ([`Message::GuestRqBatch`], [`Message::GuestIoBatch`]), statistics and clock
-//! probes, and closes with [`Message::Bye`].
+//! ([`Message::Batch`]), statistics and clock probes, and closes with [`Message::Bye`].
+//!
+//! Delivery is accounted end to end. Every record a guest agent instance
+//! (`Hello::session`) accepts for sending gets the next sequence number of that
+//! session; a batch carries the number of its first record. The host
+//! acknowledges cumulatively ([`Message::Ack`]: every record below `next_seq` was
+//! delivered or counted), and on (re)connection tells the guest where to resume
+//! ([`HelloAck::resume`]). The guest keeps every unacknowledged record (bounded;
+//! records refused because the buffer is full never get a number and are counted
+//! by the guest), so a lost connection or a backend that lost bytes costs a
+//! retransmission, not records. Sequence gaps the guest cannot fill are counted
+//! by the host as lost in transit.
 //!
 //! Clock probes are NTP-style and come in two directions:
 //! * guest-initiated: guest `ClockProbe{seq,t1}` → host `ClockReply{seq,t1,t2,t3}`
@@ -30,7 +40,8 @@ use crate::record::{GuestIo, GuestRq};
 
 /// Wire protocol version carried in [`Hello`]/[`HelloAck`]. Bumped on any
 /// incompatible change of [`Message`].
-pub const PROTOCOL_VERSION: u16 = 1;
+/// (3: records carry their wall-clock `time`.)
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Hard maximum payload size of one frame (1 MiB).
 pub const MAX_FRAME: usize = 1 << 20;
 /// Size of the frame length prefix.
@@ -80,6 +91,9 @@ pub struct Hello {
     pub hostname: String,
     /// The guest's own vsock CID, when it knows it.
     pub cid: Option<u32>,
+    /// Random identity of this guest agent instance: record sequence numbers
+    /// are per session and survive reconnections.
+    pub session: u64,
 }
 
 /// The host's answer to [`Hello`].
@@ -89,6 +103,17 @@ pub struct HelloAck {
     pub agent_version: String,
     /// The VM label the host attributes this connection to.
     pub vm: String,
+    /// The next record sequence number the host expects from this session
+    /// (everything below was delivered or counted); `None` when the host knows
+    /// nothing of the session (resend everything unacknowledged).
+    pub resume: Option<u64>,
+}
+
+/// One guest record on the wire.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum GuestRecord {
+    Rq(GuestRq),
+    Io(GuestIo),
 }
 
 /// A named guest counter (probe drops, full maps, transport losses…).
@@ -103,8 +128,10 @@ pub struct Counter {
 pub struct GuestStats {
     /// Guest `CLOCK_MONOTONIC` time of the snapshot.
     pub ts: u64,
-    /// Records lost by the transport while disconnected or over capacity.
-    pub transport_dropped: u64,
+    /// Records that got a sequence number so far (the session's next number).
+    pub produced: u64,
+    /// Records refused by the guest's full send buffer (they never got a number).
+    pub dropped_full: u64,
     pub counters: Vec<Counter>,
 }
 
@@ -113,8 +140,11 @@ pub struct GuestStats {
 pub enum Message {
     Hello(Hello),
     HelloAck(HelloAck),
-    GuestRqBatch(Vec<GuestRq>),
-    GuestIoBatch(Vec<GuestIo>),
+    /// Records numbered `first_seq`, `first_seq + 1`, … of the session.
+    Batch {
+        first_seq: u64,
+        records: Vec<GuestRecord>,
+    },
     /// Guest-initiated probe: guest send time `t1`.
     ClockProbe {
         seq: u64,
@@ -151,10 +181,17 @@ pub enum Message {
     Bye {
         reason: String,
     },
+    /// Host → guest: every record below `next_seq` was delivered or counted.
+    Ack {
+        next_seq: u64,
+    },
 }
 
 /// Number of [`Message`] variants (tags `0..MESSAGE_TAGS` are known).
 pub const MESSAGE_TAGS: u64 = 11;
+/// Wire tag of [`Message::Batch`] (batch frames are assembled from records
+/// encoded once, see [`encode_record`] and [`batch_frame`]).
+const BATCH_TAG: u8 = 2;
 
 impl Message {
     /// Short name of the variant, for logs and counters.
@@ -162,8 +199,7 @@ impl Message {
         match self {
             Message::Hello(_) => "hello",
             Message::HelloAck(_) => "hello_ack",
-            Message::GuestRqBatch(_) => "guest_rq_batch",
-            Message::GuestIoBatch(_) => "guest_io_batch",
+            Message::Batch { .. } => "batch",
             Message::ClockProbe { .. } => "clock_probe",
             Message::ClockReply { .. } => "clock_reply",
             Message::ClockSample { .. } => "clock_sample",
@@ -171,6 +207,7 @@ impl Message {
             Message::ClockPong { .. } => "clock_pong",
             Message::GuestStats(_) => "guest_stats",
             Message::Bye { .. } => "bye",
+            Message::Ack { .. } => "ack",
         }
     }
 }
@@ -278,6 +315,11 @@ impl FrameDecoder {
             poisoned: false,
             frames: 0,
         }
+    }
+
+    /// Changes the frame limit (at most [`MAX_FRAME`]); bytes already buffered stay.
+    pub fn set_max(&mut self, max: usize) {
+        self.max = max.min(MAX_FRAME);
     }
 
     /// Appends received bytes.
@@ -429,312 +471,54 @@ pub fn check_version(got: u16) -> Result<(), ProtoError> {
     }
 }
 
-/// Splits a record batch into frames that each fit [`MAX_FRAME`], appending them
-/// to `out`. `make` wraps a slice into a message (e.g. `Message::GuestRqBatch`).
-/// Returns the number of frames written; a single record too large for a frame
-/// is an error (and is not written).
-pub fn encode_batches<T: Clone>(
-    items: &[T],
-    make: &dyn Fn(Vec<T>) -> Message,
+/// Encodes one record once, as it appears inside a [`Message::Batch`].
+pub fn encode_record(rec: &GuestRecord) -> Result<Vec<u8>, ProtoError> {
+    let v = postcard::to_allocvec(rec).map_err(ProtoError::Encode)?;
+    if v.len() + BATCH_OVERHEAD > MAX_FRAME {
+        return Err(ProtoError::Oversized {
+            len: v.len(),
+            max: MAX_FRAME - BATCH_OVERHEAD,
+        });
+    }
+    Ok(v)
+}
+
+/// Most bytes a batch frame adds around its encoded records (length prefix,
+/// tag, two varints).
+pub const BATCH_OVERHEAD: usize = FRAME_HEADER + 1 + 10 + 10;
+
+fn push_varint(out: &mut Vec<u8>, mut v: u64) {
+    loop {
+        let b = (v & 0x7f) as u8;
+        v >>= 7;
+        if v == 0 {
+            out.push(b);
+            return;
+        }
+        out.push(b | 0x80);
+    }
+}
+
+/// Appends one complete [`Message::Batch`] frame made of records already encoded
+/// with [`encode_record`] (byte-identical to postcard's encoding of the message).
+/// The caller keeps the total under [`MAX_FRAME`] (see [`BATCH_OVERHEAD`]).
+pub fn batch_frame<'a>(
+    first_seq: u64,
+    records: impl ExactSizeIterator<Item = &'a [u8]>,
     out: &mut Vec<u8>,
-) -> Result<usize, ProtoError> {
-    if items.is_empty() {
-        return Ok(0);
+) {
+    let start = out.len();
+    out.extend_from_slice(&[0; FRAME_HEADER]);
+    out.push(BATCH_TAG);
+    push_varint(out, first_seq);
+    push_varint(out, records.len() as u64);
+    for r in records {
+        out.extend_from_slice(r);
     }
-    match encode_frame_into(&make(items.to_vec()), out) {
-        Ok(()) => Ok(1),
-        Err(ProtoError::Oversized { len, max }) if items.len() == 1 => {
-            Err(ProtoError::Oversized { len, max })
-        }
-        Err(ProtoError::Oversized { .. }) => {
-            let mid = items.len() / 2;
-            let a = encode_batches(&items[..mid], make, out)?;
-            let b = encode_batches(&items[mid..], make, out)?;
-            Ok(a + b)
-        }
-        Err(e) => Err(e),
-    }
+    let len = (out.len() - start - FRAME_HEADER) as u32;
+    out[start..start + FRAME_HEADER].copy_from_slice(&len.to_le_bytes());
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::record::{Op, Point, Points, RqRef};
-
-    fn rq(i: u64) -> GuestRq {
-        GuestRq {
-            disk: "vda".into(),
-            op: Op::Write,
-            sector: 8 * i,
-            bytes: 4096,
-            queue: Some(0),
-            head: Some((i % 128) as u16),
-            pid: 42,
-            tid: 43,
-            comm: "fio".into(),
-            cgroup_id: 7,
-            inode: 12,
-            file_offset: Some(4096 * i),
-            kicked: Some(true),
-            bios: 1,
-            error: 0,
-            ts: [(Point::RqIssue, 1000 + i), (Point::RqComplete, 2000 + i)]
-                .into_iter()
-                .collect(),
-        }
-    }
-
-    fn all_messages() -> Vec<Message> {
-        vec![
-            Message::Hello(Hello {
-                protocol_version: PROTOCOL_VERSION,
-                agent_version: "0.1.0".into(),
-                kernel_release: "6.1.0-28-cloud-amd64".into(),
-                boot_id: "0b6c7f7e-1111-2222-3333-444455556666".into(),
-                hostname: "guest".into(),
-                cid: Some(3),
-            }),
-            Message::HelloAck(HelloAck {
-                protocol_version: PROTOCOL_VERSION,
-                agent_version: "0.1.0".into(),
-                vm: "vm1".into(),
-            }),
-            Message::GuestRqBatch((0..10).map(rq).collect()),
-            Message::GuestIoBatch(vec![GuestIo {
-                syscall: "pwrite64".into(),
-                pid: 1,
-                tid: 1,
-                comm: "dd".into(),
-                cgroup_id: 0,
-                inode: 5,
-                file_offset: None,
-                bytes: 4096,
-                ret: 4096,
-                requests: vec![RqRef {
-                    disk: "vda".into(),
-                    sector: 8,
-                    bytes: 4096,
-                }],
-                ts: Points::new(),
-            }]),
-            Message::ClockProbe { seq: 1, t1: 10 },
-            Message::ClockReply {
-                seq: 1,
-                t1: 10,
-                t2: 20,
-                t3: 21,
-            },
-            Message::ClockSample {
-                seq: 1,
-                t1: 10,
-                t2: 20,
-                t3: 21,
-                t4: 30,
-            },
-            Message::ClockPing {
-                seq: 9,
-                h1: u64::MAX,
-            },
-            Message::ClockPong {
-                seq: 9,
-                h1: u64::MAX,
-                g2: 1,
-                g3: 2,
-            },
-            Message::GuestStats(GuestStats {
-                ts: 5,
-                transport_dropped: 3,
-                counters: vec![Counter {
-                    name: "ringbuf_drops".into(),
-                    value: 2,
-                }],
-            }),
-            Message::Bye {
-                reason: "sigint".into(),
-            },
-        ]
-    }
-
-    #[test]
-    fn every_message_roundtrips_and_tags_are_counted() {
-        let msgs = all_messages();
-        assert_eq!(msgs.len() as u64, MESSAGE_TAGS);
-        for m in msgs {
-            let f = encode_frame(&m).unwrap();
-            let len = u32::from_le_bytes(f[..4].try_into().unwrap()) as usize;
-            assert_eq!(len + 4, f.len());
-            assert_eq!(decode_payload(&f[4..]).unwrap(), m);
-        }
-    }
-
-    #[test]
-    fn incremental_decoder_byte_by_byte() {
-        let msgs = all_messages();
-        let mut stream = Vec::new();
-        for m in &msgs {
-            encode_frame_into(m, &mut stream).unwrap();
-        }
-        let mut d = FrameDecoder::new();
-        let mut got = Vec::new();
-        for b in &stream {
-            d.feed(std::slice::from_ref(b));
-            while let Some(m) = d.next_message().unwrap() {
-                got.push(m);
-            }
-        }
-        assert_eq!(got, msgs);
-        d.finish().unwrap();
-        assert_eq!(d.frames(), msgs.len() as u64);
-    }
-
-    #[test]
-    fn truncated_stream_is_reported() {
-        let f = encode_frame(&Message::ClockProbe { seq: 1, t1: 2 }).unwrap();
-        let mut d = FrameDecoder::new();
-        d.feed(&f[..f.len() - 1]);
-        assert!(d.next_message().unwrap().is_none());
-        assert!(matches!(d.finish(), Err(ProtoError::Truncated { .. })));
-        let mut d = FrameDecoder::new();
-        d.feed(&f[..2]);
-        assert!(matches!(
-            d.finish(),
-            Err(ProtoError::Truncated { have: 2, need: 4 })
-        ));
-        // Blocking reader.
-        let mut r = &f[..f.len() - 1];
-        assert!(matches!(
-            read_message(&mut r),
-            Err(ProtoError::Truncated { .. })
-        ));
-        let mut r = &f[..];
-        assert!(read_message(&mut r).unwrap().is_some());
-        assert!(read_message(&mut r).unwrap().is_none());
-    }
-
-    #[test]
-    fn oversized_frame_is_refused_and_poisons() {
-        let mut d = FrameDecoder::new();
-        d.feed(&((MAX_FRAME as u32) + 1).to_le_bytes());
-        assert!(matches!(
-            d.next_message(),
-            Err(ProtoError::Oversized { .. })
-        ));
-        assert!(matches!(d.next_message(), Err(ProtoError::Poisoned)));
-        let hdr = u32::MAX.to_le_bytes();
-        let mut r = &hdr[..];
-        assert!(matches!(
-            read_message(&mut r),
-            Err(ProtoError::Oversized { .. })
-        ));
-    }
-
-    #[test]
-    fn unknown_and_malformed_and_trailing() {
-        assert!(matches!(
-            decode_payload(&[MESSAGE_TAGS as u8]),
-            Err(ProtoError::UnknownMessage(t)) if t == MESSAGE_TAGS
-        ));
-        assert!(matches!(
-            decode_payload(&[0xff, 0xff, 0x03]),
-            Err(ProtoError::UnknownMessage(_))
-        ));
-        // Hello with a truncated body.
-        assert!(matches!(
-            decode_payload(&[0, 1]),
-            Err(ProtoError::Malformed(_))
-        ));
-        // Varint that never ends.
-        assert!(matches!(
-            decode_payload(&[0x80; 12]),
-            Err(ProtoError::Malformed(_)) | Err(ProtoError::UnknownMessage(_))
-        ));
-        let mut f = encode_frame(&Message::Bye { reason: "x".into() }).unwrap();
-        f.push(0);
-        assert!(matches!(
-            decode_payload(&f[4..]),
-            Err(ProtoError::TrailingBytes(1))
-        ));
-        assert!(matches!(decode_payload(&[]), Err(ProtoError::EmptyFrame)));
-        // Bad point id inside a record is malformed, not a panic.
-        let mut good = encode_frame(&Message::GuestRqBatch(vec![rq(1)])).unwrap();
-        let n = good.len();
-        // ts is last: [len=2][(id,varint)]...; corrupt the last point id.
-        good[n - 3] = 200;
-        let r = decode_payload(&good[4..]);
-        assert!(r.is_err());
-    }
-
-    #[test]
-    fn decoder_continues_after_a_bad_payload() {
-        let mut s = Vec::new();
-        s.extend_from_slice(&1u32.to_le_bytes());
-        s.push(99);
-        encode_frame_into(
-            &Message::Bye {
-                reason: "ok".into(),
-            },
-            &mut s,
-        )
-        .unwrap();
-        let mut d = FrameDecoder::new();
-        d.feed(&s);
-        assert!(matches!(
-            d.next_message(),
-            Err(ProtoError::UnknownMessage(99))
-        ));
-        assert!(matches!(d.next_message(), Ok(Some(Message::Bye { .. }))));
-    }
-
-    #[test]
-    fn batches_split_to_fit_max_frame() {
-        let items: Vec<GuestRq> = (0..60_000).map(rq).collect();
-        let mut out = Vec::new();
-        let n = encode_batches(&items, &Message::GuestRqBatch, &mut out).unwrap();
-        assert!(n > 1, "{n}");
-        let mut d = FrameDecoder::new();
-        d.feed(&out);
-        let mut total = 0;
-        while let Some(m) = d.next_message().unwrap() {
-            match m {
-                Message::GuestRqBatch(v) => total += v.len(),
-                other => panic!("{other:?}"),
-            }
-        }
-        assert_eq!(total, items.len());
-        // A single record larger than a frame is refused.
-        let mut big = rq(0);
-        big.comm = "x".repeat(MAX_FRAME + 1);
-        let mut out2 = Vec::new();
-        assert!(matches!(
-            encode_batches(&[big], &Message::GuestRqBatch, &mut out2),
-            Err(ProtoError::Oversized { .. })
-        ));
-        assert!(out2.is_empty());
-    }
-
-    #[test]
-    fn version_check() {
-        check_version(PROTOCOL_VERSION).unwrap();
-        assert!(matches!(
-            check_version(PROTOCOL_VERSION + 1),
-            Err(ProtoError::Version { .. })
-        ));
-    }
-
-    proptest::proptest! {
-        #[test]
-        fn decoder_never_panics(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
-            let mut d = FrameDecoder::new();
-            d.feed(&data);
-            for _ in 0..64 {
-                match d.next_message() {
-                    Ok(Some(_)) => {}
-                    Ok(None) | Err(ProtoError::Poisoned) => break,
-                    Err(_) => {}
-                }
-            }
-            let _ = d.finish();
-            let _ = decode_payload(&data);
-        }
-    }
-}
+#[path = "proto_tests.rs"]
+mod tests;

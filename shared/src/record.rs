@@ -272,6 +272,11 @@ impl fmt::Display for Op {
 pub struct GuestRq {
     /// Disk name, e.g. `vdb`.
     pub disk: String,
+    /// Wall-clock time (RFC 3339 UTC) of the record's first point: the host's
+    /// `CLOCK_REALTIME` for host and joined records, the guest's for guest records
+    /// (see `walltime`). Absent when no point could be mapped.
+    #[serde(default)]
+    pub time: Option<crate::walltime::WallTime>,
     pub op: Op,
     /// Start sector (512-byte units).
     pub sector: u64,
@@ -303,6 +308,11 @@ pub struct GuestRq {
 pub struct GuestIo {
     /// Syscall name (`read`, `pwrite64`, `fsync`, `io_submit`, `io_uring_enter`, …).
     pub syscall: String,
+    /// Wall-clock time (RFC 3339 UTC) of the record's first point: the host's
+    /// `CLOCK_REALTIME` for host and joined records, the guest's for guest records
+    /// (see `walltime`). Absent when no point could be mapped.
+    #[serde(default)]
+    pub time: Option<crate::walltime::WallTime>,
     pub pid: u32,
     pub tid: u32,
     pub comm: String,
@@ -341,6 +351,11 @@ pub enum Backend {
 pub struct HostElem {
     /// VM label (QEMU `-name`, else `qemu-<pid>`).
     pub vm: String,
+    /// Wall-clock time (RFC 3339 UTC) of the record's first point: the host's
+    /// `CLOCK_REALTIME` for host and joined records, the guest's for guest records
+    /// (see `walltime`). Absent when no point could be mapped.
+    #[serde(default)]
+    pub time: Option<crate::walltime::WallTime>,
     pub qemu_pid: u32,
     /// virtio-blk device label (QEMU drive/device id when known).
     pub device: String,
@@ -395,6 +410,11 @@ pub enum ClockDomain {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JoinedIo {
     pub vm: String,
+    /// Wall-clock time (RFC 3339 UTC) of the record's first point: the host's
+    /// `CLOCK_REALTIME` for host and joined records, the guest's for guest records
+    /// (see `walltime`). Absent when no point could be mapped.
+    #[serde(default)]
+    pub time: Option<crate::walltime::WallTime>,
     /// Guest disk name (`vda`), when the guest side is present.
     pub disk: Option<String>,
     /// Host virtio-blk device label, when the host side is present.

@@ -1,0 +1,256 @@
+//! "Why was this I/O slow": a verdict per slow request.
+//!
+//! For each request the engine compares every stage with that stage's recent
+//! baseline (the median of the last [`WINDOW`] requests of the same *class*: VM,
+//! disk, op and size class) and names the stage with the largest excess over its
+//! baseline. A request is judged slow only when its total exceeds both the
+//! absolute threshold and [`SLOW_FACTOR`] × its class's baseline total, so a
+//! steady workload is not flagged at all. The stage (refined by its sub-stages
+//! where they exist) gives the most likely cause class; the evidence text says by
+//! how much the stage exceeded its baseline.
+//!
+//! The engine only knows what the record carries (stages and sub-stages): it does
+//! not yet see scheduling or other processes' I/O, so its causes name *where* the
+//! time went (e.g. `qemu_queue`: inside QEMU before the host system call — its I/O
+//! throttling or a busy thread pool), not *who* caused it.
+
+mod baseline;
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::record::Op;
+use crate::stages::Stages;
+
+pub use baseline::{Window, WINDOW};
+
+/// A request is slow when its total exceeds this factor times its class's baseline total.
+pub const SLOW_FACTOR: f64 = 3.0;
+
+/// Requests a class must have seen before its requests are judged.
+pub const MIN_SAMPLES: usize = 16;
+
+/// The most likely cause class of a slow request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum CauseKind {
+    /// In the guest before the block layer or after completion (file system, the
+    /// submitting task off-CPU).
+    GuestTask,
+    /// The guest's block layer and driver queues.
+    GuestQueue,
+    /// Between the guest's kick and QEMU popping the request (vCPU exit, QEMU's
+    /// event loop not running).
+    HostNotify,
+    /// Inside QEMU before the host system call: I/O throttling, a busy thread pool,
+    /// QEMU's threads not running.
+    QemuQueue,
+    /// The host kernel and device (the backing disk busy, e.g. other I/O on it).
+    HostDevice,
+    /// QEMU's completion path up to the interrupt (reaping, pushing, notifying).
+    QemuCompletion,
+    /// From QEMU's notification to the guest's interrupt handler.
+    IrqDelivery,
+    /// The guest's completion path (interrupt to request completion, softirq).
+    GuestCompletion,
+}
+
+impl CauseKind {
+    pub const fn name(self) -> &'static str {
+        match self {
+            CauseKind::GuestTask => "guest_task",
+            CauseKind::GuestQueue => "guest_queue",
+            CauseKind::HostNotify => "host_notify",
+            CauseKind::QemuQueue => "qemu_queue",
+            CauseKind::HostDevice => "host_device",
+            CauseKind::QemuCompletion => "qemu_completion",
+            CauseKind::IrqDelivery => "irq_delivery",
+            CauseKind::GuestCompletion => "guest_completion",
+        }
+    }
+}
+
+/// The verdict on one slow request (JSON: the record's `cause` object).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Cause {
+    pub kind: CauseKind,
+    /// The stage (or sub-stage) that dominated.
+    pub stage: String,
+    /// Its duration in this request and its class baseline (median), ns.
+    pub stage_ns: i64,
+    pub baseline_ns: i64,
+    /// The request's total and its class's baseline total, ns.
+    pub total_ns: i64,
+    pub baseline_total_ns: i64,
+    /// Human-readable evidence.
+    pub evidence: String,
+}
+
+/// The class a request is compared within.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ClassKey {
+    pub vm: String,
+    pub disk: String,
+    pub op: Op,
+    /// log2 of the size rounded up to 4 KiB units (0: ≤ 4 KiB, 1: ≤ 8 KiB, …).
+    pub size_class: u8,
+}
+
+impl ClassKey {
+    pub fn new(vm: &str, disk: &str, op: Op, bytes: u32) -> ClassKey {
+        let units = bytes.div_ceil(4096).max(1);
+        ClassKey {
+            vm: vm.to_string(),
+            disk: disk.to_string(),
+            op,
+            size_class: (32 - (units - 1).leading_zeros()) as u8,
+        }
+    }
+
+    fn label(&self) -> String {
+        let kib = 4u64 << self.size_class;
+        format!("{} ≤{kib} KiB on {}/{}", self.op, self.vm, self.disk)
+    }
+}
+
+/// Which cause a stage (or sub-stage) points to.
+pub fn kind_of_stage(stage: &str) -> Option<CauseKind> {
+    Some(match stage {
+        "guest_fs" | "guest_return" => CauseKind::GuestTask,
+        "guest_queue" | "guest_driver" | "guest_queue+guest_driver" => CauseKind::GuestQueue,
+        "kick_to_pop" => CauseKind::HostNotify,
+        "qemu_submit" | "host_io.queue" => CauseKind::QemuQueue,
+        "host_io" | "host_io.kernel" | "host_io.disk" => CauseKind::HostDevice,
+        "qemu_complete" | "host_io.reap" | "push_to_irq.notify" => CauseKind::QemuCompletion,
+        "push_to_irq" | "push_to_irq.delivery" => CauseKind::IrqDelivery,
+        "guest_complete" => CauseKind::GuestCompletion,
+        "device" => CauseKind::HostDevice,
+        _ => return None,
+    })
+}
+
+/// Per-class baselines and the verdicts.
+#[derive(Debug, Default)]
+pub struct Engine {
+    classes: HashMap<ClassKey, ClassBaseline>,
+    /// Limit on the number of classes kept (oldest-seen classes are not evicted:
+    /// new ones beyond the limit are counted and not judged).
+    max_classes: usize,
+    /// Requests of classes refused because of `max_classes`.
+    pub classes_refused: u64,
+}
+
+#[derive(Debug, Default)]
+struct ClassBaseline {
+    total: Window,
+    stages: HashMap<String, Window>,
+}
+
+impl Engine {
+    pub fn new(max_classes: usize) -> Engine {
+        Engine {
+            max_classes,
+            ..Default::default()
+        }
+    }
+
+    /// Judges one request against its class's baseline (before it joins the
+    /// baseline), then adds it. `threshold_ns`: the absolute slowness threshold.
+    pub fn observe(
+        &mut self,
+        key: &ClassKey,
+        stages: &Stages,
+        substages: &Stages,
+        total_ns: i64,
+        threshold_ns: i64,
+    ) -> Option<Cause> {
+        if !self.classes.contains_key(key) && self.classes.len() >= self.max_classes {
+            self.classes_refused += 1;
+            return None;
+        }
+        let class = self.classes.entry(key.clone()).or_default();
+        let verdict = class.judge(key, stages, substages, total_ns, threshold_ns);
+        class.total.push(total_ns);
+        for (name, v) in stages.iter().chain(substages.iter()) {
+            class.stages.entry(name.to_string()).or_default().push(v);
+        }
+        verdict
+    }
+}
+
+impl ClassBaseline {
+    fn judge(
+        &self,
+        key: &ClassKey,
+        stages: &Stages,
+        substages: &Stages,
+        total_ns: i64,
+        threshold_ns: i64,
+    ) -> Option<Cause> {
+        if self.total.len() < MIN_SAMPLES || total_ns < threshold_ns {
+            return None;
+        }
+        let base_total = self.total.median()?;
+        if (total_ns as f64) < SLOW_FACTOR * base_total.max(1) as f64 {
+            return None;
+        }
+        // The partition stage with the largest excess over its own baseline.
+        let excess = |name: &str, v: i64| {
+            let base = self.stages.get(name).and_then(|w| w.median()).unwrap_or(0);
+            (v - base, base)
+        };
+        let (stage, v) = stages
+            .iter()
+            .filter(|(n, _)| kind_of_stage(n).is_some())
+            .max_by_key(|(n, v)| excess(n, *v).0)?;
+        let (ex, base) = excess(stage, v);
+        if ex <= 0 {
+            return None;
+        }
+        // Refine by the sub-stage of that stage with the largest excess, when it
+        // explains most of the stage's excess.
+        let prefix = format!("{stage}.");
+        let refined = substages
+            .iter()
+            .filter(|(n, _)| n.starts_with(&prefix) && kind_of_stage(n).is_some())
+            .map(|(n, sv)| (n, sv, excess(n, sv)))
+            .max_by_key(|e| e.2 .0)
+            .filter(|e| e.2 .0 * 2 > ex);
+        let (name, sv, (sex, sbase)) = refined.unwrap_or((stage, v, (ex, base)));
+        let kind = kind_of_stage(name)?;
+        Some(Cause {
+            kind,
+            stage: name.to_string(),
+            stage_ns: sv,
+            baseline_ns: sbase,
+            total_ns,
+            baseline_total_ns: base_total,
+            evidence: format!(
+                "{name} +{} over its baseline {} (total {} vs {}; median of the last {} {} requests)",
+                fmt_ns(sex),
+                fmt_ns(sbase),
+                fmt_ns(total_ns),
+                fmt_ns(base_total),
+                self.total.len(),
+                key.label()
+            ),
+        })
+    }
+}
+
+/// `38.0 ms`, `412 µs`, `900 ns`.
+pub fn fmt_ns(ns: i64) -> String {
+    let a = ns.unsigned_abs();
+    let sign = if ns < 0 { "-" } else { "" };
+    if a >= 1_000_000 {
+        format!("{sign}{:.1} ms", a as f64 / 1e6)
+    } else if a >= 1_000 {
+        format!("{sign}{} µs", a / 1_000)
+    } else {
+        format!("{sign}{a} ns")
+    }
+}
+
+#[cfg(test)]
+mod tests;

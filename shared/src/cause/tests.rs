@@ -1,0 +1,172 @@
+use proptest::prelude::*;
+
+use super::*;
+use std::borrow::Cow;
+
+const MS: i64 = 1_000_000;
+
+fn st(v: &[(&'static str, i64)]) -> Stages {
+    Stages(v.iter().map(|(n, x)| (Cow::Borrowed(*n), *x)).collect())
+}
+
+/// A joined request's stages with `extra` ns added to stage `slow`.
+fn req(slow: &str, extra: i64) -> (Stages, i64) {
+    let mut v = vec![
+        ("guest_fs", 20_000),
+        ("guest_queue", 10_000),
+        ("guest_driver", 10_000),
+        ("kick_to_pop", 50_000),
+        ("qemu_submit", 20_000),
+        ("host_io", 200_000),
+        ("qemu_complete", 20_000),
+        ("push_to_irq", 60_000),
+        ("guest_complete", 20_000),
+        ("guest_return", 10_000),
+    ];
+    for e in v.iter_mut() {
+        if e.0 == slow {
+            e.1 += extra;
+        }
+    }
+    let s = st(&v);
+    let t = s.sum();
+    (s, t)
+}
+
+fn key() -> ClassKey {
+    ClassKey::new("vm1", "vda", Op::Read, 4096)
+}
+
+fn warm(e: &mut Engine) {
+    for _ in 0..32 {
+        let (s, t) = req("", 0);
+        assert!(e.observe(&key(), &s, &Stages::default(), t, MS).is_none());
+    }
+}
+
+#[test]
+fn size_classes() {
+    assert_eq!(ClassKey::new("v", "d", Op::Read, 512).size_class, 0);
+    assert_eq!(ClassKey::new("v", "d", Op::Read, 4096).size_class, 0);
+    assert_eq!(ClassKey::new("v", "d", Op::Read, 4097).size_class, 1);
+    assert_eq!(ClassKey::new("v", "d", Op::Read, 65536).size_class, 4);
+    assert_eq!(ClassKey::new("v", "d", Op::Read, 0).size_class, 0);
+}
+
+#[test]
+fn each_stage_maps_to_its_cause() {
+    for (stage, kind) in [
+        ("host_io", CauseKind::HostDevice),
+        ("qemu_submit", CauseKind::QemuQueue),
+        ("kick_to_pop", CauseKind::HostNotify),
+        ("guest_fs", CauseKind::GuestTask),
+        ("guest_complete", CauseKind::GuestCompletion),
+        ("push_to_irq", CauseKind::IrqDelivery),
+    ] {
+        let mut e = Engine::new(16);
+        warm(&mut e);
+        let (s, t) = req(stage, 30 * MS);
+        let c = e
+            .observe(&key(), &s, &Stages::default(), t, MS)
+            .unwrap_or_else(|| panic!("{stage} not flagged"));
+        assert_eq!(c.kind, kind, "{stage}");
+        assert_eq!(c.stage, stage);
+        assert_eq!(c.stage_ns - c.baseline_ns, 30 * MS);
+        assert!(
+            c.evidence.starts_with(&format!("{stage} +30.0 ms")),
+            "{}",
+            c.evidence
+        );
+    }
+}
+
+#[test]
+fn substage_refines_host_io_into_qemu_queue() {
+    // Throttling: the time is in host_io.queue (QEMU, before the system call).
+    let mut e = Engine::new(16);
+    let sub = |q: i64| st(&[("host_io.queue", q), ("host_io.kernel", 190_000)]);
+    for _ in 0..32 {
+        let (s, t) = req("", 0);
+        e.observe(&key(), &s, &sub(10_000), t, MS);
+    }
+    let (s, t) = req("host_io", 20 * MS);
+    let c = e
+        .observe(&key(), &s, &sub(10_000 + 20 * MS), t, MS)
+        .unwrap();
+    assert_eq!(c.kind, CauseKind::QemuQueue);
+    assert_eq!(c.stage, "host_io.queue");
+}
+
+#[test]
+fn not_judged_before_a_baseline_or_under_the_threshold() {
+    let mut e = Engine::new(16);
+    let (s, t) = req("host_io", 30 * MS);
+    assert!(e.observe(&key(), &s, &Stages::default(), t, MS).is_none());
+    warm(&mut e);
+    // Above the class baseline ×3 but under the absolute threshold.
+    let (s, t) = req("host_io", 2 * MS);
+    assert!(e
+        .observe(&key(), &s, &Stages::default(), t, 10 * MS)
+        .is_none());
+    // Another class has no baseline of its own.
+    let k2 = ClassKey::new("vm1", "vda", Op::Write, 4096);
+    let (s, t) = req("host_io", 30 * MS);
+    assert!(e.observe(&k2, &s, &Stages::default(), t, MS).is_none());
+}
+
+#[test]
+fn classes_beyond_the_limit_are_counted() {
+    let mut e = Engine::new(1);
+    let (s, t) = req("", 0);
+    e.observe(&key(), &s, &Stages::default(), t, MS);
+    let k2 = ClassKey::new("vm2", "vda", Op::Read, 4096);
+    assert!(e.observe(&k2, &s, &Stages::default(), t, MS).is_none());
+    assert_eq!(e.classes_refused, 1);
+}
+
+#[test]
+fn window_median_and_wrap() {
+    let mut w = Window::default();
+    assert_eq!(w.median(), None);
+    for v in [5, 1, 3] {
+        w.push(v);
+    }
+    assert_eq!(w.median(), Some(3));
+    for _ in 0..WINDOW {
+        w.push(100);
+    }
+    assert_eq!(w.len(), WINDOW);
+    assert_eq!(w.median(), Some(100));
+}
+
+#[test]
+fn fmt_ns_units() {
+    assert_eq!(fmt_ns(38_000_000), "38.0 ms");
+    assert_eq!(fmt_ns(412_345), "412 µs");
+    assert_eq!(fmt_ns(-900), "-900 ns");
+}
+
+proptest! {
+    /// A steady workload (jitter within ×2 of its baseline) is never flagged.
+    #[test]
+    fn steady_jitter_is_never_flagged(jit in proptest::collection::vec(0i64..100_000, 200)) {
+        let mut e = Engine::new(4);
+        for j in jit {
+            let (s, t) = req("host_io", j);
+            prop_assert!(e.observe(&key(), &s, &Stages::default(), t, 0).is_none());
+        }
+    }
+
+    /// One stage inflated far over its baseline is named, with its excess.
+    #[test]
+    fn an_inflated_stage_is_named(idx in 0usize..10, extra in 5 * MS..500 * MS) {
+        let names = crate::stages::STAGE_NAMES;
+        let mut e = Engine::new(4);
+        warm(&mut e);
+        let (s, t) = req(names[idx], extra);
+        let c = e.observe(&key(), &s, &Stages::default(), t, MS).unwrap();
+        prop_assert_eq!(c.stage.as_str(), names[idx]);
+        prop_assert_eq!(c.stage_ns - c.baseline_ns, extra);
+        prop_assert_eq!(Some(c.kind), kind_of_stage(names[idx]));
+    }
+}

@@ -1,0 +1,289 @@
+//! Emission: the one place a [`JoinedIo`] is built, for a joined pair and for
+//! a record of either side alone.
+
+use crate::clock::{narrow, CausalBounds, OffsetEstimate};
+use crate::record::{ClockDomain, GuestRq, HostElem, JoinedIo, Point, Points, UnmatchedReason};
+use crate::stages;
+
+use super::pending::{Pending, Side, Times};
+use super::JoinEngine;
+
+/// The records an output record is made of.
+pub(super) enum Parts {
+    Joined(GuestRq, HostElem),
+    Guest(GuestRq),
+    Host(HostElem),
+}
+
+/// The guest→host offset applied to one output record's guest points.
+#[derive(Clone, Copy)]
+struct Mapping {
+    offset_ns: i64,
+    /// Unknown when only one causal bound placed the offset.
+    uncertainty_ns: Option<u64>,
+}
+
+impl From<OffsetEstimate> for Mapping {
+    fn from(e: OffsetEstimate) -> Self {
+        Mapping {
+            offset_ns: e.offset_ns,
+            uncertainty_ns: Some(e.uncertainty_ns),
+        }
+    }
+}
+
+/// Builds an output record. `ts` are its points (in `ts_domain`); the
+/// records' own points are not read. Without a host element the record is
+/// labelled with `vm`.
+fn build(
+    vm: &str,
+    parts: Parts,
+    ts: Points,
+    ts_domain: ClockDomain,
+    clock_uncertainty_ns: Option<u64>,
+    reason: Option<UnmatchedReason>,
+) -> JoinedIo {
+    let (op, sector, bytes) = match &parts {
+        Parts::Joined(g, _) | Parts::Guest(g) => (g.op, g.sector, g.bytes),
+        Parts::Host(h) => (h.op, h.sector, h.bytes),
+    };
+    let (g, h) = match parts {
+        Parts::Joined(g, h) => (Some(g), Some(h)),
+        Parts::Guest(g) => (Some(g), None),
+        Parts::Host(h) => (None, Some(h)),
+    };
+    // Left in the guest's clock: the guest's own wall-clock time.
+    let time = match ts_domain {
+        ClockDomain::Host => crate::walltime::of_points(&ts),
+        ClockDomain::Guest => g.as_ref().and_then(|g| g.time),
+    };
+    let bd = stages::derive(&ts);
+    let mut io = JoinedIo {
+        vm: String::new(),
+        time,
+        disk: None,
+        device: None,
+        queue: None,
+        head: None,
+        op,
+        sector,
+        bytes,
+        pid: None,
+        tid: None,
+        comm: None,
+        cgroup_id: None,
+        inode: None,
+        file_offset: None,
+        kicked: None,
+        error: None,
+        qemu_pid: None,
+        backend: None,
+        merge_id: None,
+        status: None,
+        ts,
+        ts_domain,
+        stages: bd.stages,
+        substages: bd.substages,
+        total_ns: bd.total_ns,
+        clock_uncertainty_ns,
+        joined: reason.is_none(),
+        reason,
+    };
+    if let Some(g) = g {
+        io.disk = Some(g.disk);
+        (io.queue, io.head) = (g.queue, g.head);
+        io.pid = Some(g.pid);
+        io.tid = Some(g.tid);
+        io.comm = Some(g.comm);
+        io.cgroup_id = Some(g.cgroup_id);
+        io.inode = Some(g.inode);
+        io.file_offset = g.file_offset;
+        io.kicked = g.kicked;
+        io.error = Some(g.error);
+    }
+    match h {
+        Some(h) => {
+            io.vm = h.vm;
+            io.device = Some(h.device);
+            (io.queue, io.head) = (Some(h.queue), Some(h.head));
+            io.qemu_pid = Some(h.qemu_pid);
+            io.backend = Some(h.backend);
+            io.merge_id = Some(h.merge_id);
+            io.status = h.status;
+        }
+        None => io.vm = vm.to_string(),
+    }
+    io
+}
+
+impl JoinEngine {
+    /// Emits a joined pair (with each record's causal points), feeds it to
+    /// the VM's clock when it is a trustworthy sample and learns its
+    /// disk ↔ device binding.
+    pub(super) fn make_joined(
+        &mut self,
+        vid: u32,
+        (mut rq, g): (GuestRq, Times),
+        (mut el, h): (HostElem, Times),
+        est: Option<OffsetEstimate>,
+        unambiguous: bool,
+        out: &mut Vec<JoinedIo>,
+    ) {
+        self.stats.joined += 1;
+        let mut b = CausalBounds::default();
+        if let (Some(s), Some(p)) = (g.start, h.start) {
+            b = b.before(s, p);
+        }
+        if let (Some(d), Some(u)) = (g.end, h.end) {
+            b = b.after(u, d);
+        }
+        let max_drift = self.cfg.clock.max_drift_ppm * 1e-6;
+        let span = match (g.start, g.end) {
+            (Some(s), Some(d)) => d.saturating_sub(s),
+            _ => 0,
+        };
+        let allow = (span as f64 * max_drift).ceil() as u64 + 1;
+        let (mapping, consistent) = match est {
+            Some(e) => match narrow(e, b, allow) {
+                Some(n) => (Some(Mapping::from(n)), true),
+                None => {
+                    self.stats.clock_conflicts += 1;
+                    (Some(Mapping::from(e)), false)
+                }
+            },
+            // Without a clock the pair's own bounds place it; one-sided or
+            // inconsistent bounds place it at the bound, uncertainty unknown.
+            None => match b.estimate(allow) {
+                Some(n) => (Some(Mapping::from(n)), true),
+                None => (
+                    b.lo.or(b.hi).map(|x| Mapping {
+                        offset_ns: x,
+                        uncertainty_ns: None,
+                    }),
+                    true,
+                ),
+            },
+        };
+        // Only an unambiguous pair that agrees with the current estimate
+        // becomes a clock sample: a mis-join must not steer the clock.
+        if let (Some(s), Some(p), Some(u), Some(d)) = (g.start, h.start, h.end, g.end) {
+            let v = &mut self.vms[vid as usize];
+            if !(unambiguous && consistent) {
+                self.stats.clock_skipped += 1;
+            } else if v.clock.add_request(s, p, u, d).is_err() {
+                self.stats.clock_rejected += 1;
+            }
+        }
+        let v = &mut self.vms[vid as usize];
+        if !v.bindings.iter().any(|(d, _)| *d == rq.disk) {
+            v.bindings.push((rq.disk.clone(), el.device.clone()));
+        }
+        // Guest point ids sort before host ones: appending keeps the set sorted.
+        // Without any time relation (no causal points at all) only the host
+        // points are kept.
+        let host_ts = std::mem::take(&mut el.ts);
+        let ts = match mapping {
+            Some(m) => {
+                let mut ts = std::mem::take(&mut rq.ts);
+                ts.shift(m.offset_ns);
+                for (p, t) in host_ts.iter() {
+                    ts.set(p, t);
+                }
+                drop_unrelated_notifications(&mut ts, m.uncertainty_ns.unwrap_or(0));
+                ts
+            }
+            None => host_ts,
+        };
+        let unc = mapping.and_then(|m| m.uncertainty_ns);
+        let io = build(
+            &v.name,
+            Parts::Joined(rq, el),
+            ts,
+            ClockDomain::Host,
+            unc,
+            None,
+        );
+        out.push(io);
+    }
+
+    /// Emits a record of side `S` without a partner (guest points mapped onto
+    /// the host clock when the VM has an estimate).
+    pub(super) fn unmatched<S: Side>(
+        &mut self,
+        p: Pending<S::Rec>,
+        reason: UnmatchedReason,
+        out: &mut Vec<JoinedIo>,
+    ) {
+        if S::IS_GUEST {
+            self.stats.unmatched_guest += 1;
+        } else {
+            self.stats.unmatched_host += 1;
+        }
+        if reason == UnmatchedReason::MismatchOpSectorLen {
+            self.stats.mismatched += 1;
+        }
+        let v = &mut self.vms[p.vm as usize];
+        let est = if S::IS_GUEST && v.clock.is_synced() {
+            v.clock.offset_at(p.t.anchor())
+        } else {
+            None
+        };
+        let mut rec = p.rec;
+        let mut ts = std::mem::take(S::ts_mut(&mut rec));
+        let domain = match est {
+            Some(e) => {
+                ts.shift(e.offset_ns);
+                ClockDomain::Host
+            }
+            None if S::IS_GUEST => ClockDomain::Guest,
+            None => ClockDomain::Host,
+        };
+        let unc = est.map(|e| e.uncertainty_ns);
+        out.push(build(&v.name, S::alone(rec), ts, domain, unc, Some(reason)));
+    }
+}
+
+/// Removes the guest's notification points that did not carry this request across.
+///
+/// * `g.kick` is the first kick after the request was added; when the host had
+///   already popped the element before it (QEMU drains the ring with
+///   notifications off, so a later add needs no kick), that kick was for other
+///   requests.
+/// * `g.irq` is the interrupt whose handler completed the request; when it fired
+///   before the host pushed the element, the handler was already running and
+///   found the element while draining the used ring.
+/// * The host's points are the other way round: `h.notify` is the queue's last
+///   kick seen by QEMU; when the guest added the element after it (and did not
+///   kick: `kicked` false), QEMU found the element while draining the ring for
+///   earlier kicks. `h.irq` is the notification after the push; when the guest's
+///   handler had completed the request before it, it was for later elements.
+///
+/// `ts` holds both sides in the host clock; `unc` is the mapping's uncertainty.
+/// The stage derivation then uses the next point (`g.vq_add`, `g.driver_complete`),
+/// or merges the stages around a host anchor left without a stand-in.
+pub(super) fn drop_unrelated_notifications(ts: &mut Points, unc: u64) {
+    let added = ts.get(Point::VqAdd).or(ts.get(Point::Kick));
+    if let (Some(added), Some(notify)) = (added, ts.get(Point::HostNotify)) {
+        if notify.saturating_add(unc) < added {
+            ts.remove(Point::HostNotify);
+        }
+    }
+    let handled = ts.get(Point::Irq).or(ts.get(Point::DriverComplete));
+    if let (Some(handled), Some(hirq)) = (handled, ts.get(Point::HostIrq)) {
+        if handled.saturating_add(unc) < hirq {
+            ts.remove(Point::HostIrq);
+        }
+    }
+    let host_start = ts.get(Point::HostPop).or(ts.get(Point::HostNotify));
+    if let (Some(kick), Some(pop)) = (ts.get(Point::Kick), host_start) {
+        if kick > pop.saturating_add(unc) {
+            ts.remove(Point::Kick);
+        }
+    }
+    let host_end = ts.get(Point::HostPush).or(ts.get(Point::HostIrq));
+    if let (Some(irq), Some(push)) = (ts.get(Point::Irq), host_end) {
+        if irq.saturating_add(unc) < push {
+            ts.remove(Point::Irq);
+        }
+    }
+}

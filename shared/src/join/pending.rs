@@ -1,0 +1,517 @@
+//! The pending records of one side, written once for both sides.
+//!
+//! [`Side`] says what differs between a guest request and a host element (its
+//! record type, which points bound it, how it is indexed, what its list order
+//! is); [`PendingSet`] keeps the records of one side that wait for a partner:
+//! a generational slab, the `(vm, queue, head)` and `(vm, sector)` indexes and,
+//! per VM, the side's progress and its expiry heap.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::marker::PhantomData;
+
+use crate::clock::OffsetEstimate;
+use crate::record::{GuestRq, HostElem, Point, Points, UnmatchedReason};
+
+use super::emit::Parts;
+use super::matching::{ended_too_late, submitted_too_late};
+
+type FxMap<K, V> = rustc_hash::FxHashMap<K, V>;
+
+/// The causal points of a record: when it started and ended on its side,
+/// and its first and last point.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Times {
+    /// Guest: the latest submission point (the request is on the avail ring
+    /// after it). Host: the first point of the element's processing.
+    pub start: Option<u64>,
+    /// Guest: the first completion point. Host: the element's push (or the
+    /// backend's completion).
+    pub end: Option<u64>,
+    pub first: u64,
+    pub last: u64,
+}
+
+impl Times {
+    fn of<S: Side>(ts: &Points) -> Self {
+        let first_of = |pts: &[Point]| pts.iter().find_map(|p| ts.get(*p));
+        Times {
+            start: first_of(S::START),
+            end: first_of(S::END),
+            first: ts.iter().map(|e| e.1).min().unwrap_or(0),
+            last: ts.iter().map(|e| e.1).max().unwrap_or(0),
+        }
+    }
+
+    /// The guest time at which a guest record's clock mapping is taken.
+    pub fn anchor(&self) -> u64 {
+        self.start.or(self.end).unwrap_or(self.last)
+    }
+}
+
+/// One pending record.
+pub(super) struct Pending<R> {
+    pub vm: u32,
+    pub rec: R,
+    pub t: Times,
+    /// The other side's progress for this VM when the record arrived.
+    pub other_at_arrival: Option<u64>,
+    /// A partner failed only on op/sector/length.
+    pub mismatch: bool,
+}
+
+/// What differs between the guest side and the host side.
+pub(super) trait Side: Sized + 'static {
+    type Rec: Clone;
+    type Other: Side<Other = Self>;
+    const IS_GUEST: bool;
+    /// Start and end points, in order of preference.
+    const START: &'static [Point];
+    const END: &'static [Point];
+    /// Why a record of this side is emitted alone when no partner came.
+    const NO_PARTNER: UnmatchedReason;
+    /// Whether this side's sector index holds only records without a head
+    /// (guest) rather than every record of a headless VM (host).
+    const SECTOR_INDEX_HEADLESS_ONLY: bool;
+
+    fn ts(r: &Self::Rec) -> &Points;
+    fn ts_mut(r: &mut Self::Rec) -> &mut Points;
+    fn sector(r: &Self::Rec) -> u64;
+    /// `(queue, head)` when the record has both.
+    fn queue_head(r: &Self::Rec) -> Option<(u16, u16)>;
+    /// The order of this side's index lists (see [`insert_sorted`]).
+    fn sort_key(t: &Times) -> u64;
+    /// Tie-break among candidates of this side when there is no clock.
+    fn age(t: &Times) -> u64;
+    /// Whether a candidate of this side, and every later one in its sorted
+    /// list, is too late for the given pair (`g`, `h`) under `est`.
+    fn beyond(g: &Times, h: &Times, est: Option<OffsetEstimate>, slack: u64) -> bool;
+    /// Orders a pair of values of (this side, the other side) as (guest, host).
+    fn guest_first<T>(mine: T, theirs: T) -> (T, T);
+    fn refs<'a>(
+        mine: &'a Self::Rec,
+        theirs: &'a <Self::Other as Side>::Rec,
+    ) -> (&'a GuestRq, &'a HostElem);
+    fn join(mine: Self::Rec, theirs: <Self::Other as Side>::Rec) -> (GuestRq, HostElem);
+    fn alone(r: Self::Rec) -> Parts;
+    fn set(s: &Sides) -> &PendingSet<Self>;
+    fn set_mut(s: &mut Sides) -> &mut PendingSet<Self>;
+    fn split(s: &mut Sides) -> (&mut PendingSet<Self>, &mut PendingSet<Self::Other>);
+}
+
+pub(super) struct Guest;
+pub(super) struct Host;
+
+impl Side for Guest {
+    type Rec = GuestRq;
+    type Other = Host;
+    const IS_GUEST: bool = true;
+    /// Guest points that precede the avail-ring publication, latest first
+    /// (`g.rq_issue` fires inside `queue_rq`, after `g.queue_rq`).
+    const START: &'static [Point] = &[
+        Point::VqAdd,
+        Point::RqIssue,
+        Point::QueueRq,
+        Point::RqInsert,
+        Point::BioQueue,
+    ];
+    const END: &'static [Point] = &[Point::RqComplete, Point::BioComplete, Point::DriverComplete];
+    const NO_PARTNER: UnmatchedReason = UnmatchedReason::NoHostRecord;
+    const SECTOR_INDEX_HEADLESS_ONLY: bool = true;
+
+    fn ts(r: &GuestRq) -> &Points {
+        &r.ts
+    }
+    fn ts_mut(r: &mut GuestRq) -> &mut Points {
+        &mut r.ts
+    }
+    fn sector(r: &GuestRq) -> u64 {
+        r.sector
+    }
+    fn queue_head(r: &GuestRq) -> Option<(u16, u16)> {
+        r.queue.zip(r.head)
+    }
+    fn sort_key(t: &Times) -> u64 {
+        t.start.unwrap_or(t.last)
+    }
+    fn age(t: &Times) -> u64 {
+        Self::sort_key(t)
+    }
+    fn beyond(g: &Times, h: &Times, est: Option<OffsetEstimate>, slack: u64) -> bool {
+        submitted_too_late(g, h, est, slack)
+    }
+    fn guest_first<T>(mine: T, theirs: T) -> (T, T) {
+        (mine, theirs)
+    }
+    fn refs<'a>(mine: &'a GuestRq, theirs: &'a HostElem) -> (&'a GuestRq, &'a HostElem) {
+        (mine, theirs)
+    }
+    fn join(mine: GuestRq, theirs: HostElem) -> (GuestRq, HostElem) {
+        (mine, theirs)
+    }
+    fn alone(r: GuestRq) -> Parts {
+        Parts::Guest(r)
+    }
+    fn set(s: &Sides) -> &PendingSet<Self> {
+        &s.guest
+    }
+    fn set_mut(s: &mut Sides) -> &mut PendingSet<Self> {
+        &mut s.guest
+    }
+    fn split(s: &mut Sides) -> (&mut PendingSet<Self>, &mut PendingSet<Host>) {
+        (&mut s.guest, &mut s.host)
+    }
+}
+
+impl Side for Host {
+    type Rec = HostElem;
+    type Other = Guest;
+    const IS_GUEST: bool = false;
+    const START: &'static [Point] = &[Point::HostPop, Point::HostSubmit, Point::HostIoIssue];
+    const END: &'static [Point] = &[
+        Point::HostPush,
+        Point::HostCompleteCb,
+        Point::HostIoComplete,
+    ];
+    const NO_PARTNER: UnmatchedReason = UnmatchedReason::NoGuestRecord;
+    const SECTOR_INDEX_HEADLESS_ONLY: bool = false;
+
+    fn ts(r: &HostElem) -> &Points {
+        &r.ts
+    }
+    fn ts_mut(r: &mut HostElem) -> &mut Points {
+        &mut r.ts
+    }
+    fn sector(r: &HostElem) -> u64 {
+        r.sector
+    }
+    fn queue_head(r: &HostElem) -> Option<(u16, u16)> {
+        Some((r.queue, r.head))
+    }
+    fn sort_key(t: &Times) -> u64 {
+        t.end.unwrap_or(t.last)
+    }
+    fn age(t: &Times) -> u64 {
+        t.first
+    }
+    fn beyond(g: &Times, h: &Times, est: Option<OffsetEstimate>, slack: u64) -> bool {
+        ended_too_late(g, h, est, slack)
+    }
+    fn guest_first<T>(mine: T, theirs: T) -> (T, T) {
+        (theirs, mine)
+    }
+    fn refs<'a>(mine: &'a HostElem, theirs: &'a GuestRq) -> (&'a GuestRq, &'a HostElem) {
+        (theirs, mine)
+    }
+    fn join(mine: HostElem, theirs: GuestRq) -> (GuestRq, HostElem) {
+        (theirs, mine)
+    }
+    fn alone(r: HostElem) -> Parts {
+        Parts::Host(r)
+    }
+    fn set(s: &Sides) -> &PendingSet<Self> {
+        &s.host
+    }
+    fn set_mut(s: &mut Sides) -> &mut PendingSet<Self> {
+        &mut s.host
+    }
+    fn split(s: &mut Sides) -> (&mut PendingSet<Self>, &mut PendingSet<Guest>) {
+        (&mut s.host, &mut s.guest)
+    }
+}
+
+/// Both sides' pending sets.
+pub(super) struct Sides {
+    pub guest: PendingSet<Guest>,
+    pub host: PendingSet<Host>,
+}
+
+impl Sides {
+    pub fn new() -> Self {
+        Sides {
+            guest: PendingSet::new(),
+            host: PendingSet::new(),
+        }
+    }
+}
+
+/// Expiry heap entries `(deadline, id, generation)`, earliest first.
+type Heap = BinaryHeap<Reverse<(u64, u32, u32)>>;
+
+/// One side's state for one VM.
+#[derive(Default)]
+pub(super) struct SideVm {
+    /// The side's newest point for this VM (its progress), and its first.
+    pub now: Option<u64>,
+    pub first: Option<u64>,
+    pub heap: Heap,
+    /// Live pending records of this VM on this side.
+    pub pending: usize,
+}
+
+impl SideVm {
+    pub fn observe(&mut self, first: u64, last: u64) {
+        self.now = Some(self.now.map_or(last, |n| n.max(last)));
+        self.first.get_or_insert(first);
+    }
+}
+
+/// The pending records of one side.
+pub(super) struct PendingSet<S: Side> {
+    slab: Slab<Pending<S::Rec>>,
+    by_head: FxMap<u64, VecDeque<u32>>,
+    by_sector: FxMap<(u32, u64), VecDeque<u32>>,
+    vms: Vec<SideVm>,
+    side: PhantomData<S>,
+}
+
+pub(super) fn head_key(vm: u32, (queue, head): (u16, u16)) -> u64 {
+    ((vm as u64) << 32) | ((queue as u64) << 16) | head as u64
+}
+
+impl<S: Side> PendingSet<S> {
+    fn new() -> Self {
+        PendingSet {
+            slab: Slab::new(),
+            by_head: FxMap::default(),
+            by_sector: FxMap::default(),
+            vms: Vec::new(),
+            side: PhantomData,
+        }
+    }
+
+    pub fn times(r: &S::Rec) -> Times {
+        Times::of::<S>(S::ts(r))
+    }
+
+    pub fn len(&self) -> usize {
+        self.slab.len
+    }
+
+    pub fn add_vm(&mut self) {
+        self.vms.push(SideVm::default());
+    }
+
+    pub fn vm(&self, vm: u32) -> &SideVm {
+        &self.vms[vm as usize]
+    }
+
+    pub fn vm_mut(&mut self, vm: u32) -> &mut SideVm {
+        &mut self.vms[vm as usize]
+    }
+
+    pub fn get(&self, id: u32) -> Option<&Pending<S::Rec>> {
+        self.slab.get(id)
+    }
+
+    pub fn get_mut(&mut self, id: u32) -> Option<&mut Pending<S::Rec>> {
+        self.slab.get_mut(id)
+    }
+
+    pub fn live(&self, id: u32, gen: u32) -> bool {
+        self.slab.live(id, gen)
+    }
+
+    /// Ids of the live records, oldest last point first.
+    pub fn ids_by_last(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = (0..self.slab.items.len() as u32)
+            .filter(|&i| self.slab.get(i).is_some())
+            .collect();
+        ids.sort_by_key(|&i| self.slab.get(i).map(|p| p.t.last));
+        ids
+    }
+
+    /// The index lists that may hold a partner for a record of the other
+    /// side with head key `key` and `sector`: by head, then (for a record
+    /// without a head, or among headless guest records) by sector.
+    pub fn candidates(
+        &self,
+        vm: u32,
+        key: Option<u64>,
+        sector: u64,
+        headless: bool,
+    ) -> [Option<&VecDeque<u32>>; 2] {
+        let by_head = key.and_then(|k| self.by_head.get(&k));
+        let by_sector = if key.is_none() || (S::SECTOR_INDEX_HEADLESS_ONLY && headless) {
+            self.by_sector.get(&(vm, sector))
+        } else {
+            None
+        };
+        [by_head, by_sector]
+    }
+
+    /// Whether a record belongs in the sector index.
+    fn sector_indexed(key: Option<u64>, headless: bool) -> bool {
+        key.is_none() || (!S::SECTOR_INDEX_HEADLESS_ONLY && headless)
+    }
+
+    /// Adds a record with its indexes and expiry deadline; `(id, generation)`.
+    pub fn insert(&mut self, p: Pending<S::Rec>, headless: bool, timeout_ns: u64) -> (u32, u32) {
+        let vm = p.vm;
+        let key = S::queue_head(&p.rec).map(|qh| head_key(vm, qh));
+        let sector = S::sector(&p.rec);
+        let deadline = p.t.last.saturating_add(timeout_ns);
+        let (id, gen) = self.slab.insert(p);
+        let slab = &self.slab;
+        let key_of = |x: u32| slab.get(x).map(|p| S::sort_key(&p.t));
+        if let Some(k) = key {
+            insert_sorted(self.by_head.entry(k).or_default(), id, key_of);
+        }
+        if Self::sector_indexed(key, headless) {
+            insert_sorted(self.by_sector.entry((vm, sector)).or_default(), id, key_of);
+        }
+        let v = &mut self.vms[vm as usize];
+        v.pending += 1;
+        v.heap.push(Reverse((deadline, id, gen)));
+        // Matched records leave stale heap entries until their deadline;
+        // if time stalls, drop them so memory stays bounded by the cap.
+        if v.heap.len() > 4 * slab.len + 4096 {
+            v.heap.retain(|Reverse((_, id, gen))| slab.live(*id, *gen));
+        }
+        (id, gen)
+    }
+
+    /// Removes a live record from the set and its indexes.
+    pub fn remove(&mut self, id: u32, headless: bool) -> Option<Pending<S::Rec>> {
+        let p = self.slab.remove(id)?;
+        let v = &mut self.vms[p.vm as usize];
+        v.pending = v.pending.saturating_sub(1);
+        let key = S::queue_head(&p.rec).map(|qh| head_key(p.vm, qh));
+        if let Some(l) = key.and_then(|k| self.by_head.get_mut(&k)) {
+            remove_id(l, id);
+        }
+        if Self::sector_indexed(key, headless) {
+            let sk = (p.vm, S::sector(&p.rec));
+            if let Some(l) = self.by_sector.get_mut(&sk) {
+                remove_id(l, id);
+                if l.is_empty() {
+                    self.by_sector.remove(&sk);
+                }
+            }
+        }
+        Some(p)
+    }
+
+    /// Indexes every pending record of `vm` by sector (the VM turned out to
+    /// have guest records without a head).
+    pub fn index_by_sector(&mut self, vm: u32) {
+        for (id, s) in self.slab.items.iter().enumerate() {
+            if let Some(p) = s.val.as_ref().filter(|p| p.vm == vm) {
+                let slab = &self.slab;
+                insert_sorted(
+                    self.by_sector.entry((vm, S::sector(&p.rec))).or_default(),
+                    id as u32,
+                    |x| slab.get(x).map(|p| S::sort_key(&p.t)),
+                );
+            }
+        }
+    }
+
+    /// The earliest expiry entry of a VM that is still live `(deadline, id)`
+    /// (stale entries are dropped on the way).
+    pub fn next_deadline(&mut self, vm: u32) -> Option<(u64, u32)> {
+        let v = &mut self.vms[vm as usize];
+        while let Some(&Reverse((deadline, id, gen))) = v.heap.peek() {
+            if self.slab.live(id, gen) {
+                return Some((deadline, id));
+            }
+            v.heap.pop();
+        }
+        None
+    }
+
+    /// Drops the earliest expiry entry of a VM.
+    pub fn pop_deadline(&mut self, vm: u32) {
+        self.vms[vm as usize].heap.pop();
+    }
+
+    /// Drops every expiry entry (all records are being emitted).
+    pub fn clear_deadlines(&mut self) {
+        for v in &mut self.vms {
+            v.heap.clear();
+        }
+    }
+
+    /// The VM with the most pending records on this side.
+    pub fn fullest_vm(&self) -> u32 {
+        (0..self.vms.len() as u32)
+            .max_by_key(|&i| self.vms[i as usize].pending)
+            .unwrap_or(0)
+    }
+}
+
+/// Removes `id` from an index list (matches are usually near the front).
+fn remove_id(l: &mut VecDeque<u32>, id: u32) {
+    if let Some(p) = l.iter().position(|&x| x == id) {
+        l.remove(p);
+    }
+}
+
+/// Index lists are kept sorted (guests by submission, hosts by end) so that a
+/// scan can stop at the first candidate that is too late. Arrivals are nearly
+/// in order, so the insertion point is found from the back in a few steps.
+fn insert_sorted(l: &mut VecDeque<u32>, id: u32, key_of: impl Fn(u32) -> Option<u64>) {
+    let Some(k) = key_of(id) else {
+        l.push_back(id);
+        return;
+    };
+    let mut pos = l.len();
+    while pos > 0 && key_of(l[pos - 1]).is_some_and(|x| x > k) {
+        pos -= 1;
+    }
+    l.insert(pos, id);
+}
+
+struct Slot<T> {
+    gen: u32,
+    val: Option<T>,
+}
+
+/// A slab with generations: `(id, gen)` names one record even after its id is reused.
+struct Slab<T> {
+    items: Vec<Slot<T>>,
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl<T> Slab<T> {
+    fn new() -> Self {
+        Slab {
+            items: Vec::new(),
+            free: Vec::new(),
+            len: 0,
+        }
+    }
+    fn insert(&mut self, v: T) -> (u32, u32) {
+        self.len += 1;
+        if let Some(id) = self.free.pop() {
+            let s = &mut self.items[id as usize];
+            s.gen = s.gen.wrapping_add(1);
+            s.val = Some(v);
+            (id, s.gen)
+        } else {
+            self.items.push(Slot {
+                gen: 0,
+                val: Some(v),
+            });
+            ((self.items.len() - 1) as u32, 0)
+        }
+    }
+    fn get(&self, id: u32) -> Option<&T> {
+        self.items.get(id as usize).and_then(|s| s.val.as_ref())
+    }
+    fn get_mut(&mut self, id: u32) -> Option<&mut T> {
+        self.items.get_mut(id as usize).and_then(|s| s.val.as_mut())
+    }
+    fn live(&self, id: u32, gen: u32) -> bool {
+        self.items
+            .get(id as usize)
+            .is_some_and(|s| s.gen == gen && s.val.is_some())
+    }
+    fn remove(&mut self, id: u32) -> Option<T> {
+        let v = self.items.get_mut(id as usize)?.val.take()?;
+        self.free.push(id);
+        self.len -= 1;
+        Some(v)
+    }
+}

@@ -1,0 +1,452 @@
+//! One guest connection: handshake, then records, clock samples and statistics
+//! under the VM's budget, with acknowledgements back to the guest.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::sync::mpsc;
+
+use super::ledger::Admit;
+use super::{Admission, ClockSample, Event, EventKind, Hub, Origin};
+use crate::clock::monotonic_ns;
+use crate::proto::{
+    check_version, encode_frame, FrameDecoder, GuestRecord, Hello, HelloAck, Message, ProtoError,
+    PROTOCOL_VERSION,
+};
+
+/// Largest frame before the handshake is done (a `Hello` is small).
+const HANDSHAKE_MAX_FRAME: usize = 4096;
+/// A guest that does not take our small writes within this is dropped.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Clock exchanges remembered per connection (to verify what comes back).
+const CLOCK_MEMORY: usize = 16;
+/// The least a frame costs against the VM's byte budget (so floods of tiny
+/// frames are bounded in CPU as well).
+const FRAME_COST: usize = 1024;
+/// A clock exchange longer than this is useless and refused.
+const MAX_RTT_NS: u64 = 5_000_000_000;
+
+pub(super) struct Conn {
+    pub hub: Hub,
+    pub id: u64,
+    pub origin: Origin,
+    pub vm: String,
+    pub tx: mpsc::Sender<Event>,
+    pub _admission: Admission,
+}
+
+/// How a connection ends: the reason, and whether the guest misbehaved.
+struct End(String, bool);
+
+/// Prefix of the reason when the guest agent said it is stopping.
+const BYE: &str = "guest said bye: ";
+
+impl End {
+    fn bad(r: impl Into<String>) -> End {
+        End(r.into(), true)
+    }
+    fn ok(r: impl Into<String>) -> End {
+        End(r.into(), false)
+    }
+    /// A failed write: misbehaviour only when the guest stopped reading; a
+    /// guest that went away (maybe right after its bye) is not a bad one.
+    fn write(e: ProtoError) -> End {
+        match e {
+            ProtoError::Violation(_) => End::bad(format!("write: {e}")),
+            _ => End::ok(format!("write: {e}")),
+        }
+    }
+}
+
+/// Per-connection protocol state.
+struct State {
+    session: u64,
+    batches: u64,
+    ping_seq: u64,
+    /// Our pings: (seq, h1).
+    pings: VecDeque<(u64, u64)>,
+    /// Our replies to guest probes: (seq, t1, t2, t3).
+    replies: VecDeque<(u64, u64, u64, u64)>,
+}
+
+impl Conn {
+    fn ev(&self, kind: EventKind) -> Event {
+        Event {
+            conn: self.id,
+            origin: self.origin.clone(),
+            vm: self.vm.clone(),
+            kind,
+        }
+    }
+
+    async fn send_ev(&self, kind: EventKind) -> Result<(), End> {
+        self.tx
+            .send(self.ev(kind))
+            .await
+            .map_err(|_| End::ok("host agent stopped taking events"))
+    }
+
+    pub async fn run<S: AsyncRead + AsyncWrite + Send + 'static>(self, stream: S) {
+        let (mut rd, mut wr) = tokio::io::split(stream);
+        let end = match self.handshake(&mut rd, &mut wr).await {
+            Ok((hello, dec)) => {
+                let session = hello.session;
+                match self.send_ev(EventKind::Connected(hello)).await {
+                    Ok(()) => self.serve(session, dec, &mut rd, &mut wr).await,
+                    Err(e) => e,
+                }
+            }
+            Err(e) => e,
+        };
+        let End(reason, error) = end;
+        if error {
+            self.hub
+                .ledger(&self.vm, |l| l.counters.bad_connections += 1);
+            log::warn!(
+                "viotrace: dropping connection {} from {} (vm {}): {reason}",
+                self.id,
+                self.origin,
+                self.vm
+            );
+        } else {
+            log::info!(
+                "viotrace: connection {} from {} (vm {}) ended: {reason}",
+                self.id,
+                self.origin,
+                self.vm
+            );
+        }
+        let _ = tokio::time::timeout(WRITE_TIMEOUT, wr.shutdown()).await;
+        let bye = reason.starts_with(BYE);
+        let ev = self.ev(EventKind::Disconnected { reason, error, bye });
+        let _ = tokio::time::timeout(WRITE_TIMEOUT, self.tx.send(ev)).await;
+    }
+
+    async fn handshake<S: AsyncRead + AsyncWrite>(
+        &self,
+        rd: &mut ReadHalf<S>,
+        wr: &mut WriteHalf<S>,
+    ) -> Result<(Hello, FrameDecoder), End> {
+        let mut dec = FrameDecoder::with_max(HANDSHAKE_MAX_FRAME);
+        let mut buf = [0u8; 1024];
+        let hello = tokio::time::timeout(self.hub.cfg.handshake_timeout, async {
+            loop {
+                if let Some(m) = dec.next_message()? {
+                    return Ok::<_, ProtoError>(Some(m));
+                }
+                let n = rd.read(&mut buf).await?;
+                if n == 0 {
+                    return Ok(None);
+                }
+                dec.feed(&buf[..n]);
+            }
+        })
+        .await;
+        let hello = match hello {
+            Err(_) => {
+                self.hub
+                    .ledger(&self.vm, |l| l.counters.handshake_timeouts += 1);
+                return Err(End::bad("no hello within the handshake timeout"));
+            }
+            Ok(Err(e)) => return Err(End::bad(format!("bad handshake: {e}"))),
+            Ok(Ok(None)) => return Err(End::bad("closed before hello")),
+            Ok(Ok(Some(Message::Hello(h)))) => h,
+            Ok(Ok(Some(m))) => return Err(End::bad(format!("expected hello, got {}", m.name()))),
+        };
+        if let Err(e) = check_version(hello.protocol_version) {
+            let bye = Message::Bye {
+                reason: e.to_string(),
+            };
+            let _ = write_msg(wr, &bye).await;
+            return Err(End::bad(e.to_string()));
+        }
+        let resume = self.hub.ledger(&self.vm, |l| l.resume(hello.session));
+        let ack = Message::HelloAck(HelloAck {
+            protocol_version: PROTOCOL_VERSION,
+            agent_version: self.hub.cfg.agent_version.clone(),
+            vm: self.vm.clone(),
+            resume,
+        });
+        write_msg(wr, &ack).await.map_err(End::write)?;
+        log::info!(
+            "viotrace: guest {} ({}, kernel {}, agent {}, session {:016x}) connected from {} as vm {}",
+            hello.hostname,
+            hello.boot_id,
+            hello.kernel_release,
+            hello.agent_version,
+            hello.session,
+            self.origin,
+            self.vm
+        );
+        // Frames after the handshake may be as large as the budget allows; what
+        // was already read stays in the decoder.
+        dec.set_max(self.hub.cfg.budget.max_frame);
+        Ok((hello, dec))
+    }
+
+    async fn serve<S: AsyncRead + AsyncWrite>(
+        &self,
+        session: u64,
+        mut dec: FrameDecoder,
+        rd: &mut ReadHalf<S>,
+        wr: &mut WriteHalf<S>,
+    ) -> End {
+        let cfg = &self.hub.cfg;
+        let mut stop = self.hub.stop_rx.clone();
+        let mut ping = tokio::time::interval(cfg.probe_interval.max(Duration::from_millis(1)));
+        ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut st = State {
+            session,
+            batches: 0,
+            ping_seq: 0,
+            pings: VecDeque::new(),
+            replies: VecDeque::new(),
+        };
+        let mut buf = vec![0u8; 16 * 1024];
+        let mut idle_at = tokio::time::Instant::now() + cfg.idle_timeout;
+        // Frames decoded before the first read (sent together with the hello).
+        if let Err(e) = self.decode_all(&mut st, &mut dec, wr, monotonic_ns()).await {
+            return e;
+        }
+        loop {
+            tokio::select! {
+                biased;
+                _ = stop.changed() => {
+                    let bye = Message::Bye { reason: "host agent stopping".into() };
+                    let _ = write_msg(wr, &bye).await;
+                    return End::ok("host agent stopping");
+                }
+                _ = ping.tick() => {
+                    st.ping_seq += 1;
+                    let h1 = monotonic_ns();
+                    st.pings.push_back((st.ping_seq, h1));
+                    if st.pings.len() > CLOCK_MEMORY { st.pings.pop_front(); }
+                    if let Err(e) = write_msg(wr, &Message::ClockPing { seq: st.ping_seq, h1 }).await {
+                        return End::write(e);
+                    }
+                }
+                _ = tokio::time::sleep_until(idle_at) => {
+                    self.hub.ledger(&self.vm, |l| l.counters.idle_timeouts += 1);
+                    return End::bad(format!("nothing received for {:?}", cfg.idle_timeout));
+                }
+                r = rd.read(&mut buf) => {
+                    let now = monotonic_ns();
+                    let n = match r {
+                        Ok(0) if dec.pending() > 0 => {
+                            return End::bad(format!(
+                                "connection closed inside a frame ({} bytes)",
+                                dec.pending()
+                            ))
+                        }
+                        Ok(0) => return End::ok("connection closed without bye"),
+                        Err(e) => return End::bad(format!("read: {e}")),
+                        Ok(n) => n,
+                    };
+                    idle_at = tokio::time::Instant::now() + cfg.idle_timeout;
+                    dec.feed(&buf[..n]);
+                    let frames = dec.frames();
+                    if let Err(e) = self.decode_all(&mut st, &mut dec, wr, now).await {
+                        return e;
+                    }
+                    // Over its byte budget (each frame costs at least FRAME_COST),
+                    // the VM's socket is not read for a while.
+                    let cost = n + (dec.frames() - frames) as usize * FRAME_COST;
+                    let wait = self.hub.charge_bytes(&self.vm, cost);
+                    if !wait.is_zero() {
+                        tokio::time::sleep(wait).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Handles every complete frame in the decoder.
+    async fn decode_all<W: AsyncWrite>(
+        &self,
+        st: &mut State,
+        dec: &mut FrameDecoder,
+        wr: &mut WriteHalf<W>,
+        now: u64,
+    ) -> Result<(), End> {
+        loop {
+            let m = match dec.next_message() {
+                Ok(Some(m)) => m,
+                Ok(None) => return Ok(()),
+                Err(e) => return Err(End::bad(format!("bad frame: {e}"))),
+            };
+            self.message(st, m, wr, now).await?;
+        }
+    }
+
+    async fn message<W: AsyncWrite>(
+        &self,
+        st: &mut State,
+        m: Message,
+        wr: &mut WriteHalf<W>,
+        now: u64,
+    ) -> Result<(), End> {
+        match m {
+            Message::Batch { first_seq, records } => {
+                self.batch(st, first_seq, records, wr).await?;
+            }
+            Message::ClockProbe { seq, t1 } => {
+                let t3 = monotonic_ns();
+                st.replies.push_back((seq, t1, now, t3));
+                if st.replies.len() > CLOCK_MEMORY {
+                    st.replies.pop_front();
+                }
+                let reply = Message::ClockReply {
+                    seq,
+                    t1,
+                    t2: now,
+                    t3,
+                };
+                write_msg(wr, &reply).await.map_err(End::write)?;
+            }
+            Message::ClockSample {
+                seq,
+                t1,
+                t2,
+                t3,
+                t4,
+            } => {
+                let ours = st.replies.iter().position(|r| *r == (seq, t1, t2, t3));
+                let ok = ours.is_some() && t4 >= t1 && t4 - t1 >= t3 - t2 && t4 - t1 <= MAX_RTT_NS;
+                if let Some(i) = ours {
+                    st.replies.remove(i);
+                }
+                let s = ClockSample::GuestInitiated { t1, t2, t3, t4 };
+                self.clock(ok, s).await?;
+            }
+            Message::ClockPong { seq, h1: _, g2, g3 } => {
+                // Only our own record of h1 counts, never the echo.
+                let ours = st.pings.iter().position(|p| p.0 == seq);
+                let h1 = ours.and_then(|i| st.pings.remove(i)).map(|p| p.1);
+                let ok = h1.is_some_and(|h1| {
+                    g3 >= g2 && now >= h1 && g3 - g2 <= now - h1 && now - h1 <= MAX_RTT_NS
+                });
+                let s = ClockSample::HostInitiated {
+                    h1: h1.unwrap_or(0),
+                    g2,
+                    g3,
+                    h4: now,
+                };
+                self.clock(ok, s).await?;
+            }
+            Message::GuestStats(s) => {
+                self.hub.ledger(&self.vm, |l| {
+                    l.session(st.session).on_stats(s.produced, s.dropped_full)
+                });
+                self.send_ev(EventKind::Stats(s)).await?;
+            }
+            Message::Bye { reason } => {
+                return Err(End::ok(format!("{BYE}{reason}")));
+            }
+            other @ (Message::Hello(_)
+            | Message::HelloAck(_)
+            | Message::ClockReply { .. }
+            | Message::ClockPing { .. }
+            | Message::Ack { .. }) => {
+                return Err(End::bad(format!(
+                    "protocol violation: unexpected {}",
+                    other.name()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    async fn clock(&self, verified: bool, s: ClockSample) -> Result<(), End> {
+        if !verified {
+            self.hub
+                .ledger(&self.vm, |l| l.counters.clock_rejected += 1);
+            return Ok(());
+        }
+        if !self.hub.clock_allowed(&self.vm) {
+            return Ok(());
+        }
+        self.hub.ledger(&self.vm, |l| l.counters.clock_samples += 1);
+        self.send_ev(EventKind::Clock(s)).await
+    }
+
+    async fn batch<W: AsyncWrite>(
+        &self,
+        st: &mut State,
+        first_seq: u64,
+        mut records: Vec<GuestRecord>,
+        wr: &mut WriteHalf<W>,
+    ) -> Result<(), End> {
+        let max = self.hub.cfg.budget.max_batch_records;
+        if records.len() > max {
+            return Err(End::bad(format!(
+                "batch of {} records (at most {max})",
+                records.len()
+            )));
+        }
+        let first_on_conn = st.batches == 0;
+        st.batches += 1;
+        let admit = self.hub.ledger(&self.vm, |l| {
+            l.session(st.session)
+                .on_batch(first_seq, records.len(), first_on_conn)
+        });
+        let skip = match admit {
+            Admit::Deliver { skip } => skip,
+            Admit::Resync { expected } => {
+                let reason = format!(
+                    "sequence gap: expected record {expected}, got {first_seq}; reconnect and resend"
+                );
+                let _ = write_msg(
+                    wr,
+                    &Message::Bye {
+                        reason: reason.clone(),
+                    },
+                )
+                .await;
+                return Err(End::ok(reason));
+            }
+        };
+        records.drain(..skip);
+        if !records.is_empty() {
+            // The VM's budget of decoded records waiting for the agent: wait
+            // (and so stop reading this guest) until the agent catches up.
+            let sem = self.hub.pending(&self.vm);
+            let want = (records.len() as u32).min(sem_max(&self.hub));
+            let permit = match sem.clone().try_acquire_many_owned(want) {
+                Ok(p) => p,
+                Err(_) => {
+                    let t = std::time::Instant::now();
+                    let p = sem
+                        .acquire_many_owned(want)
+                        .await
+                        .map_err(|_| End::ok("budget closed"))?;
+                    let ms = t.elapsed().as_millis() as u64;
+                    self.hub
+                        .ledger(&self.vm, |l| l.counters.backpressure_ms += ms);
+                    p
+                }
+            };
+            self.send_ev(EventKind::Records {
+                records,
+                permit: Some(permit),
+            })
+            .await?;
+        }
+        let next_seq = self.hub.ledger(&self.vm, |l| l.session(st.session).next);
+        write_msg(wr, &Message::Ack { next_seq })
+            .await
+            .map_err(End::write)
+    }
+}
+
+fn sem_max(hub: &Hub) -> u32 {
+    hub.cfg.budget.records_pending.min(u32::MAX as usize) as u32
+}
+
+async fn write_msg<W: AsyncWrite>(w: &mut WriteHalf<W>, m: &Message) -> Result<(), ProtoError> {
+    let f = encode_frame(m)?;
+    match tokio::time::timeout(WRITE_TIMEOUT, w.write_all(&f)).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(ProtoError::Violation("guest does not read".into())),
+    }
+}

@@ -16,21 +16,6 @@
 #define VT_PAGE_SHIFT 12
 #define VT_PF_KTHREAD 0x00200000
 
-struct request___old {
-	struct gendisk *rq_disk;
-} __attribute__((preserve_access_index));
-
-static __always_inline struct gendisk *rq_disk(struct request *rq)
-{
-	struct request___old *o = (void *)rq;
-
-	if (bpf_core_field_exists(rq->q->disk))
-		return BPF_CORE_READ(rq, q, disk);
-	if (bpf_core_field_exists(o->rq_disk))
-		return BPF_CORE_READ(o, rq_disk);
-	return NULL;
-}
-
 enum page_kind {
 	PG_OTHER = 0,	/* anonymous / user buffer (direct I/O) / no page */
 	PG_FILE = 1,	/* page cache of a regular file */
@@ -41,13 +26,12 @@ enum page_kind {
 static __always_inline int bio_page_file(struct bio *bio, __u64 *ino, __u64 *off)
 {
 	struct page *page = BPF_CORE_READ(bio, bi_io_vec, bv_page);
-	struct folio *folio = (struct folio *)page;
 	struct address_space *mapping;
 	struct inode *host;
 
 	if (!page)
 		return PG_OTHER;
-	mapping = BPF_CORE_READ(folio, mapping);
+	mapping = page_mapping_of(page);
 	/* low bits set: anonymous / movable / KSM, not a file mapping */
 	if (!mapping || ((unsigned long)mapping & 3))
 		return PG_OTHER;
@@ -55,7 +39,7 @@ static __always_inline int bio_page_file(struct bio *bio, __u64 *ino, __u64 *off
 	if (!host)
 		return PG_OTHER;
 	*ino = BPF_CORE_READ(host, i_ino);
-	*off = (BPF_CORE_READ(folio, index) << VT_PAGE_SHIFT) +
+	*off = (page_index_of(page) << VT_PAGE_SHIFT) +
 	       BPF_CORE_READ(bio, bi_io_vec, bv_offset);
 	if ((BPF_CORE_READ(host, i_mode) & VT_S_IFMT) == VT_S_IFBLK)
 		return PG_BDEV;
@@ -63,9 +47,10 @@ static __always_inline int bio_page_file(struct bio *bio, __u64 *ino, __u64 *off
 }
 
 SEC("raw_tp/block_bio_queue")
-int BPF_PROG(bio_queue, struct bio *bio)
+int bio_queue(unsigned long long *ctx)
 {
-	struct gendisk *disk = BPF_CORE_READ(bio, bi_bdev, bd_disk);
+	struct bio *bio = TP_BIO_QUEUE_BIO(ctx);
+	struct gendisk *disk = bio_disk(bio);
 	__u64 pt = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)pt;
 	struct sys_state *s;
@@ -81,8 +66,9 @@ int BPF_PROG(bio_queue, struct bio *bio)
 		return 0;
 
 	b.queue_ts = bpf_ktime_get_ns();
-	kind = bio_page_file(bio, &pino, &poff);
 	s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	/* direct I/O inside a traced syscall takes the syscall's file: no page walk */
+	kind = (s && s->cur.direct) ? PG_OTHER : bio_page_file(bio, &pino, &poff);
 	/* buffered I/O on the block device node itself: its pages are the file */
 	if (kind == PG_BDEV && s && s->cur.inode == pino)
 		kind = PG_FILE;
@@ -140,10 +126,11 @@ int BPF_PROG(bio_queue, struct bio *bio)
 	return 0;
 }
 
-/* block_split(split, new_sector): split is the front part, chained to its parent. */
+/* block_split([q,] split, new_sector): split is the front part, chained to its parent. */
 SEC("raw_tp/block_split")
-int BPF_PROG(bio_split, struct bio *split)
+int bio_split(unsigned long long *ctx)
 {
+	struct bio *split = TP_SPLIT_BIO(ctx);
 	__u64 parent = (__u64)BPF_CORE_READ(split, bi_private);
 	__u64 key = (__u64)split;
 	struct bio_state *p = bpf_map_lookup_elem(&bios, &parent);
@@ -160,9 +147,9 @@ int BPF_PROG(bio_split, struct bio *split)
 }
 
 SEC("raw_tp/block_bio_backmerge")
-int BPF_PROG(bio_backmerge, struct bio *bio)
+int bio_backmerge(unsigned long long *ctx)
 {
-	__u64 key = (__u64)bio;
+	__u64 key = (__u64)TP_MERGE_BIO(ctx);
 
 	if (bpf_map_lookup_elem(&bios, &key))
 		stat_inc(S_BIO_BACKMERGE);
@@ -170,9 +157,9 @@ int BPF_PROG(bio_backmerge, struct bio *bio)
 }
 
 SEC("raw_tp/block_bio_frontmerge")
-int BPF_PROG(bio_frontmerge, struct bio *bio)
+int bio_frontmerge(unsigned long long *ctx)
 {
-	__u64 key = (__u64)bio;
+	__u64 key = (__u64)TP_MERGE_BIO(ctx);
 
 	if (bpf_map_lookup_elem(&bios, &key))
 		stat_inc(S_BIO_FRONTMERGE);
@@ -221,7 +208,7 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 		if (!s && task_filter_on())
 			return NULL;
 	}
-	st = map_create(&rqs, &key, &zero_rq, S_FULL_RQ);
+	st = map_insert(&rqs, &key, &zero_rq, S_FULL_RQ);
 	if (!st)
 		return NULL;
 	st->ev.kind = K_RQ;

@@ -22,6 +22,19 @@ const volatile __u64 vring_interrupt_addr = 0;
 /* Wake the reader once this many bytes are pending (else it polls). */
 const volatile __u64 wakeup_bytes = 256 * 1024;
 
+/*
+ * Set by userspace once io_submit_one's program is attached (.bss: after load):
+ * io_submit's entry then leaves the iocbs to it instead of reading them twice.
+ */
+volatile __u8 aio_iocb_hooked = 0;
+
+/*
+ * Never used: gives struct vt_io_event a place in the object's BTF (a local
+ * pointer does not), so libbpf-cargo generates its Rust type for the agent's
+ * ring-buffer decoding (vt_rq_event is there through rq_state).
+ */
+struct vt_io_event *vt_io_event_btf;
+
 #define MAX_INFLIGHT_SYS 8192
 #define MAX_BIOS 16384
 #define MAX_RQS 8192
@@ -193,6 +206,22 @@ static __always_inline void *map_create(void *map, const void *key, const void *
 	return bpf_map_lookup_elem(map, key);
 }
 
+/*
+ * The same when the caller expects no entry (it just looked, or the key is
+ * new): insert first, then one lookup — two map operations instead of three.
+ * An entry that exists after all (a leftover) is returned as is.
+ */
+static __always_inline void *map_insert(void *map, const void *key, const void *zero, __u32 full_stat)
+{
+	void *v;
+
+	bpf_map_update_elem(map, key, zero, BPF_NOEXIST);
+	v = bpf_map_lookup_elem(map, key);
+	if (!v)
+		stat_inc(full_stat);
+	return v;
+}
+
 static __always_inline __u64 rb_flags(void)
 {
 	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= wakeup_bytes)
@@ -249,8 +278,9 @@ static __always_inline void current_ident(struct ident *id)
 	id->tid = (__u32)pt;
 	id->cgroup_id = bpf_get_current_cgroup_id();
 	bpf_get_current_comm(id->comm, sizeof(id->comm));
-	/* io_uring workers (iou-wrk-N) act for their process: name it */
-	{
+	/* io_uring workers (iou-wrk-N, iou-sqp-N) act for their process: name it.
+	 * The comm prefix is checked first: the task read only for those. */
+	if (id->comm[0] == 'i' && id->comm[1] == 'o' && id->comm[2] == 'u' && id->comm[3] == '-') {
 		struct task_struct *t = (struct task_struct *)bpf_get_current_task();
 
 		if (BPF_CORE_READ(t, flags) & VT_PF_IO_WORKER)

@@ -29,24 +29,30 @@
 #define VT_S_IFBLK 0060000
 #define AIO_BATCH 16
 
+_Static_assert(__builtin_offsetof(struct fdtable, fd) == 8, "fdtable starts with max_fds, fd");
+
 static __always_inline struct file *fd_file(int fd)
 {
 	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
 	struct fdtable *fdt = BPF_CORE_READ(t, files, fdt);
-	struct file **fda;
+	/* struct fdtable { unsigned int max_fds; struct file **fd; …}: both in one read */
+	struct {
+		unsigned int max_fds;
+		struct file **fd;
+	} head = {};
 	struct file *f = NULL;
 
-	if (!fdt || fd < 0 || (unsigned int)fd >= BPF_CORE_READ(fdt, max_fds))
+	if (!fdt || fd < 0 || bpf_probe_read_kernel(&head, sizeof(head), fdt))
 		return NULL;
-	fda = BPF_CORE_READ(fdt, fd);
-	bpf_core_read(&f, sizeof(f), &fda[fd]);
+	if ((unsigned int)fd >= head.max_fds || !head.fd)
+		return NULL;
+	bpf_probe_read_kernel(&f, sizeof(f), &head.fd[fd]);
 	return f;
 }
 
-/* Fills inode/offset/direct from an fd; false when it is not a file or disk. */
-static __always_inline bool sys_file(struct sys_info *s, int fd, bool use_pos)
+/* Fills inode/offset/direct from an open file; false when it is not a file or disk. */
+static __always_inline bool file_info(struct sys_info *s, struct file *f, bool use_pos)
 {
-	struct file *f = fd_file(fd);
 	struct inode *ino;
 	__u16 mode;
 
@@ -63,6 +69,12 @@ static __always_inline bool sys_file(struct sys_info *s, int fd, bool use_pos)
 		s->has_offset = 1;
 	}
 	return true;
+}
+
+/* The same from an fd of the current task. */
+static __always_inline bool sys_file(struct sys_info *s, int fd, bool use_pos)
+{
+	return file_info(s, fd_file(fd), use_pos);
 }
 
 #define IOV_MAX_SUM 16
@@ -111,10 +123,19 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 		return 0;
 
 	struct sys_state *s;
-	long a0 = PT_REGS_PARM1_CORE_SYSCALL(regs);
-	long a1 = PT_REGS_PARM2_CORE_SYSCALL(regs);
-	long a2 = PT_REGS_PARM3_CORE_SYSCALL(regs);
-	long a3 = PT_REGS_PARM4_CORE_SYSCALL(regs);
+	/*
+	 * x86-64 syscall arguments di, si, dx, r10: one read of the pt_regs
+	 * words r10 … di (r10 r9 r8 ax cx dx si di, the ptrace ABI order)
+	 * instead of one read per argument.
+	 */
+	__u64 w[8] = {};
+
+	if (bpf_probe_read_kernel(w, sizeof(w), (void *)regs + bpf_core_field_offset(struct pt_regs, r10)))
+		return 0;
+	long a0 = w[7];
+	long a1 = w[6];
+	long a2 = w[5];
+	long a3 = w[0];
 	struct sys_info tmp_hdr = {};
 	bool ok = false;
 
@@ -161,6 +182,9 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 		if (n <= 0)
 			return 0;
 		ok = true;
+		/* io_submit_one hooked: it reads each iocb anyway, and does this there */
+		if (aio_iocb_hooked)
+			break;
 		for (int i = 0; i < AIO_BATCH; i++) {
 			struct iocb *up = NULL;
 			struct iocb cb = {};
@@ -193,7 +217,7 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 	if (!comm_ok(who.comm))
 		return 0;
 
-	s = map_create(&sys_inflight, &tid, &zero_sys, S_FULL_SYS);
+	s = map_insert(&sys_inflight, &tid, &zero_sys, S_FULL_SYS);
 	if (!s)
 		return 0;
 	s->id = who;
@@ -244,6 +268,8 @@ static __always_inline void on_aio_iocb(const struct iocb *uiocb)
 		return;
 	if (bpf_probe_read_user(&cb, sizeof(cb), uiocb))
 		return;
+	if (aio_iocb_hooked)
+		s->bytes += cb.aio_nbytes;
 	if (!sys_file(&fi, cb.aio_fildes, false))
 		return;
 	fi.offset = cb.aio_offset;
@@ -275,34 +301,21 @@ int BPF_KPROBE(kp_io_submit_one, struct kioctx *aioctx, const struct iocb *uiocb
 /*
  * io_uring: each submitted read/write request names its file and offset; the
  * bios it queues inline follow, so the in-flight io_uring_enter takes them.
- * Optional: the tracepoint's name and arguments changed across kernels.
+ * Optional: the tracepoint's name and arguments changed across kernels
+ * (guest_core_fixes.h); userspace enables the one this kernel has.
  */
-static __always_inline void uring_req(struct io_kiocb *req);
-
-SEC("?raw_tp/io_uring_submit_req")
-int BPF_PROG(uring_submit, struct io_kiocb *req)
-{
-	uring_req(req);
-	return 0;
-}
-
-/* Before 6.2 the same tracepoint was io_uring_submit_sqe(req, force_nonblock). */
-SEC("?raw_tp/io_uring_submit_sqe")
-int BPF_PROG(uring_submit_sqe, struct io_kiocb *req)
-{
-	uring_req(req);
-	return 0;
-}
-
 static __always_inline void uring_req(struct io_kiocb *req)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	struct io_kiocb___new *rn = (void *)req;
+	struct io_kiocb___old *ro = (void *)req;
 	struct sys_info fi = {};
-	__u8 op;
+	__u8 op, f0 = 0;
 	__u64 pos = 0;
 	__u32 len = 0;
 	void *cmd;
+	bool ok;
 
 	if (!s || s->nr != NR_io_uring_enter)
 		return;
@@ -310,18 +323,23 @@ static __always_inline void uring_req(struct io_kiocb *req)
 	if (op != IORING_READV && op != IORING_WRITEV && op != IORING_READ_FIXED &&
 	    op != IORING_WRITE_FIXED && op != IORING_READ && op != IORING_WRITE)
 		return;
-	{
-		__u8 f0 = 0;
-
+	cmd = uring_cmd(req);
+	if (!cmd)
+		return;
+	if (bpf_core_field_exists(rn->cqe)) {
+		/* 5.19+: the file is looked up at issue, after this tracepoint */
 		/* IOSQE_FIXED_FILE (bit 0): fd indexes the registered files */
 		bpf_core_read(&f0, 1, (void *)req + bpf_core_field_offset(struct io_kiocb, flags));
 		if (f0 & 1)
 			return;
+		ok = sys_file(&fi, BPF_CORE_READ(rn, cqe.fd), false);
+	} else {
+		/* 5.10/5.15: resolved before the tracepoint (fixed files too) */
+		ok = file_info(&fi, BPF_CORE_READ(ro, file), false);
 	}
-	if (!sys_file(&fi, BPF_CORE_READ(req, cqe.fd), false))
+	if (!ok)
 		return;
-	/* struct io_rw { struct kiocb kiocb; u64 addr; u32 len; } overlays req->cmd */
-	cmd = (void *)req + bpf_core_field_offset(struct io_kiocb, cmd);
+	/* struct io_rw { struct kiocb kiocb; u64 addr; u32 (5.10: u64) len; } */
 	bpf_core_read(&pos, sizeof(pos), cmd + bpf_core_field_offset(struct kiocb, ki_pos));
 	bpf_core_read(&len, sizeof(len), cmd + bpf_core_type_size(struct kiocb) + 8);
 	fi.offset = pos;
@@ -330,6 +348,22 @@ static __always_inline void uring_req(struct io_kiocb *req)
 	if (op == IORING_READ || op == IORING_WRITE || op == IORING_READ_FIXED ||
 	    op == IORING_WRITE_FIXED)
 		s->bytes += len;
+}
+
+/* 6.2+: io_uring_submit_req(req) */
+SEC("?raw_tp/io_uring_submit_req")
+int uring_submit(unsigned long long *ctx)
+{
+	uring_req(CTX_ARG(ctx, 0));
+	return 0;
+}
+
+/* 5.10 (Debian), 5.15: io_uring_submit_sqe(ctx, req, ...); 5.19-6.1: (req, force_nonblock) */
+SEC("?raw_tp/io_uring_submit_sqe")
+int uring_submit_sqe(unsigned long long *ctx)
+{
+	uring_req(TP_ARG(ctx, tp_uring_sqe_req_pos, 1));
+	return 0;
 }
 
 SEC("raw_tp/sys_exit")

@@ -33,6 +33,8 @@ static __always_inline void on_queue_rqs(void *list)
 	struct request *rq = NULL;
 	__u64 now = bpf_ktime_get_ns();
 
+	if (!bpf_core_field_exists(rq->rq_next))
+		return;
 	bpf_probe_read_kernel(&rq, sizeof(rq), list);
 	for (int i = 0; i < CHAIN_MAX && rq; i++) {
 		struct rq_state *st = rq_track(rq);
@@ -48,19 +50,20 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, void *data)
 	/* virtblk_req is the request's pdu: it directly follows struct request */
 	__u64 key = (__u64)data - bpf_core_type_size(struct request);
 	struct rq_state *st = bpf_map_lookup_elem(&rqs, &key);
-	struct vring_virtqueue *vvq;
 	struct vq_state *v;
 	__u64 vk = (__u64)vq;
+	__u16 head = 0;
 
 	if (!st)
 		return;
-	vvq = (void *)vq - bpf_core_field_offset(struct vring_virtqueue, vq);
 	st->ev.ts[P_VQ_ADD] = bpf_ktime_get_ns();
 	st->ev.queue = BPF_CORE_READ(vq, index);
 	st->ev.has_queue = 1;
 	/* split ring: the chain's head descriptor; packed ring: the buffer id */
-	st->ev.head = BPF_CORE_READ(vvq, free_head);
-	st->ev.has_head = 1;
+	if (vq_free_head(vq, &head)) {
+		st->ev.head = head;
+		st->ev.has_head = 1;
+	}
 	st->vq = vq;
 	v = map_create(&vqs, &vk, &zero_vq, S_FULL_VQ);
 	st->kick_seq = v ? v->kick_seq : 0;

@@ -3,6 +3,7 @@
  * viotrace guest object: syscall → bio → request → virtio-blk → completion.
  *
  * Loaded once. Programs are grouped by concern in the headers below:
+ *   guest_core_fixes.h – kernel differences (5.10 … 7.x), resolved by CO-RE
  *   guest_common.h  – configuration (filters), maps, stats, shared helpers
  *   guest_task.h    – syscall entry/exit (raw syscall tracepoints, every mode),
  *                     per-request files of io_uring (tracepoint) and io_submit
@@ -22,6 +23,7 @@
 #include <bpf/bpf_core_read.h>
 
 #include "viotrace_guest.h"
+#include "guest_core_fixes.h"
 #include "guest_common.h"
 #include "guest_task.h"
 #include "guest_block.h"

@@ -2,7 +2,7 @@
 /*
  * Records the guest BPF object sends to userspace through the ring buffer.
  * The layout is decoded field by field in guest-agent/src/raw.rs: keep both in
- * sync (the _Static_asserts pin the sizes).
+ * sync (the _Static_asserts pin the sizes). Counter names: VT_STATS below.
  */
 #ifndef VIOTRACE_GUEST_H
 #define VIOTRACE_GUEST_H
@@ -35,29 +35,38 @@ enum vt_kick {
 	KICK_SUPPRESSED = 2,
 };
 
-/* Counters in the `stats` per-CPU array (names in guest-agent/src/raw.rs). */
+/*
+ * Counters in the `stats` per-CPU array: X(ID, "name", comment). The one table
+ * of them: guest-agent/build.rs turns it into the Rust names (STAT_NAMES),
+ * indexed like the enum below.
+ */
+#define VT_STATS(X)                                                                      \
+	X(S_RB_DROP_RQ, "ringbuf_drop_rq", ring buffer full: block request record lost)  \
+	X(S_RB_DROP_IO, "ringbuf_drop_io", ring buffer full: syscall record lost)        \
+	X(S_FULL_SYS, "map_full_syscalls", in-flight syscall map full)                   \
+	X(S_FULL_BIO, "map_full_bios", bio map full)                                     \
+	X(S_FULL_RQ, "map_full_requests", request map full)                              \
+	X(S_FULL_VQ, "map_full_virtqueues", virtqueue map full)                          \
+	X(S_FULL_ARGS, "map_full_kprobe_args", kprobe entry/return argument map full)    \
+	X(S_RQ_EMITTED, "rq_emitted", request records written)                           \
+	X(S_IO_EMITTED, "io_emitted", syscall records written)                           \
+	X(S_BIO_QUEUED, "bio_queued", bios tracked)                                      \
+	X(S_BIO_SPLIT, "bio_split", tracked bios split)                                  \
+	X(S_BIO_BACKMERGE, "bio_backmerge", tracked bios back-merged)                    \
+	X(S_BIO_FRONTMERGE, "bio_frontmerge", tracked bios front-merged)                 \
+	X(S_RQ_MERGED, "rq_merged", request merged into another one: state dropped)      \
+	X(S_RQ_REQUEUE, "rq_requeued", requests requeued)                                \
+	X(S_RQ_LATE, "rq_late_emitted", completion seen: emitted only on tag reuse)      \
+	X(S_REFS_TRUNC, "io_refs_truncated", syscall caused more requests than listed)   \
+	X(S_KICK_LOST, "kick_slot_lost", kick slot overwritten before completion)        \
+	X(S_CHAIN_TRUNC, "bio_chain_truncated", request with more bios than walked)
+
+#define VT_STAT_ENUM(id, name, what) id,
 enum vt_stat_id {
-	S_RB_DROP_RQ = 0,	/* ring buffer full: block request record lost */
-	S_RB_DROP_IO,		/* ring buffer full: syscall record lost */
-	S_FULL_SYS,		/* in-flight syscall map full */
-	S_FULL_BIO,		/* bio map full */
-	S_FULL_RQ,		/* request map full */
-	S_FULL_VQ,		/* virtqueue map full */
-	S_FULL_ARGS,		/* kprobe entry/return argument map full */
-	S_RQ_EMITTED,
-	S_IO_EMITTED,
-	S_BIO_QUEUED,
-	S_BIO_SPLIT,
-	S_BIO_BACKMERGE,
-	S_BIO_FRONTMERGE,
-	S_RQ_MERGED,		/* request merged into another one (state dropped) */
-	S_RQ_REQUEUE,
-	S_RQ_LATE,		/* completion seen, record emitted only on tag reuse */
-	S_REFS_TRUNC,		/* syscall caused more requests than a record lists */
-	S_KICK_LOST,		/* kick slot overwritten before the request completed */
-	S_CHAIN_TRUNC,		/* request with more bios than the walk limit */
+	VT_STATS(VT_STAT_ENUM)
 	S_NR,
 };
+#undef VT_STAT_ENUM
 
 #define VT_COMM 16
 #define VT_DISK 32

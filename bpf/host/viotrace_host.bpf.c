@@ -20,12 +20,14 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 #include <bpf/bpf_core_read.h>
+#include <bpf/usdt.bpf.h>
 #include "viotrace_host.bpf.h"
 
 char LICENSE[] SEC("license") = "GPL";
 
 #define MAX_ELEMS 16384
-#define MAX_SG 16        /* iovecs summed per direction */
+#define MAX_SG 1024      /* iovecs summed per direction (VIRTQUEUE_MAX_SIZE) */
+#define SG_CHUNK 16      /* iovecs read at once */
 #define MAX_CHAIN 32     /* VIRTIO_BLK_MAX_MERGE_REQS */
 #define MAX_PENDING 256
 #define MAX_IOCBS 128   /* iocbs looked at per io_submit */  /* pushed elements waiting for a notification, per queue */
@@ -74,7 +76,7 @@ struct io_state {
 	__u64 ts[HP_NR]; /* only the host I/O points are used */
 	__u64 buf;
 	__u32 refs;
-	__u32 pad;
+	__u32 pad; /* 1: tracked from its syscall (QL_NO_SUBMIT), not from blk_aio_* */
 };
 
 struct tid_io {
@@ -295,15 +297,46 @@ int BPF_KPROBE(pop_enter, void *vq)
 	return 0;
 }
 
-static __always_inline __u32 sg_bytes(__u64 sg, __u32 n)
+struct sg_chunk {
+	__u64 v[SG_CHUNK * 4]; /* struct iovec: iov_base, iov_len; twice SG_CHUNK so that
+				  the masked read size below is in bounds */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct sg_chunk);
+} sg_buf SEC(".maps");
+
+/* Total length of a QEMU scatter list (n struct iovec at sg), read SG_CHUNK at a
+ * time: a 64 KiB request from scattered guest pages has 17+ in-iovecs. A global
+ * function, verified once. */
+__noinline __u32 sg_bytes(__u64 sg, __u32 n)
 {
+	__u32 z = 0;
+	struct sg_chunk *b = bpf_map_lookup_elem(&sg_buf, &z);
 	__u32 total = 0;
+	if (!b)
+		return 0;
 	if (n > MAX_SG)
 		n = MAX_SG;
-	for (int i = 0; i < MAX_SG; i++) {
-		if (i >= n)
+	for (__u32 base = 0; base < MAX_SG; base += SG_CHUNK) {
+		if (base >= n)
 			break;
-		total += (__u32)read_u64(sg + i * 16 + 8); /* iov_len */
+		__u32 k = n - base;
+		if (k > SG_CHUNK)
+			k = SG_CHUNK;
+		__u64 sz = (__u64)k * 16; /* ≤ 256; the mask below is for the verifier, after */
+		asm volatile("" : "+r"(sz)); /* a barrier that keeps clang from dropping it */
+		sz &= 0x1ff;
+		if (bpf_probe_read_user(b->v, sz, (void *)(sg + (__u64)base * 16)))
+			break;
+		for (__u32 i = 0; i < SG_CHUNK; i++) {
+			if (i >= k)
+				break;
+			total += (__u32)b->v[i * 2 + 1];
+		}
 	}
 	return total;
 }
@@ -321,21 +354,9 @@ static __always_inline void rec_init(struct host_rec *r, struct qemu_layout *l, 
 	r->head = (__u16)read_u32(e + l->elem_index);
 }
 
-SEC("uretprobe")
-int BPF_KRETPROBE(pop_ret, void *ret)
+/* An element popped from a queue (h.pop, sizes from its scatter lists). */
+static __always_inline int pop_done(struct qemu_layout *l, __u32 tgid, __u64 vq, __u64 e)
 {
-	__u32 tgid;
-	struct qemu_layout *l = this_proc(&tgid);
-	if (!l)
-		return 0;
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	__u64 *vqp = bpf_map_lookup_elem(&pop_arg, &tid);
-	if (!vqp)
-		return 0;
-	__u64 vq = *vqp;
-	bpf_map_delete_elem(&pop_arg, &tid);
-	if (!ret)
-		return 0;
 	struct tg_ptr vk = { .tgid = tgid, .ptr = vq };
 	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
 	if (!st) {
@@ -346,7 +367,6 @@ int BPF_KRETPROBE(pop_ret, void *ret)
 	struct host_rec *r = bpf_map_lookup_elem(&scratch, &z);
 	if (!r)
 		return 0;
-	__u64 e = (__u64)ret;
 	rec_init(r, l, tgid, e, vq, st);
 	r->ts[HP_POP] = bpf_ktime_get_ns();
 	__u32 out_num = read_u32(e + l->elem_out_num);
@@ -377,13 +397,44 @@ int BPF_KRETPROBE(pop_ret, void *ret)
 	return 0;
 }
 
+
+SEC("uretprobe")
+int BPF_KRETPROBE(pop_ret, void *ret)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l)
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 *vqp = bpf_map_lookup_elem(&pop_arg, &tid);
+	if (!vqp)
+		return 0;
+	__u64 vq = *vqp;
+	bpf_map_delete_elem(&pop_arg, &tid);
+	if (!ret)
+		return 0;
+	return pop_done(l, tgid, vq, (__u64)ret);
+}
+
+/* The same from QEMU's trace point (USDT qemu:virtqueue_pop, dtrace-backend builds
+ * such as Fedora's and RHEL's): one trap per element instead of two. */
+SEC("usdt")
+int BPF_USDT(usdt_pop, void *vq, void *elem, unsigned int in_num, unsigned int out_num)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l || !elem)
+		return 0;
+	return pop_done(l, tgid, (__u64)vq, (__u64)elem);
+}
+
 /*
  * Element state from a VirtIOBlockReq seen for the first time at submit or push
  * (default mode: no virtqueue_pop probe). The header comes from the request's
  * own copy (req->out). Returns the tracked state or NULL.
  */
 static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u32 tgid, __u64 req,
-						      int create_vq)
+						      int create_vq, int at_push)
 {
 	struct tg_ptr ek = { .tgid = tgid, .ptr = req };
 	struct host_rec *r = bpf_map_lookup_elem(&elems, &ek);
@@ -395,8 +446,15 @@ static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u
 		/* blk_aio_* serve every device model: a VirtIOBlockReq's queue belongs
 		 * to the request's device (vq->vdev == req->dev). */
 		__u64 dev = read_u64(req + l->req_dev);
-		if (!vq || !dev || read_u64(vq + l->vq_vdev) != dev)
+		/* Counted for the runtime check at submit only: every virtio device
+		 * pushes through virtqueue_push, other block devices rarely use blk_aio_*. */
+		if (!vq || !dev || read_u64(vq + l->vq_vdev) != dev) {
+			if (!at_push)
+				__sync_fetch_and_add(&l->vdev_bad, 1);
 			return NULL;
+		}
+		if (!at_push)
+			__sync_fetch_and_add(&l->vdev_ok, 1);
 		st = vq_get(l, tgid, vq, dev);
 	} else {
 		struct tg_ptr vk = { .tgid = tgid, .ptr = vq };
@@ -420,6 +478,16 @@ static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u
 	}
 	r->type = hdr.type;
 	r->sector = hdr.sector;
+	if (at_push) {
+		/* no blk_aio_* probe (LTO): the sizes from the element's scatter lists,
+		 * restored by QEMU before the push */
+		__u32 out_b = sg_bytes(read_u64(req + l->elem_out_sg), read_u32(req + l->elem_out_num));
+		__u32 in_b = sg_bytes(read_u64(req + l->elem_in_sg), read_u32(req + l->elem_in_num));
+		out_b = out_b > VIRTIO_BLK_OUTHDR ? out_b - VIRTIO_BLK_OUTHDR : 0;
+		in_b = in_b > 1 ? in_b - 1 : 0;
+		r->bytes = out_b + in_b;
+		r->flags |= HR_HAVE_BYTES;
+	}
 	if (bpf_map_update_elem(&elems, &ek, r, BPF_ANY)) {
 		stat_inc(ST_ELEMS_FULL);
 		return NULL;
@@ -447,7 +515,7 @@ static long chain_one(__u64 i, void *data)
 	struct qemu_layout *l = c->l;
 	if (!l)
 		return 1;
-	struct host_rec *r = elem_from_req(l, c->tgid, c->req, 1);
+	struct host_rec *r = elem_from_req(l, c->tgid, c->req, 1, 0);
 	if (r) {
 		r->ts[HP_SUBMIT] = c->now;
 		r->merge_id = c->id;
@@ -484,7 +552,7 @@ static __always_inline int on_submit(void *opaque_p, __u64 buf, int has_buf, __s
 	__u64 opaque = (__u64)opaque_p;
 	/* Only virtio-blk requests: the request's vq must be a virtio-blk queue we
 	 * know, or its dev the VirtIOBlock of one (first request of a device). */
-	struct host_rec *first = elem_from_req(l, tgid, opaque, 1);
+	struct host_rec *first = elem_from_req(l, tgid, opaque, 1, 0);
 	if (!first)
 		return 0;
 	struct chain_ctx c = {
@@ -588,13 +656,21 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 		return 0;
 	struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
 	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
-	if (!st)
+	int at_push = (l->flags & QL_NO_SUBMIT) ? 1 : 0;
+	if (!st && !at_push)
 		return 0; /* not a virtio-blk queue (yet) */
 	struct tg_ptr ek = { .tgid = tgid, .ptr = (__u64)elem };
-	struct host_rec *r = elem_from_req(l, tgid, (__u64)elem, 0);
+	/* without blk_aio_* probes the element is first seen here (its queue too) */
+	struct host_rec *r = elem_from_req(l, tgid, (__u64)elem, at_push, at_push);
 	if (!r) {
-		stat_inc(ST_PUSH_UNKNOWN);
+		if (st)
+			stat_inc(ST_PUSH_UNKNOWN);
 		return 0;
+	}
+	if (!st) {
+		st = bpf_map_lookup_elem(&vqs, &vk);
+		if (!st)
+			return 0;
 	}
 	r->ts[HP_PUSH] = bpf_ktime_get_ns();
 	r->in_len = len;
@@ -606,6 +682,23 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 		__u64 in = read_u64((__u64)elem + l->req_in);
 		if (in && !bpf_probe_read_user(&r->status, 1, (void *)in))
 			r->has_status = 1;
+	}
+	if (at_push && !r->merge_id) {
+		/* fallback: the host I/O whose first buffer is the element's first data
+		 * buffer (reads: in_sg[0]; writes: after the 16-byte header in out_sg) */
+		__u64 buf = 0;
+		if (r->type == 0) {
+			buf = read_u64(read_u64((__u64)elem + l->elem_in_sg));
+		} else if (r->type == 1) {
+			__u64 sg = read_u64((__u64)elem + l->elem_out_sg);
+			__u64 len0 = read_u64(sg + 8);
+			buf = len0 > VIRTIO_BLK_OUTHDR ? read_u64(sg) + VIRTIO_BLK_OUTHDR
+						       : read_u64(sg + 16);
+		}
+		struct tg_ptr bk = { .tgid = tgid, .ptr = buf };
+		__u64 *mid = bpf_map_lookup_elem(&io_by_buf, &bk);
+		if (mid && (buf || r->type == 4))
+			r->merge_id = *mid;
 	}
 	if (r->merge_id)
 		io_release(tgid, r->merge_id, r);
@@ -735,20 +828,46 @@ int BPF_KPROBE(notify_direct, void *vdev, void *vq)
 
 /* A host I/O of a traced QEMU starts on this thread; with assoc, the block
  * requests this thread issues until the syscall returns belong to it. */
+/* Without blk_aio_* probes (QL_NO_SUBMIT) a host I/O is tracked from its
+ * syscall, keyed by its first buffer; virtqueue_push finds it by the element's
+ * first data buffer. A new I/O on a buffer starts its state afresh. */
+static __always_inline __u64 *io_lazy(__u32 tgid, struct tg_ptr *bk)
+{
+	__u64 id = __sync_fetch_and_add(&next_merge_id, 1) + 1;
+	struct io_state io = { .refs = 1, .buf = bk->ptr, .pad = 1 };
+	struct tg_ptr ik = { .tgid = tgid, .ptr = id };
+	if (bpf_map_update_elem(&ios, &ik, &io, BPF_ANY)) {
+		stat_inc(ST_IOS_FULL);
+		return NULL;
+	}
+	bpf_map_update_elem(&io_by_buf, bk, &id, BPF_ANY);
+	return bpf_map_lookup_elem(&io_by_buf, bk);
+}
+
 static __always_inline int io_enter_assoc(__u64 buf, int assoc)
 {
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
-	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
+	struct qemu_layout *l = bpf_map_lookup_elem(&qemu_procs, &tgid);
+	if (!l)
 		return 0;
 	struct tg_ptr bk = { .tgid = tgid, .ptr = buf };
 	__u64 *mid = bpf_map_lookup_elem(&io_by_buf, &bk);
+	if (!mid && (l->flags & QL_NO_SUBMIT))
+		mid = io_lazy(tgid, &bk);
 	if (!mid)
 		return 0;
 	struct tg_ptr ik = { .tgid = tgid, .ptr = *mid };
 	struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
 	if (!io)
 		return 0;
+	if (io->pad && io->ts[HP_IO_ISSUE]) {
+		/* lazily tracked and already issued: a new I/O on the same buffer */
+		io->ts[HP_DISK_ISSUE] = 0;
+		io->ts[HP_DISK_COMPLETE] = 0;
+		io->ts[HP_IO_COMPLETE] = 0;
+		io->ts[HP_IO_ISSUE] = 0;
+	}
 	if (!io->ts[HP_IO_ISSUE])
 		io->ts[HP_IO_ISSUE] = bpf_ktime_get_ns();
 	stat_inc(ST_IO_MATCHED);

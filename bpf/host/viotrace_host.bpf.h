@@ -43,12 +43,17 @@ struct qemu_layout {
 	__u32 luring_sqe;
 	/* which optional parts are valid (QL_*) */
 	__u32 flags;
+	/* runtime check, written by BPF: blk_aio_* requests whose queue belongs to
+	 * their device (vq->vdev == req->dev) and whose does not */
+	__u32 vdev_ok;
+	__u32 vdev_bad;
 };
 
 #define QL_HAVE_NOTIFIER 1u /* notifier fds valid: h.notify/h.irq via eventfd read/write */
 #define QL_HAVE_MR_NEXT 2u  /* req_mr_next valid: multireq merge followed */
 #define QL_HAVE_LURING 4u   /* luring_sqe valid: io_uring I/O matched */
 #define QL_HAVE_REQ_IN 8u   /* req_in valid: status byte read at push */
+#define QL_NO_SUBMIT 16u    /* blk_aio_* never called (LTO): elements are taken at virtqueue_push */
 
 /* One finished virtqueue element (ring buffer record). */
 struct host_rec {

@@ -5,13 +5,14 @@
 mod bpf {
     include!(concat!(env!("OUT_DIR"), "/viotrace_guest.skel.rs"));
 }
+mod kernel;
+mod load;
+mod plan;
 mod probe;
 mod raw;
 mod sink;
 
 use std::cell::RefCell;
-use std::collections::HashSet;
-use std::mem::MaybeUninit;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,12 +21,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
-use libbpf_rs::{Link, MapCore, MapFlags, RingBufferBuilder};
+use libbpf_rs::{MapCore, MapFlags, RingBufferBuilder};
 use nix::sys::signal::{SigSet, Signal};
 
-use bpf::{OpenViotraceGuestSkel, ViotraceGuestSkel, ViotraceGuestSkelBuilder};
-use probe::{Mode, HOOKS};
+use bpf::ViotraceGuestSkel;
+use probe::Mode;
 use sink::Sink;
 use viotrace_shared::transport;
 
@@ -75,7 +75,7 @@ struct Cli {
 
 /// Filters as the BPF side wants them.
 #[derive(Default, Debug)]
-struct Filters {
+pub(crate) struct Filters {
     pid: u32,
     tid: u32,
     comm: Option<[u8; 16]>,
@@ -141,179 +141,20 @@ fn disk_dev(name: &str) -> Result<(i32, i32)> {
     Ok((a.parse()?, b.parse()?))
 }
 
-/// A loaded and attached object.
-struct Running<'obj> {
-    skel: ViotraceGuestSkel<'obj>,
-    _links: Vec<Link>,
-    mode: Mode,
-    /// Human lines: what cannot be seen and why.
-    blind: Vec<String>,
+/// The BPF counters, plus what the kernel skipped when it can tell: kprobe hits
+/// (`kprobe_hits_lost`) and recursive program runs (`bpf_runs_lost`).
+fn read_stats(run: &load::Running) -> Vec<(&'static str, u64)> {
+    let mut v = bpf_stats(&run.skel);
+    if let Some(n) = run.kprobe_missed() {
+        v.push(("kprobe_hits_lost", n));
+    }
+    if let Some(n) = run.bpf_runs_missed() {
+        v.push(("bpf_runs_lost", n));
+    }
+    v
 }
 
-fn set_config(
-    open: &mut OpenViotraceGuestSkel<'_>,
-    f: &Filters,
-    emit_at_complete: bool,
-    have_driver_complete: bool,
-) -> Result<()> {
-    let ro = open
-        .maps
-        .rodata_data
-        .as_deref_mut()
-        .context("BPF object has no .rodata")?;
-    ro.self_pid = std::process::id();
-    ro.filter_pid = f.pid;
-    ro.filter_tid = f.tid;
-    if let Some(c) = f.comm {
-        ro.filter_comm_on = 1;
-        for (d, s) in ro.filter_comm.iter_mut().zip(c) {
-            *d = s as i8;
-        }
-    }
-    ro.filter_cgroup = f.cgroup;
-    if let Some((maj, min)) = f.disk {
-        ro.filter_disk_on = 1;
-        ro.filter_disk_major = maj;
-        ro.filter_disk_minor = min;
-    }
-    ro.emit_at_rq_complete = u8::from(emit_at_complete);
-    ro.have_driver_complete = u8::from(have_driver_complete);
-    Ok(())
-}
-
-/// Opens, configures, loads and attaches the object in `mode`.
-fn start<'obj>(
-    storage: &'obj mut MaybeUninit<libbpf_rs::OpenObject>,
-    mode: Mode,
-    f: &Filters,
-) -> Result<Running<'obj>> {
-    let mut blind = Vec::new();
-    let mut enabled: HashSet<&'static str> = HashSet::new();
-    let mut vring_interrupt_addr = 0;
-    if mode == Mode::Tracepoint {
-        for h in HOOKS {
-            blind.push(format!(
-                "{}: needs fentry or kprobes on {} (tracepoint mode)",
-                h.sees, h.target
-            ));
-        }
-    } else {
-        let ks = std::fs::File::open("/proc/kallsyms").context("opening /proc/kallsyms")?;
-        let wanted: Vec<&str> = HOOKS.iter().map(|h| h.target).collect();
-        let syms = probe::find_symbols(std::io::BufReader::new(ks), &wanted);
-        if mode == Mode::Kprobe {
-            if let Some(s) = syms.get("vring_interrupt").filter(|s| s.addr != 0) {
-                vring_interrupt_addr = s.addr;
-                enabled.insert("irq_entry");
-            }
-        }
-        for h in HOOKS {
-            match probe::unusable(mode, h.target, &syms) {
-                None => enabled.extend(if mode == Mode::Fentry {
-                    h.fentry
-                } else {
-                    h.kprobe
-                }),
-                Some(why) => blind.push(format!("{}: {why}", h.sees)),
-            }
-        }
-    }
-    let emit_at_complete =
-        !enabled.contains("fx_update_request") && !enabled.contains("kp_update_request");
-
-    let builder = ViotraceGuestSkelBuilder::default();
-    let mut open = builder.open(storage).context("opening BPF object")?;
-    let have_driver_complete =
-        enabled.contains("fe_complete_request") || enabled.contains("kp_complete_request");
-    set_config(&mut open, f, emit_at_complete, have_driver_complete)?;
-    if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
-        ro.vring_interrupt_addr = vring_interrupt_addr;
-    }
-    for mut p in open.open_object_mut().progs_mut() {
-        let name = p.name().to_string_lossy().into_owned();
-        if name == "irq_entry"
-            || HOOKS
-                .iter()
-                .any(|h| h.fentry.contains(&name.as_str()) || h.kprobe.contains(&name.as_str()))
-        {
-            p.set_autoload(enabled.contains(name.as_str()));
-        } else if let Some(n) = probe::OPTIONAL_TPS
-            .iter()
-            .flat_map(|(progs, _)| progs.iter())
-            .find(|n| **n == name)
-        {
-            p.set_autoload(true);
-            enabled.insert(n);
-        }
-    }
-    let skel = open
-        .load()
-        .with_context(|| format!("loading BPF object ({mode} mode)"))?;
-    let mut links = Vec::new();
-    let mut failed: HashSet<String> = HashSet::new();
-    for p in skel.object().progs_mut() {
-        let name = p.name().to_string_lossy().into_owned();
-        let optional = probe::is_optional(&name);
-        if optional && !enabled.contains(name.as_str()) {
-            continue;
-        }
-        match p.attach() {
-            Ok(l) => links.push(l),
-            Err(e) if optional => {
-                if !probe::OPTIONAL_TPS
-                    .iter()
-                    .any(|(p, _)| p.contains(&name.as_str()))
-                {
-                    blind.push(format!("program {name}: attach failed: {e}"));
-                }
-                failed.insert(name.clone());
-            }
-            Err(e) => return Err(e).with_context(|| format!("attaching {name} ({mode} mode)")),
-        }
-    }
-    for (progs, what) in probe::OPTIONAL_TPS {
-        if progs.iter().all(|p| failed.contains(*p)) {
-            blind.push(format!("{what}: no such tracepoint"));
-        }
-    }
-    // A hook is blind if any of its programs failed to attach.
-    for h in HOOKS {
-        let progs = if mode == Mode::Fentry {
-            h.fentry
-        } else {
-            h.kprobe
-        };
-        if progs.iter().any(|p| failed.contains(*p)) {
-            blind.push(format!("{}: {} hook not attached", h.sees, h.target));
-        }
-    }
-    Ok(Running {
-        skel,
-        _links: links,
-        mode,
-        blind,
-    })
-}
-
-/// The modes to try, best first.
-fn candidate_modes(m: Mode) -> Vec<Mode> {
-    match m {
-        Mode::Auto => {
-            let mut v = Vec::new();
-            if probe::fentry_available() {
-                v.push(Mode::Fentry);
-            }
-            if probe::kprobes_available() {
-                v.push(Mode::Kprobe);
-            }
-            v.push(Mode::Tracepoint);
-            v
-        }
-        m => vec![m],
-    }
-}
-
-fn read_stats(skel: &ViotraceGuestSkel<'_>) -> Vec<(&'static str, u64)> {
+fn bpf_stats(skel: &ViotraceGuestSkel<'_>) -> Vec<(&'static str, u64)> {
     raw::STAT_NAMES
         .iter()
         .enumerate()
@@ -335,30 +176,6 @@ fn read_stats(skel: &ViotraceGuestSkel<'_>) -> Vec<(&'static str, u64)> {
             (name, v)
         })
         .collect()
-}
-
-/// libbpf's messages go to stderr, except the expected failure of an optional
-/// tracepoint that this kernel names differently (reported once, in our words).
-fn libbpf_print(level: libbpf_rs::PrintLevel, msg: String) {
-    if level == libbpf_rs::PrintLevel::Debug {
-        return;
-    }
-    let optional_tp = probe::OPTIONAL_TPS
-        .iter()
-        .flat_map(|(progs, _)| progs.iter())
-        .any(|p| msg.contains(&format!("prog '{p}': failed to attach")));
-    if !optional_tp {
-        eprint!("{msg}");
-    }
-}
-
-fn ensure_tracefs() {
-    // Tracepoint attach needs tracefs on some kernels; mounting is best effort.
-    if !Path::new("/sys/kernel/tracing/events").exists() {
-        let _ = std::process::Command::new("mount")
-            .args(["-t", "tracefs", "none", "/sys/kernel/tracing"])
-            .status();
-    }
 }
 
 fn main() -> Result<()> {
@@ -383,37 +200,27 @@ fn main() -> Result<()> {
             .context("spawning signal thread")?;
     }
 
-    libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Warn, libbpf_print)));
-    ensure_tracefs();
-    let modes = candidate_modes(cli.mode);
-    let mut storages: Vec<MaybeUninit<libbpf_rs::OpenObject>> =
-        modes.iter().map(|_| MaybeUninit::uninit()).collect();
-    let mut running = None;
-    let mut errors = Vec::new();
-    for (storage, &m) in storages.iter_mut().zip(&modes) {
-        let t0 = Instant::now();
-        match start(storage, m, &filters) {
-            Ok(r) => {
-                eprintln!(
-                    "viotrace-guest: {} mode, attached in {:.2}s",
-                    r.mode,
-                    t0.elapsed().as_secs_f64()
-                );
-                running = Some(r);
-                break;
-            }
-            Err(e) => {
-                eprintln!("viotrace-guest: {m} mode unavailable: {e:#}");
-                errors.push(format!("{m}: {e:#}"));
-            }
-        }
+    libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Warn, load::libbpf_print)));
+    kernel::ensure_tracefs();
+    let facts = kernel::Facts::gather()?;
+    let run = load::start_any(&load::candidate_modes(cli.mode, &facts), &facts, &filters)?;
+    for n in &run.report.notes {
+        eprintln!("viotrace-guest: note: {n}");
     }
-    let Some(run) = running else {
-        bail!("no attach mode works: {}", errors.join("; "));
-    };
-    for b in &run.blind {
+    for b in &run.report.blind {
         eprintln!("viotrace-guest: cannot see {b}");
     }
+    let blind_points: Vec<&'static str> =
+        run.report.blind_points.iter().map(|p| p.name()).collect();
+    eprintln!(
+        "viotrace-guest: {} mode blind points: {}",
+        run.mode,
+        if blind_points.is_empty() {
+            "none".to_string()
+        } else {
+            blind_points.join(" ")
+        }
+    );
 
     let uplink = match &cli.connect {
         Some(ep) => {
@@ -430,7 +237,8 @@ fn main() -> Result<()> {
         cli.json,
         cli.threshold,
         run.mode.to_string(),
-        run.blind.clone(),
+        run.report.blind.clone(),
+        blind_points,
         uplink,
     ));
     let mut rb = RingBufferBuilder::new();
@@ -459,13 +267,18 @@ fn main() -> Result<()> {
         let mut s = sink.borrow_mut();
         if now >= next_table {
             s.interval_table(started.elapsed());
-            s.send_counters(&read_stats(&run.skel));
+            s.send_counters(&read_stats(&run));
             next_table = now + cli.interval;
         }
         s.flush();
     }
     rb.consume().context("consuming ring buffer")?;
-    let mut stats = read_stats(&run.skel);
+    for (p, n) in run.bpf_runs_missed_by_program().unwrap_or_default() {
+        if n > 0 {
+            eprintln!("viotrace-guest: the kernel skipped {n} runs of program {p} (recursion)");
+        }
+    }
+    let mut stats = read_stats(&run);
     let mut s = sink.borrow_mut();
     s.close_uplink(&mut stats);
     s.finish(started.elapsed(), &stats);

@@ -1,5 +1,6 @@
-//! Which hooks this kernel can run: the attach mode (fentry, kprobe,
-//! tracepoint) and, per driver hook, whether its target function exists.
+//! The attach modes, the kernel-function hooks with their fentry and kprobe
+//! flavours, and the probes of what this kernel offers (kallsyms, BTF, program
+//! types).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -29,6 +30,7 @@ impl fmt::Display for Mode {
 }
 
 /// A kernel function hook with a fentry and a kprobe flavour.
+#[derive(Debug)]
 pub struct Hook {
     /// Kernel function.
     pub target: &'static str,
@@ -38,6 +40,9 @@ pub struct Hook {
     pub kprobe: &'static [&'static str],
     /// What is lost without it.
     pub sees: &'static str,
+    /// Its target is one of several paths (batched submit): a kernel without
+    /// the function has no such path, so nothing is lost.
+    pub alt_path: bool,
 }
 
 /// Driver-level hooks. Everything else (syscalls, block tracepoints) uses raw
@@ -48,72 +53,65 @@ pub const HOOKS: &[Hook] = &[
         fentry: &["fe_queue_rq"],
         kprobe: &["kp_queue_rq"],
         sees: "g.queue_rq (single-request submit path)",
+        alt_path: false,
     },
     Hook {
         target: "virtio_queue_rqs",
         fentry: &["fe_queue_rqs"],
         kprobe: &["kp_queue_rqs"],
         sees: "g.queue_rq (batched submit path)",
+        alt_path: true,
     },
     Hook {
         target: "virtqueue_add_sgs",
         fentry: &["fe_add_sgs"],
         kprobe: &["kp_add_sgs"],
         sees: "g.vq_add, queue index, descriptor head",
+        alt_path: false,
     },
     Hook {
         target: "virtqueue_kick_prepare",
         fentry: &["fx_kick_prepare"],
         kprobe: &["kp_kick_prepare", "krp_kick_prepare"],
         sees: "g.kick and whether it notified or was suppressed",
+        alt_path: false,
     },
     Hook {
         target: "virtqueue_notify",
         fentry: &["fe_notify"],
         kprobe: &["kp_notify"],
         sees: "exact g.kick time of real notifications",
+        alt_path: false,
     },
     Hook {
         target: "vring_interrupt",
         fentry: &["fe_vring_interrupt"],
         kprobe: &["kp_vring_interrupt"],
         sees: "g.irq",
+        alt_path: false,
     },
     Hook {
         target: "blk_mq_complete_request",
         fentry: &["fe_complete_request"],
         kprobe: &["kp_complete_request"],
         sees: "g.driver_complete",
+        alt_path: false,
     },
     Hook {
         target: "io_submit_one",
         fentry: &["fe_io_submit_one"],
         kprobe: &["kp_io_submit_one"],
         sees: "file and offset of each iocb after the first in one io_submit",
+        alt_path: false,
     },
     Hook {
         target: "blk_update_request",
         fentry: &["fx_update_request"],
         kprobe: &["kp_update_request", "krp_update_request"],
         sees: "g.bio_complete",
+        alt_path: false,
     },
 ];
-
-/// Optional tracepoint programs, by group: a group is blind only when none of
-/// its programs attaches (tracepoints get renamed across kernels).
-pub const OPTIONAL_TPS: &[(&[&str], &str)] = &[(
-    &["uring_submit", "uring_submit_sqe"],
-    "file and offset of io_uring requests (io_uring:io_uring_submit_req/_sqe)",
-)];
-
-/// Whether `prog` is an optional program (a driver hook flavour or an optional tracepoint).
-pub fn is_optional(prog: &str) -> bool {
-    prog == "irq_entry"
-        || OPTIONAL_TPS.iter().any(|(p, _)| p.contains(&prog))
-        || HOOKS
-            .iter()
-            .any(|h| h.fentry.contains(&prog) || h.kprobe.contains(&prog))
-}
 
 /// A kernel function found in /proc/kallsyms.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -157,19 +155,6 @@ pub fn fentry_available() -> bool {
         .unwrap_or(false)
 }
 
-/// Why a hook target cannot be used in `mode`, if it cannot.
-pub fn unusable(mode: Mode, target: &str, syms: &HashMap<String, Sym>) -> Option<String> {
-    let Some(Sym { module, .. }) = syms.get(target) else {
-        return Some(format!(
-            "{target} not in /proc/kallsyms (module not loaded or function inlined)"
-        ));
-    };
-    if mode == Mode::Fentry && !Path::new("/sys/kernel/btf").join(module).exists() {
-        return Some(format!("no BTF for {module} (/sys/kernel/btf/{module})"));
-    }
-    None
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,7 +178,13 @@ mod tests {
         );
         assert_eq!(s["blk_update_request"].module, "vmlinux");
         assert!(!s.contains_key("vring_interrupt"));
-        assert!(unusable(Mode::Kprobe, "vring_interrupt", &s).is_some());
-        assert!(unusable(Mode::Kprobe, "virtio_queue_rq", &s).is_none());
+    }
+
+    #[test]
+    fn every_hook_has_both_flavours_and_a_unique_target() {
+        for h in HOOKS {
+            assert!(!h.fentry.is_empty() && !h.kprobe.is_empty(), "{}", h.target);
+            assert_eq!(HOOKS.iter().filter(|o| o.target == h.target).count(), 1);
+        }
     }
 }

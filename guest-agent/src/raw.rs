@@ -6,37 +6,20 @@ use std::collections::HashMap;
 use thiserror::Error;
 use viotrace_shared::record::{GuestIo, GuestRq, Op, Point, Points, RqRef};
 
+use crate::bpf::types::{vt_io_event, vt_rq_event};
+
 pub const K_RQ: u32 = 1;
 pub const K_IO: u32 = 2;
 /// `sizeof(struct vt_rq_event)`.
-pub const RQ_SIZE: usize = 216;
+pub const RQ_SIZE: usize = std::mem::size_of::<vt_rq_event>();
 /// `sizeof(struct vt_io_event)`.
-pub const IO_SIZE: usize = 360;
-const NPOINTS: usize = 12;
+pub const IO_SIZE: usize = std::mem::size_of::<vt_io_event>();
 const MAX_REFS: usize = 16;
 
-/// Names of the BPF `stats` counters, indexed like `enum vt_stat_id`.
-pub const STAT_NAMES: &[&str] = &[
-    "ringbuf_drop_rq",
-    "ringbuf_drop_io",
-    "map_full_syscalls",
-    "map_full_bios",
-    "map_full_requests",
-    "map_full_virtqueues",
-    "map_full_kprobe_args",
-    "rq_emitted",
-    "io_emitted",
-    "bio_queued",
-    "bio_split",
-    "bio_backmerge",
-    "bio_frontmerge",
-    "rq_merged",
-    "rq_requeued",
-    "rq_late_emitted",
-    "io_refs_truncated",
-    "kick_slot_lost",
-    "bio_chain_truncated",
-];
+// The sizes the C header asserts (`_Static_assert` in viotrace_guest.h).
+const _: () = assert!(RQ_SIZE == 216 && IO_SIZE == 360);
+
+include!(concat!(env!("OUT_DIR"), "/guest_stats.rs"));
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum DecodeError {
@@ -96,32 +79,33 @@ pub fn syscall_name(nr: u32) -> String {
     .to_owned()
 }
 
-/// Little helper reading native-endian fields at fixed offsets.
-struct Rd<'a>(&'a [u8]);
+/// Record structs generated from the BPF object's BTF that may be read from
+/// any byte pattern.
+///
+/// # Safety
+/// Implementors are `#[repr(C)]` and hold only integers and arrays of them.
+unsafe trait RawRecord: Copy {}
+// SAFETY: generated `#[repr(C)]` structs of integer fields and integer arrays.
+unsafe impl RawRecord for vt_rq_event {}
+// SAFETY: as above (its `refs` are `vt_rq_ref`, integers only).
+unsafe impl RawRecord for vt_io_event {}
 
-impl Rd<'_> {
-    fn u8(&self, o: usize) -> u8 {
-        self.0[o]
+/// The one checked cast of a ring-buffer record into its generated struct.
+fn cast<T: RawRecord>(b: &[u8]) -> Result<T, DecodeError> {
+    let need = std::mem::size_of::<T>();
+    if b.len() < need {
+        return Err(DecodeError::Short { got: b.len(), need });
     }
-    fn u16(&self, o: usize) -> u16 {
-        u16::from_ne_bytes([self.0[o], self.0[o + 1]])
-    }
-    fn u32(&self, o: usize) -> u32 {
-        let mut b = [0u8; 4];
-        b.copy_from_slice(&self.0[o..o + 4]);
-        u32::from_ne_bytes(b)
-    }
-    fn u64(&self, o: usize) -> u64 {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&self.0[o..o + 8]);
-        u64::from_ne_bytes(b)
-    }
-    /// NUL-terminated string in a fixed-size field (lossy UTF-8).
-    fn cstr(&self, o: usize, len: usize) -> String {
-        let f = &self.0[o..o + len];
-        let end = f.iter().position(|&c| c == 0).unwrap_or(len);
-        String::from_utf8_lossy(&f[..end]).into_owned()
-    }
+    // SAFETY: `b` holds at least `size_of::<T>()` bytes (checked above), any
+    // bit pattern is a valid `T` (`RawRecord`), and `read_unaligned` needs no
+    // alignment.
+    Ok(unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) })
+}
+
+/// NUL-terminated string in a fixed-size `char` field (lossy UTF-8).
+fn cstr(f: &[i8]) -> String {
+    let bytes: Vec<u8> = f.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// A decoded record.
@@ -167,7 +151,7 @@ impl Decoder {
                 need: 4,
             });
         }
-        match Rd(b).u32(0) {
+        match u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) {
             K_RQ => self.decode_rq(b).map(|r| Record::Rq(Box::new(r))),
             K_IO => self.decode_io(b).map(|r| Record::Io(Box::new(r))),
             k => Err(DecodeError::Kind(k)),
@@ -175,78 +159,65 @@ impl Decoder {
     }
 
     fn decode_rq(&mut self, b: &[u8]) -> Result<GuestRq, DecodeError> {
-        if b.len() < RQ_SIZE {
-            return Err(DecodeError::Short {
-                got: b.len(),
-                need: RQ_SIZE,
-            });
-        }
-        let r = Rd(b);
+        let r: vt_rq_event = cast(b)?;
         let mut ts = Points::new();
-        for i in 0..NPOINTS {
+        for (i, &t) in r.ts.iter().enumerate() {
             if let Some(p) = Point::from_id(i as u8) {
-                ts.set_nonzero(p, r.u64(8 + 8 * i));
+                ts.set_nonzero(p, t);
             }
         }
-        let dev = r.u32(4);
-        let disk = r.cstr(184, 32);
+        let disk = cstr(&r.disk);
         if !disk.is_empty() {
-            self.disks.entry(dev).or_insert_with(|| disk.clone());
+            self.disks.entry(r.dev).or_insert_with(|| disk.clone());
         }
-        let op = Op::from_linux_req_op(r.u32(140));
+        let op = Op::from_linux_req_op(r.cmd_flags);
         Ok(GuestRq {
+            time: viotrace_shared::walltime::of_points(&ts),
             disk,
             op,
             // A flush has no position (the kernel keeps -1); virtio sends 0.
-            sector: if op == Op::Flush { 0 } else { r.u64(104) },
-            bytes: r.u32(136),
-            queue: (r.u8(164) != 0).then(|| r.u16(160)),
-            head: (r.u8(165) != 0).then(|| r.u16(162)),
-            pid: r.u32(144),
-            tid: r.u32(148),
-            comm: r.cstr(168, 16),
-            cgroup_id: r.u64(112),
-            inode: r.u64(120),
-            file_offset: (r.u8(167) != 0).then(|| r.u64(128)),
-            kicked: kicked(r.u8(166)),
-            bios: r.u32(152),
-            error: blk_status_errno(r.u32(156) as i32),
+            sector: if op == Op::Flush { 0 } else { r.sector },
+            bytes: r.bytes,
+            queue: (r.has_queue != 0).then_some(r.queue),
+            head: (r.has_head != 0).then_some(r.head),
+            pid: r.pid,
+            tid: r.tid,
+            comm: cstr(&r.comm),
+            cgroup_id: r.cgroup_id,
+            inode: r.inode,
+            file_offset: (r.has_file_offset != 0).then_some(r.file_offset),
+            kicked: kicked(r.kicked),
+            bios: r.bios,
+            error: blk_status_errno(r.status),
             ts,
         })
     }
 
     fn decode_io(&mut self, b: &[u8]) -> Result<GuestIo, DecodeError> {
-        if b.len() < IO_SIZE {
-            return Err(DecodeError::Short {
-                got: b.len(),
-                need: IO_SIZE,
-            });
-        }
-        let r = Rd(b);
+        let r: vt_io_event = cast(b)?;
         let mut ts = Points::new();
-        ts.set_nonzero(Point::SyscallEnter, r.u64(8));
-        ts.set_nonzero(Point::SyscallExit, r.u64(16));
-        let nrefs = (r.u32(72) as usize).min(MAX_REFS);
-        let requests = (0..nrefs)
-            .map(|i| {
-                let o = 104 + 16 * i;
-                RqRef {
-                    disk: self.disk_name(r.u32(o + 8)),
-                    sector: r.u64(o),
-                    bytes: r.u32(o + 12),
-                }
+        ts.set_nonzero(Point::SyscallEnter, r.enter_ts);
+        ts.set_nonzero(Point::SyscallExit, r.exit_ts);
+        let nrefs = (r.nrefs as usize).min(MAX_REFS);
+        let requests = r.refs[..nrefs]
+            .iter()
+            .map(|f| RqRef {
+                disk: self.disk_name(f.dev),
+                sector: f.sector,
+                bytes: f.bytes,
             })
             .collect();
         Ok(GuestIo {
-            syscall: syscall_name(r.u32(4)),
-            pid: r.u32(64),
-            tid: r.u32(68),
-            comm: r.cstr(88, 16),
-            cgroup_id: r.u64(56),
-            inode: r.u64(40),
-            file_offset: (r.u8(80) != 0).then(|| r.u64(48)),
-            bytes: r.u64(32),
-            ret: r.u64(24) as i64,
+            time: viotrace_shared::walltime::of_points(&ts),
+            syscall: syscall_name(r.nr),
+            pid: r.pid,
+            tid: r.tid,
+            comm: cstr(&r.comm),
+            cgroup_id: r.cgroup_id,
+            inode: r.inode,
+            file_offset: (r.has_file_offset != 0).then_some(r.file_offset),
+            bytes: r.bytes,
+            ret: r.ret,
             requests,
             ts,
         })
@@ -409,5 +380,7 @@ mod tests {
         assert_eq!(syscall_name(426), "io_uring_enter");
         assert_eq!(syscall_name(999), "syscall_999");
         assert_eq!(STAT_NAMES.len(), 19);
+        assert_eq!(STAT_NAMES[0], "ringbuf_drop_rq");
+        assert_eq!(STAT_NAMES[18], "bio_chain_truncated");
     }
 }

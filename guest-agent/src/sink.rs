@@ -23,6 +23,7 @@ pub struct Sink {
     threshold_ns: Option<u64>,
     mode: String,
     blind: Vec<String>,
+    blind_points: Vec<&'static str>,
     out: BufWriter<Stdout>,
     scratch: Vec<u8>,
     decoder: Decoder,
@@ -94,6 +95,9 @@ fn rq_header(r: &GuestRq) -> String {
         None => {}
     }
     h += &format!(" bios {}", r.bios);
+    if let Some(t) = r.time {
+        h += &format!(" at {t}");
+    }
     if r.error != 0 {
         h += &format!(" error {}", r.error);
     }
@@ -140,6 +144,8 @@ struct StatsLine<'a> {
     counters: BTreeMap<&'a str, u64>,
     /// What this run could not see, and why.
     blind: &'a [String],
+    /// Points no record of this run carries (the mode cannot see them on this kernel).
+    blind_points: &'a [&'static str],
     stages: Vec<StageLine<'a>>,
 }
 
@@ -149,6 +155,7 @@ impl Sink {
         threshold: Option<Duration>,
         mode: String,
         blind: Vec<String>,
+        blind_points: Vec<&'static str>,
         uplink: Option<GuestSender>,
     ) -> Self {
         Sink {
@@ -157,6 +164,7 @@ impl Sink {
             threshold_ns: threshold.map(|d| d.as_nanos().min(u128::from(u64::MAX)) as u64),
             mode,
             blind,
+            blind_points,
             out: BufWriter::with_capacity(64 * 1024, io::stdout()),
             scratch: Vec::with_capacity(1024),
             decoder: Decoder::new(),
@@ -284,7 +292,9 @@ impl Sink {
         if let Some(u) = &self.uplink {
             u.send_stats(GuestStats {
                 ts: monotonic_ns(),
-                transport_dropped: 0,
+                // Filled in by the sender (its own accounting).
+                produced: 0,
+                dropped_full: 0,
                 counters: counters
                     .iter()
                     .map(|(n, v)| Counter {
@@ -305,11 +315,23 @@ impl Sink {
         self.send_counters(counters);
         if let Some(u) = self.uplink.take() {
             let st = u.shutdown("guest agent stopping", Duration::from_secs(5));
-            counters.push(("uplink_sent_records", st.sent_records));
+            // offered = acked (delivered or counted by the host) + refused + unacked at exit.
+            counters.push(("uplink_offered", st.offered()));
+            counters.push(("uplink_acked", st.acked));
             counters.push(("uplink_dropped_full", st.dropped_full));
-            counters.push(("uplink_lost_disconnect", st.dropped_disconnect));
+            counters.push(("uplink_unacked_at_exit", st.unacked_at_exit));
+            counters.push(("uplink_resent", st.resent));
             counters.push(("uplink_connects", st.connects));
             counters.push(("uplink_connect_failures", st.connect_failures));
+            let balanced = st.offered() == st.acked + st.dropped_full + st.unacked_at_exit;
+            self.human(&format!(
+                "viotrace-guest: uplink: offered={} = acked={} + refused_buffer_full={} + unacked_at_exit={} ({})\n",
+                st.offered(),
+                st.acked,
+                st.dropped_full,
+                st.unacked_at_exit,
+                if balanced { "balanced" } else { "UNBALANCED" }
+            ));
         }
     }
 
@@ -345,6 +367,7 @@ impl Sink {
                 decode_errors: self.decode_errors,
                 counters: counters.iter().copied().collect(),
                 blind: &self.blind,
+                blind_points: &self.blind_points,
                 stages: summaries
                     .iter()
                     .map(|(l, s, summary)| StageLine {
@@ -370,6 +393,7 @@ mod tests {
         let mut ts = Points::new();
         ts.set(Point::RqIssue, 5);
         let r = GuestRq {
+            time: None,
             disk: "vda".into(),
             op: Op::Read,
             sector: 8,

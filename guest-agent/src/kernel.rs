@@ -1,0 +1,131 @@
+//! What the running kernel offers, gathered once at start-up: its release,
+//! which program types work, where each hooked function lives (kallsyms),
+//! which modules carry BTF, and the argument lists of the tracepoints whose
+//! prototypes changed across kernels (from the vmlinux BTF `btf_trace_*`
+//! typedefs, which is what raw tracepoint programs receive).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use libbpf_rs::btf::types::{FuncProto, Ptr, Typedef};
+use libbpf_rs::btf::{BtfKind, BtfType, ReferencesType};
+use libbpf_rs::Btf;
+
+use crate::probe::{self, Sym, HOOKS};
+
+/// Tracepoints whose argument lists the plan looks at.
+pub const TRACEPOINTS: &[&str] = &[
+    "block_bio_queue",
+    "block_split",
+    "block_bio_backmerge",
+    "block_bio_frontmerge",
+    "io_uring_submit_req",
+    "io_uring_submit_sqe",
+    "irq_handler_entry",
+];
+
+/// One tracepoint argument: the struct a pointer argument points to, if any
+/// (`void *` and scalars have none).
+pub type TpArg = Option<String>;
+
+/// The facts the attach plan is made from.
+#[derive(Clone, Debug, Default)]
+pub struct Facts {
+    /// Kernel release (`uname -r`).
+    pub release: String,
+    /// Fentry/fexit programs load on this kernel.
+    pub fentry: bool,
+    /// Kprobes exist on this kernel.
+    pub kprobes: bool,
+    /// Hooked functions found in /proc/kallsyms.
+    pub syms: HashMap<String, Sym>,
+    /// BTF objects under /sys/kernel/btf (`vmlinux` and modules).
+    pub btf: HashSet<String>,
+    /// Raw tracepoints of [`TRACEPOINTS`] this kernel has, with their arguments.
+    pub tracepoints: BTreeMap<String, Vec<TpArg>>,
+}
+
+impl Facts {
+    /// Probes the running kernel.
+    pub fn gather() -> Result<Facts> {
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .context("reading /proc/sys/kernel/osrelease")?
+            .trim()
+            .to_string();
+        let ks = std::fs::File::open("/proc/kallsyms").context("opening /proc/kallsyms")?;
+        let wanted: Vec<&str> = HOOKS.iter().map(|h| h.target).collect();
+        let syms = probe::find_symbols(std::io::BufReader::new(ks), &wanted);
+        let btf = std::fs::read_dir("/sys/kernel/btf")
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let vmlinux = Btf::from_vmlinux().context("reading the kernel's BTF")?;
+        let tracepoints = TRACEPOINTS
+            .iter()
+            .filter_map(|tp| tp_args(&vmlinux, tp).map(|a| (tp.to_string(), a)))
+            .collect();
+        Ok(Facts {
+            release,
+            fentry: probe::fentry_available(),
+            kprobes: probe::kprobes_available(),
+            syms,
+            btf,
+            tracepoints,
+        })
+    }
+
+    /// (major, minor) of the release, (0, 0) if unparsable.
+    pub fn version(&self) -> (u32, u32) {
+        let mut it = self
+            .release
+            .split(|c: char| !c.is_ascii_digit())
+            .map(|n| n.parse().unwrap_or(0));
+        (it.next().unwrap_or(0), it.next().unwrap_or(0))
+    }
+
+    /// Module (or `vmlinux`) holding `func`, if the kernel has it.
+    pub fn module_of(&self, func: &str) -> Option<&str> {
+        self.syms.get(func).map(|s| s.module.as_str())
+    }
+
+    /// Whether `module` (or `vmlinux`) carries BTF.
+    pub fn has_btf(&self, module: &str) -> bool {
+        self.btf.contains(module)
+    }
+}
+
+/// Arguments of raw tracepoint `tp` (after the hidden `void *__data`), from
+/// `typedef void (*btf_trace_<tp>)(void *, args...)`; None if the kernel has no such tracepoint.
+fn tp_args(btf: &Btf<'_>, tp: &str) -> Option<Vec<TpArg>> {
+    let td: Typedef<'_> = btf.type_by_name(&format!("btf_trace_{tp}"))?;
+    let ptr = Ptr::try_from(td.referenced_type()).ok()?;
+    let proto = FuncProto::try_from(ptr.referenced_type()).ok()?;
+    let args = proto
+        .iter()
+        .skip(1)
+        .map(|p| {
+            let t: BtfType<'_> = btf.type_by_id(p.ty)?;
+            let pointee = Ptr::try_from(t.skip_mods_and_typedefs())
+                .ok()?
+                .referenced_type();
+            let pointee = pointee.skip_mods_and_typedefs();
+            matches!(pointee.kind(), BtfKind::Struct | BtfKind::Union)
+                .then(|| pointee.name().map(|n| n.to_string_lossy().into_owned()))
+                .flatten()
+        })
+        .collect();
+    Some(args)
+}
+
+/// Whether the running kernel's tracefs is mounted (tracepoint attach needs it on some kernels).
+pub fn ensure_tracefs() {
+    if !Path::new("/sys/kernel/tracing/events").exists() {
+        let _ = std::process::Command::new("mount")
+            .args(["-t", "tracefs", "none", "/sys/kernel/tracing"])
+            .status();
+    }
+}

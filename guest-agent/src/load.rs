@@ -1,0 +1,286 @@
+//! Opening, configuring, loading and attaching the BPF object in one mode.
+//!
+//! Optional programs (hook flavours, io_uring generations, the irq tracepoint)
+//! are enabled as the [`Plan`] says. If the kernel still refuses one of them at
+//! load (the verifier has the last word), that program is left out and the
+//! object is loaded again: an optional program never takes the others down.
+//! What finally runs decides the [`Report`].
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::mem::{offset_of, size_of, MaybeUninit};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::sync::Mutex;
+
+use anyhow::{bail, Context, Result};
+use libbpf_rs::query::{LinkTypeInfo, PerfEventType};
+use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
+use libbpf_rs::Link;
+
+use crate::bpf::{OpenViotraceGuestSkel, ViotraceGuestSkel, ViotraceGuestSkelBuilder};
+use crate::kernel::Facts;
+use crate::plan::{self, Plan, Report, Variants};
+use crate::probe::Mode;
+use crate::Filters;
+
+/// A loaded and attached object.
+pub struct Running {
+    pub skel: ViotraceGuestSkel<'static>,
+    /// Attached programs by name.
+    links: Vec<(String, Link)>,
+    pub mode: Mode,
+    pub report: Report,
+}
+
+impl Running {
+    /// Hits the kernel skipped on this run's kprobes (a kprobe that fires while another
+    /// BPF kprobe program runs on the CPU is not run): 0 without kprobes; None when the
+    /// kernel cannot tell (perf-event link info has the count since Linux 6.7).
+    pub fn kprobe_missed(&self) -> Option<u64> {
+        let mut sum = 0;
+        for (name, link) in &self.links {
+            if !plan::is_kprobe(name) {
+                continue;
+            }
+            match link.info().ok().map(|i| i.info) {
+                Some(LinkTypeInfo::PerfEvent(p)) => match p.event_type {
+                    PerfEventType::Kprobe { missed, .. } => sum += missed,
+                    _ => return None,
+                },
+                _ => return None,
+            }
+        }
+        Some(sum)
+    }
+
+    /// Runs of this object's attached programs the kernel skipped because the program
+    /// was already running on the CPU (`recursion_misses`, Linux 5.12+; None before).
+    pub fn bpf_runs_missed(&self) -> Option<u64> {
+        self.bpf_runs_missed_by_program()
+            .map(|v| v.iter().map(|(_, n)| n).sum())
+    }
+
+    /// The same per attached program.
+    pub fn bpf_runs_missed_by_program(&self) -> Option<Vec<(String, u64)>> {
+        let mut out = Vec::new();
+        for p in self.skel.object().progs() {
+            let name = p.name().to_string_lossy().into_owned();
+            if self.links.iter().any(|(n, _)| *n == name) {
+                out.push((name, recursion_misses(p.as_fd())?));
+            }
+        }
+        Some(out)
+    }
+}
+
+/// `recursion_misses` of a loaded program, if the kernel reports it.
+fn recursion_misses(fd: BorrowedFd<'_>) -> Option<u64> {
+    let mut info = libbpf_rs::libbpf_sys::bpf_prog_info::default();
+    let mut len = size_of::<libbpf_rs::libbpf_sys::bpf_prog_info>() as u32;
+    // SAFETY: `info` is a writable bpf_prog_info of `len` bytes, its pointer fields are
+    // zero (nothing is requested), and the kernel writes at most `len` bytes.
+    let r = unsafe {
+        libbpf_rs::libbpf_sys::bpf_prog_get_info_by_fd(fd.as_raw_fd(), &mut info, &mut len)
+    };
+    let needed =
+        offset_of!(libbpf_rs::libbpf_sys::bpf_prog_info, recursion_misses) + size_of::<u64>();
+    (r == 0 && len as usize >= needed).then_some(info.recursion_misses)
+}
+
+/// Programs libbpf reported as failing to load during the current attempt.
+static LOAD_FAILED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// libbpf's messages go to stderr, except the expected failure of an optional
+/// tracepoint (reported once, in our words); load failures are also noted.
+pub fn libbpf_print(level: libbpf_rs::PrintLevel, msg: String) {
+    if level == libbpf_rs::PrintLevel::Debug {
+        return;
+    }
+    if let Some(name) = msg
+        .strip_prefix("libbpf: prog '")
+        .and_then(|m| m.split_once("': failed to load"))
+        .map(|(n, _)| n.to_string())
+    {
+        LOAD_FAILED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(name);
+    }
+    let optional_tp = plan::OPTIONAL_TP_PROGS
+        .iter()
+        .any(|p| msg.contains(&format!("prog '{p}': failed to attach")));
+    if !optional_tp {
+        eprint!("{msg}");
+    }
+}
+
+fn set_config(open: &mut OpenViotraceGuestSkel<'_>, f: &Filters, p: &Plan) -> Result<()> {
+    let enabled = p.programs();
+    let ro = open
+        .maps
+        .rodata_data
+        .as_deref_mut()
+        .context("BPF object has no .rodata")?;
+    ro.self_pid = std::process::id();
+    ro.filter_pid = f.pid;
+    ro.filter_tid = f.tid;
+    if let Some(c) = f.comm {
+        ro.filter_comm_on = 1;
+        for (d, s) in ro.filter_comm.iter_mut().zip(c) {
+            *d = s as i8;
+        }
+    }
+    ro.filter_cgroup = f.cgroup;
+    if let Some((maj, min)) = f.disk {
+        ro.filter_disk_on = 1;
+        ro.filter_disk_major = maj;
+        ro.filter_disk_minor = min;
+    }
+    let has = |p: &str| enabled.contains(p);
+    ro.emit_at_rq_complete = u8::from(!has("fx_update_request") && !has("kp_update_request"));
+    ro.have_driver_complete = u8::from(has("fe_complete_request") || has("kp_complete_request"));
+    let Variants {
+        tp_bio_has_queue,
+        tp_uring_sqe_req_pos,
+        vvq_assume_layout,
+        vring_interrupt_addr,
+    } = p.variants;
+    ro.tp_bio_has_queue = u8::from(tp_bio_has_queue);
+    ro.tp_uring_sqe_req_pos = tp_uring_sqe_req_pos;
+    ro.vvq_assume_layout = u8::from(vvq_assume_layout);
+    ro.vring_interrupt_addr = if enabled.contains("irq_entry") {
+        vring_interrupt_addr
+    } else {
+        0
+    };
+    Ok(())
+}
+
+/// One load attempt with the optional programs in `plan.programs()`.
+fn load(plan: &Plan, f: &Filters) -> Result<ViotraceGuestSkel<'static>> {
+    // One object per attempt; a failed attempt's storage is not reused (rare, small).
+    let storage: &'static mut MaybeUninit<libbpf_rs::OpenObject> =
+        Box::leak(Box::new(MaybeUninit::uninit()));
+    let mut open = ViotraceGuestSkelBuilder::default()
+        .open(storage)
+        .context("opening BPF object")?;
+    set_config(&mut open, f, plan)?;
+    let enabled = plan.programs();
+    for mut p in open.open_object_mut().progs_mut() {
+        let name = p.name().to_string_lossy().into_owned();
+        if plan::is_optional(&name) {
+            p.set_autoload(enabled.contains(name.as_str()));
+        }
+    }
+    Ok(open.load()?)
+}
+
+/// Loads and attaches the object in `mode`, leaving out optional programs this
+/// kernel refuses.
+pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
+    let mut plan = plan::plan(mode, facts);
+    let mut failed: BTreeMap<String, String> = BTreeMap::new();
+    let skel = loop {
+        LOAD_FAILED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        match load(&plan, f) {
+            Ok(s) => break s,
+            Err(e) => {
+                let names: BTreeSet<String> =
+                    std::mem::take(&mut *LOAD_FAILED.lock().unwrap_or_else(|p| p.into_inner()))
+                        .into_iter()
+                        .collect();
+                let enabled = plan.programs();
+                let optional: Vec<&'static str> = enabled
+                    .iter()
+                    .copied()
+                    .filter(|p| names.contains(*p))
+                    .collect();
+                if optional.is_empty() || names.len() != optional.len() {
+                    return Err(e).with_context(|| format!("loading BPF object ({mode} mode)"));
+                }
+                for p in optional {
+                    eprintln!("viotrace-guest: leaving out program {p}: the kernel refused it");
+                    failed.insert(p.to_string(), format!("load failed: {e}"));
+                    plan.drop_program(p);
+                }
+            }
+        }
+    };
+    let mut links = Vec::new();
+    let mut live = HashSet::new();
+    for p in skel.object().progs_mut() {
+        let name = p.name().to_string_lossy().into_owned();
+        let optional = plan::is_optional(&name);
+        if optional && !plan.programs().contains(name.as_str()) {
+            continue;
+        }
+        match p.attach() {
+            Ok(l) => {
+                links.push((name.clone(), l));
+                live.insert(name);
+            }
+            Err(e) if optional => {
+                failed.insert(name, format!("attach failed: {e}"));
+            }
+            Err(e) => return Err(e).with_context(|| format!("attaching {name} ({mode} mode)")),
+        }
+    }
+    let report = plan::report(&plan, facts, &live, &failed);
+    let mut skel = skel;
+    // io_submit's entry program leaves the iocbs to io_submit_one's once that is attached.
+    if let Some(bss) = skel.maps.bss_data.as_deref_mut() {
+        bss.aio_iocb_hooked =
+            u8::from(live.contains("fe_io_submit_one") || live.contains("kp_io_submit_one"));
+    } else {
+        bail!("BPF object has no .bss");
+    }
+    Ok(Running {
+        skel,
+        links,
+        mode,
+        report,
+    })
+}
+
+/// The modes to try, best first.
+pub fn candidate_modes(m: Mode, facts: &Facts) -> Vec<Mode> {
+    match m {
+        Mode::Auto => {
+            let mut v = Vec::new();
+            if facts.fentry {
+                v.push(Mode::Fentry);
+            }
+            if facts.kprobes {
+                v.push(Mode::Kprobe);
+            }
+            v.push(Mode::Tracepoint);
+            v
+        }
+        m => vec![m],
+    }
+}
+
+/// Starts the first mode of `modes` that works.
+pub fn start_any(modes: &[Mode], facts: &Facts, f: &Filters) -> Result<Running> {
+    let mut errors = Vec::new();
+    for &m in modes {
+        let t0 = std::time::Instant::now();
+        match start(m, facts, f) {
+            Ok(r) => {
+                eprintln!(
+                    "viotrace-guest: {m} mode on Linux {}, attached in {:.2}s",
+                    facts.release,
+                    t0.elapsed().as_secs_f64()
+                );
+                return Ok(r);
+            }
+            Err(e) => {
+                eprintln!("viotrace-guest: {m} mode unavailable: {e:#}");
+                errors.push(format!("{m}: {e:#}"));
+            }
+        }
+    }
+    bail!("no attach mode works: {}", errors.join("; "))
+}

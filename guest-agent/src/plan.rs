@@ -1,0 +1,357 @@
+//! The attach plan and the blind-spot report.
+//!
+//! [`plan`] turns what the kernel offers ([`Facts`]) and an attach mode into the
+//! optional programs to load (one flavour per kernel-function hook, the io_uring
+//! tracepoint generation this kernel has) and the variants the BPF object takes
+//! where kernels differ ([`Variants`], written to its read-only data). [`report`]
+//! then says what the run cannot see, from what actually loaded and attached.
+//! Both are pure: unit tests feed them the facts of real Debian kernels.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use viotrace_shared::record::Point;
+
+use crate::kernel::Facts;
+use crate::probe::{Hook, Mode, HOOKS};
+
+/// Program flavour of a kernel-function hook.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavour {
+    Fentry,
+    Kprobe,
+}
+
+/// What a hook runs as on this kernel, or why it cannot run.
+#[derive(Clone, Debug)]
+pub struct HookChoice {
+    pub hook: &'static Hook,
+    pub flavour: Option<Flavour>,
+    /// Why it has no flavour, or why it is not the mode's own.
+    pub why: Option<String>,
+}
+
+impl HookChoice {
+    /// Programs of the chosen flavour.
+    pub fn programs(&self) -> &'static [&'static str] {
+        match self.flavour {
+            Some(Flavour::Fentry) => self.hook.fentry,
+            Some(Flavour::Kprobe) => self.hook.kprobe,
+            None => &[],
+        }
+    }
+
+    /// The kernel has no such function and the hook is an alternative path.
+    fn path_absent(&self, f: &Facts) -> bool {
+        self.hook.alt_path && !f.syms.contains_key(self.hook.target)
+    }
+}
+
+/// Choices the BPF object makes where kernels differ (its .rodata).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Variants {
+    /// The bio tracepoints carry the request_queue first (5.10).
+    pub tp_bio_has_queue: bool,
+    /// Position of the request in io_uring_submit_sqe's arguments.
+    pub tp_uring_sqe_req_pos: u8,
+    /// Read the descriptor head at the 5.0-6.x vring_virtqueue layout (no BTF for it).
+    pub vvq_assume_layout: bool,
+    /// Address of vring_interrupt for irq_handler_entry (0 = that program is off).
+    pub vring_interrupt_addr: u64,
+}
+
+/// Programs that may be left out without failing the run.
+pub const OPTIONAL_TP_PROGS: &[&str] = &["uring_submit", "uring_submit_sqe", "irq_entry"];
+
+/// What io_uring requests' files and offsets come from.
+const URING_SEES: &str = "file and offset of io_uring requests";
+/// What an unreadable descriptor head loses.
+const HEAD_SEES: &str = "descriptor head of each request (the join key with the host)";
+
+/// Whether `prog` may fail without failing the run.
+pub fn is_optional(prog: &str) -> bool {
+    OPTIONAL_TP_PROGS.contains(&prog)
+        || HOOKS
+            .iter()
+            .any(|h| h.fentry.contains(&prog) || h.kprobe.contains(&prog))
+}
+
+/// What to load on this kernel in one mode.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub hooks: Vec<HookChoice>,
+    /// The io_uring submit program this kernel can run, or why none.
+    pub uring: Result<&'static str, String>,
+    pub variants: Variants,
+    /// Fallbacks taken and assumptions made (not blind spots).
+    pub notes: Vec<String>,
+    /// Details known to be missing before anything is loaded.
+    pub blind: Vec<String>,
+}
+
+impl Plan {
+    /// Optional programs to load.
+    pub fn programs(&self) -> BTreeSet<&'static str> {
+        let mut p: BTreeSet<&'static str> = self
+            .hooks
+            .iter()
+            .flat_map(|c| c.programs().iter().copied())
+            .collect();
+        if let Ok(u) = self.uring {
+            p.insert(u);
+        }
+        if self.variants.vring_interrupt_addr != 0 {
+            p.insert("irq_entry");
+        }
+        p
+    }
+
+    /// Takes `prog` out of the plan after the kernel refused it: the hook or
+    /// tracepoint it serves goes blind, the rest stays.
+    pub fn drop_program(&mut self, prog: &str) {
+        let why = format!("program {prog} refused by this kernel");
+        for c in &mut self.hooks {
+            if c.programs().contains(&prog) {
+                c.flavour = None;
+                c.why = Some(why.clone());
+            }
+        }
+        if matches!(self.uring, Ok(u) if u == prog) {
+            self.uring = Err(why);
+        }
+        if prog == "irq_entry" {
+            self.variants.vring_interrupt_addr = 0;
+        }
+    }
+
+    /// The choice for hook `target`.
+    pub fn choice(&self, target: &str) -> Option<&HookChoice> {
+        self.hooks.iter().find(|c| c.hook.target == target)
+    }
+}
+
+fn choose(mode: Mode, h: &'static Hook, f: &Facts) -> HookChoice {
+    let no = |why: String| HookChoice {
+        hook: h,
+        flavour: None,
+        why: Some(why),
+    };
+    let Some(module) = f.module_of(h.target) else {
+        return no(if h.alt_path {
+            format!("{} not in this kernel (no such path)", h.target)
+        } else {
+            format!(
+                "{} not in /proc/kallsyms (module not loaded or function inlined)",
+                h.target
+            )
+        });
+    };
+    let kprobe = |why: String| HookChoice {
+        hook: h,
+        flavour: Some(Flavour::Kprobe),
+        why: Some(why),
+    };
+    match mode {
+        Mode::Tracepoint | Mode::Auto => no(format!(
+            "needs fentry or kprobes on {} ({mode} mode)",
+            h.target
+        )),
+        Mode::Kprobe if f.kprobes => HookChoice {
+            hook: h,
+            flavour: Some(Flavour::Kprobe),
+            why: None,
+        },
+        Mode::Kprobe => no("kprobes are not available on this kernel".into()),
+        Mode::Fentry if f.fentry && f.has_btf(module) => HookChoice {
+            hook: h,
+            flavour: Some(Flavour::Fentry),
+            why: None,
+        },
+        Mode::Fentry => {
+            let why = if f.fentry {
+                format!("no BTF for {module} (/sys/kernel/btf/{module}), which fentry needs")
+            } else {
+                "fentry programs do not load on this kernel".into()
+            };
+            if f.kprobes {
+                kprobe(format!("{why}: kprobe instead"))
+            } else {
+                no(format!("{why}, and kprobes are not available"))
+            }
+        }
+    }
+}
+
+/// Position of the request in io_uring_submit_sqe's arguments, if it has one.
+fn uring_sqe_req_pos(args: &[Option<String>]) -> Option<u8> {
+    match args {
+        // 5.19-6.1: (struct io_kiocb *req, bool force_nonblock)
+        [Some(r), _] if r == "io_kiocb" => Some(0),
+        // 5.10 (Debian's backport), 5.15: (void *ctx, void *req, opcode, user_data, flags,
+        // force_nonblock, sq_thread)
+        [_, _, _, _, _, _, _] => Some(1),
+        // 5.11-5.14: (ctx, opcode, user_data, force_nonblock, sq_thread): no request
+        _ => None,
+    }
+}
+
+/// The plan for `mode` (not `Auto`: the caller tries the modes in turn).
+pub fn plan(mode: Mode, f: &Facts) -> Plan {
+    let hooks: Vec<HookChoice> = HOOKS.iter().map(|h| choose(mode, h, f)).collect();
+    let mut notes = Vec::new();
+    let mut blind = Vec::new();
+    let mut variants = Variants {
+        tp_bio_has_queue: f.tracepoints.get("block_bio_queue").is_some_and(|a| {
+            a.first()
+                .is_some_and(|q| q.as_deref() == Some("request_queue"))
+        }),
+        ..Variants::default()
+    };
+    let uring = if f.tracepoints.contains_key("io_uring_submit_req") {
+        Ok("uring_submit")
+    } else if let Some(args) = f.tracepoints.get("io_uring_submit_sqe") {
+        match uring_sqe_req_pos(args) {
+            Some(pos) => {
+                variants.tp_uring_sqe_req_pos = pos;
+                Ok("uring_submit_sqe")
+            }
+            None => Err(format!(
+                "io_uring_submit_sqe has no request argument on this kernel ({} arguments)",
+                args.len()
+            )),
+        }
+    } else {
+        Err("no io_uring submit tracepoint (io_uring not built in?)".to_string())
+    };
+    for c in &hooks {
+        if let (Some(_), Some(why)) = (c.flavour, &c.why) {
+            notes.push(format!("{}: {why}", c.hook.target));
+        }
+    }
+    let add_sgs = hooks.iter().find(|c| c.hook.target == "virtqueue_add_sgs");
+    if let Some(module) = add_sgs
+        .filter(|c| c.flavour.is_some())
+        .and_then(|c| f.module_of(c.hook.target))
+    {
+        if !f.has_btf(module) {
+            // Same offset from 5.0 to 6.x (6 or 8 bools after the embedded virtqueue).
+            if (5, 0) <= f.version() && f.version() < (7, 0) {
+                variants.vvq_assume_layout = true;
+                notes.push(format!(
+                    "descriptor head: no BTF for vring_virtqueue ({module}); read at the \
+                     offset every 5.0-6.x kernel has"
+                ));
+            } else {
+                blind.push(format!(
+                    "{HEAD_SEES}: no BTF for vring_virtqueue ({module}) and no known layout \
+                     for kernel {}",
+                    f.release
+                ));
+            }
+        }
+    }
+    if let Some(vi) = hooks.iter().find(|c| c.hook.target == "vring_interrupt") {
+        // A kprobe nested in another BPF kprobe is skipped; the irq tracepoint is not.
+        if vi.flavour == Some(Flavour::Kprobe) {
+            variants.vring_interrupt_addr = f.syms.get("vring_interrupt").map_or(0, |s| s.addr);
+        }
+    }
+    Plan {
+        hooks,
+        uring,
+        variants,
+        notes,
+        blind,
+    }
+}
+
+/// Hooks each point depends on: the point is blind unless all of them run.
+const POINT_NEEDS: &[(Point, &[&str])] = &[
+    (Point::QueueRq, &["virtio_queue_rq", "virtio_queue_rqs"]),
+    (Point::VqAdd, &["virtqueue_add_sgs"]),
+    (
+        Point::Kick,
+        &["virtqueue_add_sgs", "virtqueue_kick_prepare"],
+    ),
+    (
+        Point::Irq,
+        &[
+            "virtqueue_add_sgs",
+            "vring_interrupt",
+            "blk_mq_complete_request",
+        ],
+    ),
+    (Point::DriverComplete, &["blk_mq_complete_request"]),
+    (Point::BioComplete, &["blk_update_request"]),
+];
+
+/// Whether `prog` is a kprobe or kretprobe program.
+pub fn is_kprobe(prog: &str) -> bool {
+    HOOKS.iter().any(|h| h.kprobe.contains(&prog))
+}
+
+/// What a run cannot see.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Points (stage boundaries) no record of this run will carry.
+    pub blind_points: Vec<Point>,
+    /// Human lines: what cannot be seen and why.
+    pub blind: Vec<String>,
+    /// Fallbacks and assumptions.
+    pub notes: Vec<String>,
+}
+
+/// The report from the plan and what happened: `live` programs loaded and
+/// attached; `failed` programs (with the error) did not.
+pub fn report(
+    plan: &Plan,
+    f: &Facts,
+    live: &HashSet<String>,
+    failed: &BTreeMap<String, String>,
+) -> Report {
+    let is_live = |c: &HookChoice| {
+        let progs = c.programs();
+        let own = !progs.is_empty() && progs.iter().all(|p| live.contains(*p));
+        own || (c.hook.target == "vring_interrupt"
+            && c.flavour.is_some()
+            && live.contains("irq_entry"))
+    };
+    let satisfied = |target: &str| {
+        plan.choice(target)
+            .is_some_and(|c| is_live(c) || c.path_absent(f))
+    };
+    let mut r = Report {
+        notes: plan.notes.clone(),
+        ..Report::default()
+    };
+    for c in &plan.hooks {
+        if is_live(c) || c.path_absent(f) {
+            continue;
+        }
+        let why = c
+            .programs()
+            .iter()
+            .find_map(|p| failed.get(*p).map(|e| format!("program {p}: {e}")))
+            .or_else(|| c.why.clone())
+            .unwrap_or_else(|| "not attached".into());
+        r.blind.push(format!("{}: {why}", c.hook.sees));
+    }
+    r.blind.extend(plan.blind.iter().cloned());
+    match &plan.uring {
+        Ok(p) if !live.contains(*p) => {
+            let e = failed.get(*p).map_or("not attached", String::as_str);
+            r.blind.push(format!("{URING_SEES}: program {p}: {e}"));
+        }
+        Ok(_) => {}
+        Err(why) => r.blind.push(format!("{URING_SEES}: {why}")),
+    }
+    for (point, needs) in POINT_NEEDS {
+        if !needs.iter().all(|t| satisfied(t)) {
+            r.blind_points.push(*point);
+        }
+    }
+    r
+}
+
+#[cfg(test)]
+#[path = "plan_tests.rs"]
+mod tests;

@@ -1,0 +1,334 @@
+//! Plans and reports for the Debian guest kernels, from their real facts
+//! (function locations in the cloud kernels, /sys/kernel/btf, and tracepoint
+//! prototypes read from each kernel's BTF).
+
+use std::collections::{BTreeMap, HashSet};
+
+use super::*;
+use crate::kernel::Facts;
+use crate::probe::Sym;
+
+const VIRTIO_BLK: &[&str] = &["virtio_queue_rq", "virtio_queue_rqs"];
+const VIRTIO_RING: &[&str] = &[
+    "virtqueue_add_sgs",
+    "virtqueue_kick_prepare",
+    "virtqueue_notify",
+    "vring_interrupt",
+];
+const CORE: &[&str] = &[
+    "blk_mq_complete_request",
+    "io_submit_one",
+    "blk_update_request",
+];
+
+fn args(a: &[Option<&str>]) -> Vec<Option<String>> {
+    a.iter().map(|x| x.map(str::to_string)).collect()
+}
+
+/// Facts of a Debian cloud kernel: `ring_builtin` (6.12+), `rqs` (virtio_queue_rqs, 5.19+),
+/// `btf` (/sys/kernel/btf entries), `tps` (tracepoint → pointee struct names).
+fn kernel(
+    release: &str,
+    ring_builtin: bool,
+    rqs: bool,
+    btf: &[&str],
+    tps: &[(&str, &[Option<&str>])],
+) -> Facts {
+    let mut syms = std::collections::HashMap::new();
+    let mut addr = 0xffff_ffff_c000_0000u64;
+    let mut add = |name: &str, module: &str| {
+        addr += 0x100;
+        syms.insert(
+            name.to_string(),
+            Sym {
+                module: module.to_string(),
+                addr,
+            },
+        );
+    };
+    for f in VIRTIO_BLK {
+        if *f != "virtio_queue_rqs" || rqs {
+            add(f, "virtio_blk");
+        }
+    }
+    for f in VIRTIO_RING {
+        add(
+            f,
+            if ring_builtin {
+                "vmlinux"
+            } else {
+                "virtio_ring"
+            },
+        );
+    }
+    for f in CORE {
+        add(f, "vmlinux");
+    }
+    Facts {
+        release: release.to_string(),
+        fentry: true,
+        kprobes: true,
+        syms,
+        btf: btf.iter().map(|s| s.to_string()).collect(),
+        tracepoints: tps.iter().map(|(n, a)| (n.to_string(), args(a))).collect(),
+    }
+}
+
+const IRQ: (&str, &[Option<&str>]) = ("irq_handler_entry", &[None, Some("irqaction")]);
+
+fn k5_10() -> Facts {
+    kernel(
+        "5.10.0-46-cloud-amd64",
+        false,
+        false,
+        &["vmlinux"],
+        &[
+            ("block_bio_queue", &[Some("request_queue"), Some("bio")]),
+            ("io_uring_submit_sqe", &[None; 7]),
+            IRQ,
+        ],
+    )
+}
+
+fn k6_1() -> Facts {
+    kernel(
+        "6.1.0-56-cloud-amd64",
+        false,
+        true,
+        &["vmlinux", "virtio_blk", "virtio_ring"],
+        &[
+            ("block_bio_queue", &[Some("bio")]),
+            ("io_uring_submit_sqe", &[Some("io_kiocb"), None]),
+            IRQ,
+        ],
+    )
+}
+
+fn k7_2() -> Facts {
+    kernel(
+        "7.2.13+deb14-cloud-amd64",
+        true,
+        true,
+        &["vmlinux", "virtio_blk"],
+        &[
+            ("block_bio_queue", &[Some("bio")]),
+            ("io_uring_submit_req", &[Some("io_kiocb")]),
+            IRQ,
+        ],
+    )
+}
+
+/// Everything the plan enables loaded and attached.
+fn all_live(p: &Plan) -> HashSet<String> {
+    p.programs().iter().map(|s| s.to_string()).collect()
+}
+
+fn flavour(p: &Plan, target: &str) -> Option<Flavour> {
+    p.choice(target).unwrap().flavour
+}
+
+const DRIVER_POINTS: [Point; 6] = [
+    Point::QueueRq,
+    Point::VqAdd,
+    Point::Kick,
+    Point::Irq,
+    Point::DriverComplete,
+    Point::BioComplete,
+];
+
+#[test]
+fn linux_5_10_fentry_falls_back_to_kprobes_for_modules_without_btf() {
+    let f = k5_10();
+    let p = plan(Mode::Fentry, &f);
+    for t in CORE {
+        assert_eq!(flavour(&p, t), Some(Flavour::Fentry), "{t}");
+    }
+    for t in VIRTIO_RING.iter().chain(&["virtio_queue_rq"]) {
+        assert_eq!(flavour(&p, t), Some(Flavour::Kprobe), "{t}");
+    }
+    assert_eq!(flavour(&p, "virtio_queue_rqs"), None);
+    assert!(p
+        .notes
+        .iter()
+        .any(|n| n.starts_with("virtio_queue_rq: no BTF for virtio_blk")));
+    assert_eq!(
+        p.variants,
+        Variants {
+            tp_bio_has_queue: true,
+            tp_uring_sqe_req_pos: 1,
+            vvq_assume_layout: true,
+            vring_interrupt_addr: f.syms["vring_interrupt"].addr,
+        }
+    );
+    assert_eq!(p.uring, Ok("uring_submit_sqe"));
+    let progs = p.programs();
+    for prog in [
+        "fx_update_request",
+        "fe_complete_request",
+        "fe_io_submit_one",
+        "kp_queue_rq",
+        "kp_add_sgs",
+        "kp_kick_prepare",
+        "krp_kick_prepare",
+        "irq_entry",
+        "uring_submit_sqe",
+    ] {
+        assert!(progs.contains(prog), "{prog} in {progs:?}");
+    }
+    assert!(!progs.contains("kp_queue_rqs") && !progs.contains("fe_queue_rqs"));
+    // All of it attached: nothing is blind (the batched path does not exist on 5.10).
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert_eq!(r.blind_points, Vec::<Point>::new());
+    assert_eq!(r.blind, Vec::<String>::new());
+}
+
+#[test]
+fn linux_5_10_tracepoint_mode_is_blind_to_the_driver_points_only() {
+    let f = k5_10();
+    let p = plan(Mode::Tracepoint, &f);
+    assert_eq!(
+        p.programs().into_iter().collect::<Vec<_>>(),
+        ["uring_submit_sqe"]
+    );
+    assert!(p.variants.tp_bio_has_queue && !p.variants.vvq_assume_layout);
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert_eq!(r.blind_points, DRIVER_POINTS);
+    // One line per hook that exists on this kernel; none for the absent batched path.
+    assert_eq!(r.blind.len(), HOOKS.len() - 1, "{:#?}", r.blind);
+    assert!(r.blind.iter().all(|l| !l.contains("batched")));
+}
+
+#[test]
+fn linux_6_1_fentry_uses_module_btf_and_the_two_argument_submit_sqe() {
+    let f = k6_1();
+    let p = plan(Mode::Fentry, &f);
+    assert!(p.hooks.iter().all(|c| c.flavour == Some(Flavour::Fentry)));
+    assert!(p.notes.is_empty(), "{:?}", p.notes);
+    assert_eq!(p.variants, Variants::default());
+    assert_eq!(p.uring, Ok("uring_submit_sqe"));
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert!(r.blind_points.is_empty() && r.blind.is_empty(), "{r:?}");
+}
+
+#[test]
+fn linux_7_2_kprobe_mode_takes_submit_req_and_the_irq_tracepoint() {
+    let f = k7_2();
+    let p = plan(Mode::Kprobe, &f);
+    assert!(p.hooks.iter().all(|c| c.flavour == Some(Flavour::Kprobe)));
+    assert_eq!(p.uring, Ok("uring_submit"));
+    assert!(p.programs().contains("irq_entry") && p.programs().contains("kp_queue_rqs"));
+    assert!(!p.variants.tp_bio_has_queue && !p.variants.vvq_assume_layout);
+    // vring_interrupt's kprobe failed, but irq_handler_entry still gives g.irq.
+    let mut live = all_live(&p);
+    live.remove("kp_vring_interrupt");
+    let failed = BTreeMap::from([(
+        "kp_vring_interrupt".to_string(),
+        "attach: ENOENT".to_string(),
+    )]);
+    let r = report(&p, &f, &live, &failed);
+    assert!(r.blind_points.is_empty(), "{r:?}");
+}
+
+#[test]
+fn a_failed_program_blinds_exactly_the_points_that_depend_on_it() {
+    let f = k7_2();
+    let p = plan(Mode::Fentry, &f);
+    let mut live = all_live(&p);
+    live.remove("fe_add_sgs");
+    let failed = BTreeMap::from([("fe_add_sgs".to_string(), "load: EINVAL".to_string())]);
+    let r = report(&p, &f, &live, &failed);
+    assert_eq!(r.blind_points, [Point::VqAdd, Point::Kick, Point::Irq]);
+    assert_eq!(
+        r.blind,
+        ["g.vq_add, queue index, descriptor head: program fe_add_sgs: load: EINVAL"]
+    );
+    // The batched path exists on 7.2: losing it blinds g.queue_rq.
+    let mut live = all_live(&p);
+    live.remove("fe_queue_rqs");
+    let r = report(&p, &f, &live, &BTreeMap::new());
+    assert_eq!(r.blind_points, [Point::QueueRq]);
+}
+
+#[test]
+fn without_kprobes_or_module_btf_fentry_mode_reports_the_module_hooks_blind() {
+    let mut f = k5_10();
+    f.kprobes = false;
+    let p = plan(Mode::Fentry, &f);
+    assert_eq!(flavour(&p, "virtqueue_add_sgs"), None);
+    assert_eq!(flavour(&p, "blk_update_request"), Some(Flavour::Fentry));
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert_eq!(
+        r.blind_points,
+        [Point::QueueRq, Point::VqAdd, Point::Kick, Point::Irq]
+    );
+    assert!(r.blind.iter().any(|l| l.contains("no BTF for virtio_ring")));
+    // Kprobe mode without kprobes: every hook is blind, the tracepoints still run.
+    let r = report(
+        &plan(Mode::Kprobe, &f),
+        &f,
+        &HashSet::new(),
+        &BTreeMap::new(),
+    );
+    assert_eq!(r.blind_points, DRIVER_POINTS);
+}
+
+#[test]
+fn a_7x_ring_module_without_btf_has_no_head_rather_than_a_guessed_one() {
+    let mut f = k7_2();
+    for name in VIRTIO_RING {
+        f.syms.get_mut(*name).unwrap().module = "virtio_ring".into();
+    }
+    let p = plan(Mode::Kprobe, &f);
+    assert!(!p.variants.vvq_assume_layout);
+    assert!(p.blind[0].starts_with("descriptor head"), "{:?}", p.blind);
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert!(r.blind_points.is_empty());
+    assert_eq!(r.blind, p.blind);
+}
+
+#[test]
+fn io_uring_generations() {
+    assert_eq!(uring_sqe_req_pos(&args(&[Some("io_kiocb"), None])), Some(0));
+    assert_eq!(uring_sqe_req_pos(&args(&[None; 7])), Some(1));
+    // 5.11-5.14: (ctx, opcode, user_data, force_nonblock, sq_thread)
+    assert_eq!(uring_sqe_req_pos(&args(&[None; 5])), None);
+    let mut f = k6_1();
+    f.tracepoints
+        .insert("io_uring_submit_sqe".into(), args(&[None; 5]));
+    let p = plan(Mode::Tracepoint, &f);
+    assert!(p.uring.is_err() && !p.programs().contains("uring_submit_sqe"));
+    let r = report(&p, &f, &HashSet::new(), &BTreeMap::new());
+    assert!(r
+        .blind
+        .iter()
+        .any(|l| l.starts_with("file and offset of io_uring requests: io_uring_submit_sqe")));
+    f.tracepoints.remove("io_uring_submit_sqe");
+    assert!(plan(Mode::Tracepoint, &f).uring.is_err());
+}
+
+#[test]
+fn release_versions() {
+    assert_eq!(k5_10().version(), (5, 10));
+    assert_eq!(k7_2().version(), (7, 2));
+    assert!(is_optional("irq_entry") && is_optional("kp_add_sgs") && !is_optional("bio_queue"));
+}
+
+#[test]
+fn a_refused_program_is_dropped_with_its_hook_only() {
+    let f = k7_2();
+    let mut p = plan(Mode::Kprobe, &f);
+    p.drop_program("krp_kick_prepare");
+    p.drop_program("uring_submit");
+    p.drop_program("irq_entry");
+    let progs = p.programs();
+    assert!(!progs.contains("kp_kick_prepare") && !progs.contains("krp_kick_prepare"));
+    assert!(!progs.contains("uring_submit") && !progs.contains("irq_entry"));
+    assert!(progs.contains("kp_add_sgs") && progs.contains("kp_vring_interrupt"));
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert_eq!(r.blind_points, [Point::Kick]);
+    assert!(r
+        .blind
+        .iter()
+        .any(|l| l.contains("program krp_kick_prepare refused")));
+    assert!(r.blind.iter().any(|l| l.starts_with(URING_SEES)));
+}

@@ -6,15 +6,22 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use viotrace_shared::chrome::ChromeTrace;
 use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::join::{JoinConfig, JoinEngine, JoinStats};
+use viotrace_shared::proto::GuestRecord;
 use viotrace_shared::record::{HostElem, JoinedIo, Record};
 use viotrace_shared::stats::{fmt_ns, render_waterfall, Aggregator, TOTAL_STAGE};
-use viotrace_shared::transport::host::{self, EventKind, Listen, Origin, Server};
+use viotrace_shared::transport::host::{
+    self, ClockSample, EventKind, Inbox, Listen, Origin, Server, TokenBucket, VmAccount,
+};
+
+/// Time the main loop spends on guest events per pass (the BPF ring buffer and
+/// signals come first, whatever the guests send).
+const INBOX_BUDGET: Duration = Duration::from_millis(20);
 
 /// What joined mode listens on and writes.
 #[derive(Clone, Debug, Default)]
@@ -30,6 +37,9 @@ pub struct JoinOpts {
     pub threshold_ns: Option<u64>,
     /// VM label for each guest CID (from QEMU command lines).
     pub vm_for_cid: HashMap<u32, String>,
+    /// Joined records written per second per VM, at most (a flooding guest
+    /// must not fill the host's disk); the rest are counted.
+    pub max_vm_rate: f64,
 }
 
 /// Per-connection bookkeeping.
@@ -37,15 +47,52 @@ struct Conn {
     vm: String,
     origin: Origin,
     records: u64,
-    transport_dropped: u64,
     guest_counters: Vec<(String, u64)>,
+}
+
+/// One VM's transport accounting and what this agent did with its records.
+#[derive(Debug, serde::Serialize)]
+pub struct VmReport {
+    #[serde(flatten)]
+    pub transport: VmAccount,
+    /// `produced == before_this_host + delivered + lost_in_transit + in_flight`.
+    pub balanced: bool,
+    /// Joined-mode records written to the outputs.
+    pub written: u64,
+    /// Records not written because the VM exceeded its output rate.
+    pub output_rate_limited: u64,
+    /// Syscall-level records received (they stay in the guest's own output).
+    pub syscall_records: u64,
+}
+
+/// How long a VM's guest records may be awaited after its connection was lost
+/// (the guest reconnects and resends); then its host records expire as usual.
+const STALL_GRACE: Duration = Duration::from_secs(30);
+/// At stop, how long guest records are waited for while they still match host records.
+const STOP_GRACE_MAX: Duration = Duration::from_millis(1200);
+/// At stop, how long without a newly matched host record ends the wait.
+const STOP_GRACE_IDLE: Duration = Duration::from_millis(400);
+
+/// Per-VM output state.
+struct VmOut {
+    bucket: TokenBucket,
+    written: u64,
+    rate_limited: u64,
+    /// Syscall-level records (they stay in the guest's own output).
+    io_records: u64,
+    /// Live guest connections, and since when there has been none.
+    conns: usize,
+    stalled_since: Option<Instant>,
 }
 
 /// The joined-mode state, driven from the agent's main loop.
 pub struct Joined {
     rt: tokio::runtime::Runtime,
     server: Option<Server>,
-    rx: tokio::sync::mpsc::Receiver<host::Event>,
+    inbox: Inbox,
+    accounts: host::AccountsHandle,
+    vms: HashMap<String, VmOut>,
+    max_vm_rate: f64,
     engine: JoinEngine,
     out: Box<dyn Write>,
     buf: Vec<JoinedIo>,
@@ -54,12 +101,15 @@ pub struct Joined {
     threshold_ns: Option<u64>,
     chrome: Option<(PathBuf, ChromeTrace)>,
     conns: HashMap<u64, Conn>,
-    /// Guest-side losses reported by connections that have ended.
-    closed_dropped: u64,
-    bad_connections: u64,
     pub records: u64,
     /// Human output (tables, waterfalls, notices).
     human: Vec<String>,
+    /// Fleet metrics of the end-to-end records (`--metrics-listen`), and each
+    /// VM's newest clock uncertainty for them.
+    pub metrics: Option<viotrace_shared::metrics::Recorder>,
+    pub clock_uncertainty: HashMap<String, u64>,
+    /// OTLP traces of slow I/Os (`--otlp`).
+    pub otlp: Option<viotrace_shared::metrics::otlp::SlowTraces>,
 }
 
 impl Joined {
@@ -87,16 +137,21 @@ impl Joined {
             vm_for_cid: opts.vm_for_cid.clone(),
             ..host::HostConfig::default()
         };
+        let max_vm_rate = if opts.max_vm_rate > 0.0 {
+            opts.max_vm_rate
+        } else {
+            f64::INFINITY
+        };
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("viotrace-net")
             .enable_all()
             .build()
             .context("start the network runtime")?;
-        let (tx, rx) = tokio::sync::mpsc::channel(1024);
-        let server = rt
-            .block_on(host::serve(cfg, tx))
+        let (server, inbox) = rt
+            .block_on(host::serve(cfg))
             .context("listen for guest agents")?;
+        let accounts = server.accounts_handle();
         let out: Box<dyn Write> = match &opts.out {
             Some(p) => Box::new(BufWriter::new(
                 File::create(p).with_context(|| format!("create {}", p.display()))?,
@@ -106,7 +161,10 @@ impl Joined {
         Ok(Joined {
             rt,
             server: Some(server),
-            rx,
+            inbox,
+            accounts,
+            vms: HashMap::new(),
+            max_vm_rate,
             engine: JoinEngine::new(JoinConfig::default()),
             out,
             buf: Vec::new(),
@@ -115,10 +173,11 @@ impl Joined {
             threshold_ns: opts.threshold_ns,
             chrome: opts.chrome.clone().map(|p| (p, ChromeTrace::new())),
             conns: HashMap::new(),
-            closed_dropped: 0,
-            bad_connections: 0,
             records: 0,
             human: Vec::new(),
+            metrics: None,
+            clock_uncertainty: HashMap::new(),
+            otlp: None,
         })
     }
 
@@ -128,11 +187,17 @@ impl Joined {
         self.emit();
     }
 
-    /// Handles what the guests sent, advances the join's clocks and timeouts, and
-    /// writes what is ready. Returns human-readable notices and waterfalls.
+    /// Handles what the guests sent (within [`INBOX_BUDGET`]), advances the join's
+    /// clocks and timeouts, and writes what is ready. Returns human-readable
+    /// notices and waterfalls.
     pub fn poll(&mut self) -> Vec<String> {
-        while let Ok(ev) = self.rx.try_recv() {
-            self.event(ev);
+        self.take_events(INBOX_BUDGET);
+        let now = Instant::now();
+        for (vm, o) in &mut self.vms {
+            if o.stalled_since.is_some_and(|t| now - t > STALL_GRACE) {
+                o.stalled_since = None;
+                self.engine.set_guest_live(vm);
+            }
         }
         self.engine.advance(monotonic_ns(), &mut self.buf);
         self.emit();
@@ -140,78 +205,130 @@ impl Joined {
         std::mem::take(&mut self.human)
     }
 
-    fn event(&mut self, ev: host::Event) {
-        if let (EventKind::GuestRqs(rqs), Some(c)) = (&ev.kind, self.conns.get_mut(&ev.conn)) {
-            c.records += rqs.len() as u64;
+    fn take_events(&mut self, budget: Duration) -> usize {
+        let mut evs = Vec::new();
+        let n = self.inbox.drain(budget, |e| evs.push(e));
+        for ev in evs {
+            self.event(ev);
         }
-        // Guest records and clock samples go to the join; a new boot id (shown in the
-        // connection notice) resets that VM's clock mapping there.
-        let Some(ev) = host::feed_join(&mut self.engine, ev, &mut self.buf) else {
-            self.emit();
-            return;
-        };
+        n
+    }
+
+    /// Guest records and clock samples go to the join; a new boot id (shown in
+    /// the connection notice) resets that VM's clock mapping there.
+    fn event(&mut self, ev: host::Event) {
+        let vm = ev.vm;
         match ev.kind {
+            EventKind::Records { records, permit } => {
+                if let Some(c) = self.conns.get_mut(&ev.conn) {
+                    c.records += records.len() as u64;
+                }
+                for r in records {
+                    match r {
+                        GuestRecord::Rq(rq) => self.engine.push_guest(&vm, rq, &mut self.buf),
+                        GuestRecord::Io(_) => self.vm_out(&vm).io_records += 1,
+                    }
+                }
+                // The VM's pending-record budget is released only now.
+                drop(permit);
+                self.emit();
+            }
+            EventKind::Clock(ClockSample::GuestInitiated { t1, t2, t3, t4 }) => {
+                if let Err(e) = self.engine.clock(&vm).add_guest_probe(t1, t2, t3, t4) {
+                    log_debug(&vm, &e);
+                }
+            }
+            EventKind::Clock(ClockSample::HostInitiated { h1, g2, g3, h4 }) => {
+                if let Err(e) = self.engine.clock(&vm).add_host_probe(h1, g2, g3, h4) {
+                    log_debug(&vm, &e);
+                }
+            }
             EventKind::Connected(hello) => {
+                if self.engine.guest_connected(&vm, &hello.boot_id) {
+                    self.human.push(format!(
+                        "viotrace-host: vm {vm}: guest rebooted (boot id {}), clock reset\n",
+                        hello.boot_id
+                    ));
+                }
                 self.human.push(format!(
-                    "viotrace-host: guest agent {} connected from {} as vm={} (kernel {}, boot {})\n",
-                    hello.agent_version, ev.origin, ev.vm, hello.kernel_release, hello.boot_id
+                    "viotrace-host: guest agent {} connected from {} as vm={vm} (kernel {}, boot {}, session {:016x})\n",
+                    hello.agent_version, ev.origin, hello.kernel_release, hello.boot_id, hello.session
                 ));
-                self.conns.insert(
-                    ev.conn,
-                    Conn {
-                        vm: ev.vm,
-                        origin: ev.origin,
-                        records: 0,
-                        transport_dropped: 0,
-                        guest_counters: Vec::new(),
-                    },
-                );
-            }
-            EventKind::GuestRqs(_) | EventKind::Clock(_) => {
-                // Consumed by feed_join.
-            }
-            EventKind::GuestIos(_) => {
-                // Syscall-level records stay in the guest's own output; the join is per request.
+                // Resending now: the join waits until the guest has caught up
+                // (at most STALL_GRACE after the connection was lost).
+                let o = self.vm_out(&vm);
+                o.conns += 1;
+                self.engine.set_guest_stalled(&vm, false);
+                let c = Conn {
+                    vm,
+                    origin: ev.origin,
+                    records: 0,
+                    guest_counters: Vec::new(),
+                };
+                self.conns.insert(ev.conn, c);
             }
             EventKind::Stats(st) => {
                 if let Some(c) = self.conns.get_mut(&ev.conn) {
-                    c.transport_dropped = st.transport_dropped;
                     c.guest_counters = st.counters.into_iter().map(|k| (k.name, k.value)).collect();
                 }
             }
-            EventKind::Disconnected { reason, error } => {
-                if error {
-                    self.bad_connections += 1;
+            EventKind::Disconnected { reason, error, bye } => {
+                let what = if error { " with an error" } else { "" };
+                let gone = self.conns.remove(&ev.conn);
+                if let Some(c) = &gone {
+                    // The guest will reconnect and resend: keep its host records waiting.
+                    let o = self.vm_out(&c.vm);
+                    o.conns = o.conns.saturating_sub(1);
+                    if o.conns == 0 && !bye {
+                        o.stalled_since.get_or_insert_with(Instant::now);
+                        self.engine.set_guest_stalled(&c.vm, true);
+                    }
                 }
-                if let Some(c) = self.conns.remove(&ev.conn) {
-                    self.closed_dropped += c.transport_dropped;
-                    self.human.push(format!(
-                        "viotrace-host: guest connection {} (vm={}) closed{}: {reason}; {} records\n",
-                        c.origin,
-                        c.vm,
-                        if error { " with an error" } else { "" },
-                        c.records
-                    ));
-                } else {
-                    self.human.push(format!(
-                        "viotrace-host: guest connection {} (vm={}) rejected{}: {reason}\n",
-                        ev.origin,
-                        ev.vm,
-                        if error { " with an error" } else { "" },
-                    ));
-                }
+                let line = match gone {
+                    Some(c) => format!(
+                        "viotrace-host: guest connection {} (vm={}) closed{what}: {reason}; {} records\n",
+                        c.origin, c.vm, c.records
+                    ),
+                    None => format!(
+                        "viotrace-host: guest connection {} (vm={vm}) rejected{what}: {reason}\n",
+                        ev.origin
+                    ),
+                };
+                self.human.push(line);
             }
         }
     }
 
+    fn vm_out(&mut self, vm: &str) -> &mut VmOut {
+        let rate = self.max_vm_rate;
+        self.vms.entry(vm.to_string()).or_insert_with(|| VmOut {
+            bucket: TokenBucket::new(rate, rate.min(1e12)),
+            written: 0,
+            rate_limited: 0,
+            io_records: 0,
+            conns: 0,
+            stalled_since: None,
+        })
+    }
+
     fn emit(&mut self) {
-        for j in self.buf.drain(..) {
+        let ready = std::mem::take(&mut self.buf);
+        for j in ready {
             self.records += 1;
             let label = format!(
                 "{}/{}",
                 j.vm,
                 j.disk.as_deref().or(j.device.as_deref()).unwrap_or("?")
             );
+            if let Some(m) = self.metrics.as_mut() {
+                let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("");
+                m.record(
+                    "joined", &j.vm, disk, j.queue, j.op, j.bytes, &j.stages, j.total_ns, j.joined,
+                );
+                if let Some(u) = j.clock_uncertainty_ns {
+                    self.clock_uncertainty.insert(j.vm.clone(), u);
+                }
+            }
             if j.joined {
                 for (stage, ns) in j.stages.iter() {
                     let ns = ns.max(0) as u64;
@@ -225,8 +342,11 @@ impl Joined {
             }
             if let (Some(th), Some(t)) = (self.threshold_ns, j.total_ns) {
                 if j.joined && t >= 0 && t as u64 >= th {
+                    if let Some(o) = &self.otlp {
+                        o.slow(&j);
+                    }
                     let header = format!(
-                        "slow I/O: vm={} disk={} q{} head={} {} sector={} bytes={} pid={} comm={} inode={} offset={} total={} (clock ±{})",
+                        "slow I/O: vm={} disk={} q{} head={} {} sector={} bytes={} pid={} comm={} inode={} offset={} total={} (clock ±{}) at {}",
                         j.vm,
                         j.disk.as_deref().unwrap_or("?"),
                         j.queue.map_or("?".into(), |q| q.to_string()),
@@ -240,10 +360,19 @@ impl Joined {
                         j.file_offset.map_or("?".into(), |o| o.to_string()),
                         fmt_ns(t as u64),
                         fmt_ns(j.clock_uncertainty_ns.unwrap_or(0)),
+                        j.time.map_or("?".to_string(), |t| t.to_string()),
                     );
                     self.human.push(render_waterfall(&header, &j.ts));
                 }
             }
+            // Per-VM output rate: statistics above keep every record; the files
+            // get at most the VM's rate, the rest is counted.
+            let o = self.vm_out(&j.vm);
+            if !o.bucket.try_take(1.0, Instant::now()) {
+                o.rate_limited += 1;
+                continue;
+            }
+            o.written += 1;
             if let Some((_, c)) = self.chrome.as_mut() {
                 c.add(&j);
             }
@@ -254,7 +383,25 @@ impl Joined {
         }
     }
 
-    /// Join counters plus the guests' reported losses.
+    /// Every VM's transport accounting, with what this agent did with the records.
+    pub fn vm_accounts(&self) -> Vec<VmReport> {
+        self.accounts
+            .accounts()
+            .into_iter()
+            .map(|transport| {
+                let o = self.vms.get(&transport.vm);
+                VmReport {
+                    written: o.map_or(0, |o| o.written),
+                    output_rate_limited: o.map_or(0, |o| o.rate_limited),
+                    syscall_records: o.map_or(0, |o| o.io_records),
+                    balanced: transport.balanced(),
+                    transport,
+                }
+            })
+            .collect()
+    }
+
+    /// Join counters plus the transport's accounting summed over VMs.
     pub fn counters(&self) -> Vec<(String, u64)> {
         let s: JoinStats = self.engine.stats();
         let mut v = vec![
@@ -266,13 +413,35 @@ impl Joined {
             ("join_mismatched".to_string(), s.mismatched),
             ("join_evicted_lost".to_string(), s.evicted),
             ("clock_conflicts".to_string(), s.clock_conflicts),
-            ("bad_guest_connections".to_string(), self.bad_connections),
         ];
-        let live: u64 = self.conns.values().map(|c| c.transport_dropped).sum();
-        v.push((
-            "guest_transport_dropped".to_string(),
-            self.closed_dropped + live,
-        ));
+        let mut sum: HashMap<&'static str, u64> = HashMap::new();
+        for r in self.vm_accounts() {
+            let (a, rl) = (&r.transport, r.output_rate_limited);
+            for (k, n) in [
+                ("guest_produced", a.produced),
+                ("guest_delivered", a.delivered),
+                ("lost_in_transit", a.lost_in_transit),
+                ("in_flight_at_stop", a.in_flight),
+                ("before_this_host", a.before_host),
+                ("guest_dropped_full", a.guest_dropped_full),
+                ("transport_duplicates", a.duplicates),
+                ("transport_resyncs", a.resyncs),
+                ("bad_guest_connections", a.bad_connections),
+                ("rejected_guest_connections", a.rejected_connections),
+                ("clock_rejected", a.clock_rejected),
+                ("clock_rate_limited", a.clock_rate_limited),
+                ("guest_throttled_ms", a.throttled_ms),
+                ("guest_backpressure_ms", a.backpressure_ms),
+                ("output_rate_limited", rl),
+            ] {
+                *sum.entry(k).or_default() += n;
+            }
+        }
+        let refused = self.server.as_ref().map_or(0, Server::refused_total_cap);
+        *sum.entry("rejected_guest_connections").or_default() += refused;
+        let mut t: Vec<(String, u64)> = sum.into_iter().map(|(k, n)| (k.to_string(), n)).collect();
+        t.sort();
+        v.extend(t);
         let mut guest: HashMap<String, u64> = HashMap::new();
         for c in self.conns.values() {
             for (k, n) in &c.guest_counters {
@@ -285,23 +454,69 @@ impl Joined {
         v
     }
 
+    /// One line per VM: the transport identity and what was refused.
+    pub fn account_lines(&self) -> Vec<String> {
+        self.vm_accounts()
+            .into_iter()
+            .map(|r| {
+                let (a, written, rl) = (&r.transport, r.written, r.output_rate_limited);
+                format!(
+                    "viotrace-host: vm {}: guest records produced={} = before_this_host={} + delivered={} + lost_in_transit={} + in_flight={} ({}); guest buffer refused={}; connections={} rejected={} bad={}; clock samples={} rejected={} rate_limited={}; throttled={}ms backpressure={}ms; written={} output_rate_limited={}\n",
+                    a.vm,
+                    a.produced,
+                    a.before_host,
+                    a.delivered,
+                    a.lost_in_transit,
+                    a.in_flight,
+                    if a.balanced() { "balanced" } else { "UNBALANCED" },
+                    a.guest_dropped_full,
+                    a.connections,
+                    a.rejected_connections,
+                    a.bad_connections,
+                    a.clock_samples,
+                    a.clock_rejected,
+                    a.clock_rate_limited,
+                    a.throttled_ms,
+                    a.backpressure_ms,
+                    written,
+                    rl
+                )
+            })
+            .collect()
+    }
+
     /// Stops serving, flushes every pending record (unmatched ones with their reason) and
     /// writes the Chrome trace.
     pub fn finish(&mut self) -> Result<Vec<String>> {
-        // Let in-flight guest data arrive before the final flush.
-        let deadline = std::time::Instant::now() + Duration::from_millis(500);
-        while std::time::Instant::now() < deadline {
-            match self.rx.try_recv() {
-                Ok(ev) => self.event(ev),
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        // Let in-flight guest data arrive before the final flush, as long as it
+        // still matches host records (a slow guest uploads its last requests
+        // after the host saw them). Bounded: no progress for 400 ms, or 1.2 s in
+        // all — the agent stops within two seconds of a signal whatever the
+        // guests do.
+        let start = Instant::now();
+        let mut last_progress = start;
+        let mut pending = self.engine.stats().pending_host;
+        while pending > 0
+            && start.elapsed() < STOP_GRACE_MAX
+            && last_progress.elapsed() < STOP_GRACE_IDLE
+        {
+            if self.take_events(Duration::from_millis(20)) == 0 {
+                std::thread::sleep(Duration::from_millis(20));
             }
+            let now_pending = self.engine.stats().pending_host;
+            if now_pending < pending {
+                last_progress = Instant::now();
+            }
+            pending = now_pending;
+        }
+        if let Some(s) = self.server.as_ref() {
+            // Keep the accounts of the server for the final report.
+            self.accounts = s.accounts_handle();
         }
         if let Some(s) = self.server.take() {
-            self.rt.block_on(s.shutdown(Duration::from_secs(2)));
+            self.rt.block_on(s.shutdown(Duration::from_millis(700)));
         }
-        while let Ok(ev) = self.rx.try_recv() {
-            self.event(ev);
-        }
+        self.take_events(Duration::from_millis(200));
         self.engine.flush(&mut self.buf);
         self.emit();
         self.out.flush().context("write joined records")?;
@@ -318,7 +533,15 @@ impl Joined {
                 p.display()
             ));
         }
+        let lines = self.account_lines();
+        self.human.extend(lines);
         Ok(std::mem::take(&mut self.human))
+    }
+}
+
+fn log_debug(vm: &str, e: &dyn std::fmt::Display) {
+    if std::env::var_os("VIOTRACE_DEBUG").is_some() {
+        eprintln!("viotrace-host: vm {vm}: clock sample not used: {e}");
     }
 }
 

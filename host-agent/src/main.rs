@@ -6,6 +6,7 @@ mod bpf {
     #![allow(unused_imports, clippy::all)]
     include!(concat!(env!("OUT_DIR"), "/viotrace_host.skel.rs"));
 }
+mod fleet;
 mod joined;
 mod qemu;
 mod tracer;
@@ -75,6 +76,24 @@ struct Cli {
     /// Joined mode: write a Chrome trace-event file (Perfetto) of the joined requests at exit.
     #[arg(long, value_name = "FILE")]
     chrome_trace: Option<PathBuf>,
+    /// Joined mode: most joined records written per second per VM (0: no limit); the
+    /// rest still count in the statistics and are reported as output_rate_limited.
+    #[arg(long, value_name = "N", default_value_t = 50_000.0)]
+    max_vm_rate: f64,
+    /// Serve Prometheus metrics (per-stage histograms, counters, every drop
+    /// counter) on this address, e.g. 127.0.0.1:9477 (GET /metrics).
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics_listen: Option<String>,
+    /// Push the metrics (every 5 s) and one trace per slow I/O (joined mode, -t)
+    /// as OTLP/HTTP protobuf to ENDPOINT/v1/metrics and ENDPOINT/v1/traces.
+    #[arg(long, value_name = "http://HOST:PORT")]
+    otlp: Option<String>,
+    /// Full URL for the OTLP metrics (overrides --otlp for that signal).
+    #[arg(long, value_name = "URL", requires = "otlp")]
+    otlp_metrics_url: Option<String>,
+    /// Full URL for the OTLP traces (overrides --otlp for that signal).
+    #[arg(long, value_name = "URL", requires = "otlp")]
+    otlp_traces_url: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -93,6 +112,7 @@ struct Sink {
     out: std::io::BufWriter<std::io::Stdout>,
     records: u64,
     joined: Option<joined::Joined>,
+    metrics: Option<viotrace_shared::metrics::Recorder>,
 }
 
 impl Sink {
@@ -108,6 +128,15 @@ impl Sink {
         self.records += 1;
         if let Some(j) = self.joined.as_mut() {
             j.host_elem(e);
+        }
+        // In joined mode the end-to-end records carry these stages (source="joined"):
+        // deriving them a second time per element would double the exporter's cost.
+        if let Some(m) = self.metrics.as_mut().filter(|_| self.joined.is_none()) {
+            let b = viotrace_shared::join::host_breakdown(e);
+            let (q, op) = (Some(e.queue), e.op);
+            m.record(
+                "host", &e.vm, &e.device, q, op, e.bytes, &b.stages, b.total_ns, true,
+            );
         }
         let label = format!("{}/{}", e.vm, e.device);
         let st = stages(&e.ts);
@@ -128,7 +157,7 @@ impl Sink {
             let total = st.iter().find(|(n, _)| n == TOTAL_STAGE).map_or(0, |x| x.1);
             if total >= th {
                 let header = format!(
-                    "slow element: vm={} disk={} q{} head={} {} sector={} bytes={} backend={:?} merge_id={} status={}",
+                    "slow element: vm={} disk={} q{} head={} {} sector={} bytes={} backend={:?} merge_id={} status={} at {}",
                     e.vm,
                     e.device,
                     e.queue,
@@ -138,7 +167,8 @@ impl Sink {
                     e.bytes,
                     e.backend,
                     e.merge_id,
-                    e.status.map_or("-".to_string(), |s| s.to_string())
+                    e.status.map_or("-".to_string(), |s| s.to_string()),
+                    e.time.map_or("?".to_string(), |t| t.to_string())
                 );
                 let w = render_waterfall(&header, &e.ts);
                 self.human(&w);
@@ -184,7 +214,22 @@ fn run() -> Result<()> {
         out: std::io::BufWriter::new(std::io::stdout()),
         records: 0,
         joined: None,
+        metrics: None,
     }));
+    let metrics = (cli.metrics_listen.is_some() || cli.otlp.is_some())
+        .then(|| viotrace_shared::metrics::Metrics::new("viotrace-host"));
+    if let (Some(m), Some(addr)) = (&metrics, &cli.metrics_listen) {
+        let at = viotrace_shared::metrics::expose::serve(addr, m.clone())
+            .with_context(|| format!("--metrics-listen {addr}"))?;
+        eprintln!("viotrace-host: Prometheus metrics on http://{at}/metrics");
+    }
+    if let Some(m) = &metrics {
+        sink.borrow_mut().metrics = Some(viotrace_shared::metrics::Recorder::new(m.clone()));
+    }
+    let mut otlp = match (&metrics, &cli.otlp) {
+        (Some(m), Some(base)) => Some(fleet::start_otlp(&cli, base, m.clone())?),
+        _ => None,
+    };
 
     // An owned handle on the ring buffer map, so the tracer can stay mutable.
     let events = libbpf_rs::MapHandle::try_from(&tracer.borrow().skel.maps.events)
@@ -199,7 +244,7 @@ fn run() -> Result<()> {
                 return 0;
             };
             match tr.borrow_mut().make_record(&r) {
-                Some(e) => sk.borrow_mut().elem(&e),
+                Some(v) => v.iter().for_each(|e| sk.borrow_mut().elem(e)),
                 None => *unk.borrow_mut() += 1,
             }
             0
@@ -224,7 +269,7 @@ fn run() -> Result<()> {
     };
     for pid in initial {
         if !explicit.is_empty() && !qemu::is_qemu(pid) {
-            eprintln!("viotrace-host: warning: pid {pid} does not run a qemu-system-* binary; trying anyway");
+            eprintln!("viotrace-host: warning: pid {pid} does not run a qemu-system-* or qemu-kvm binary; trying anyway");
         }
         attach(&tracer, pid, &mut failed, !explicit.is_empty())?;
     }
@@ -259,6 +304,7 @@ fn run() -> Result<()> {
                 .iter()
                 .filter_map(|(pid, t)| joined::guest_cid_of(*pid).map(|c| (c, t.proc.vm.clone())))
                 .collect(),
+            max_vm_rate: cli.max_vm_rate,
         };
         let j = joined::Joined::start(&opts)?;
         eprintln!(
@@ -270,6 +316,11 @@ fn run() -> Result<()> {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
+        let mut j = j;
+        j.metrics = metrics
+            .as_ref()
+            .map(|m| viotrace_shared::metrics::Recorder::new(m.clone()));
+        j.otlp = otlp.as_ref().map(|o| o.traces());
         sink.borrow_mut().joined = Some(j);
     }
     if let Some(f) = &cli.ready_file {
@@ -309,12 +360,24 @@ fn run() -> Result<()> {
         for r in stale {
             let e = tracer.borrow_mut().make_record(&r);
             match e {
-                Some(e) => sink.borrow_mut().elem(&e),
+                Some(v) => v.iter().for_each(|e| sink.borrow_mut().elem(e)),
                 None => *unknown.borrow_mut() += 1,
             }
         }
+        // The runtime layout check: held records released, refused VMs let go.
+        let released = tracer.borrow_mut().poll_probation();
+        released.iter().for_each(|e| sink.borrow_mut().elem(e));
+        let refused = tracer.borrow_mut().take_refusals();
+        for (pid, msg) in refused {
+            eprintln!("viotrace-host: pid {pid}: {msg}");
+            detach(&tracer, &sink, pid, "layout refused");
+            failed.insert(pid);
+        }
         if now >= next_scan {
             next_scan = now + Duration::from_secs(1);
+            if let Some(m) = &metrics {
+                publish_metrics(m, &tracer, &sink, *unknown.borrow(), otlp.as_ref());
+            }
             // Exits.
             let gone: Vec<u32> = tracer
                 .borrow()
@@ -379,6 +442,8 @@ fn run() -> Result<()> {
 
     // Clean stop: drain, detach everything, emit what was still waiting.
     let _ = rb.consume();
+    let detaching = tracer.borrow_mut().detach_all();
+    let _ = rb.consume();
     let pids: Vec<u32> = tracer.borrow().targets.keys().copied().collect();
     for pid in pids {
         detach(&tracer, &sink, pid, "agent stopping");
@@ -391,8 +456,14 @@ fn run() -> Result<()> {
         .map(|(k, v)| (k.to_string(), v))
         .collect();
     let mut s = sink.borrow_mut();
+    let mut transport = Vec::new();
     if let Some(mut j) = s.joined.take() {
         let notes = j.finish()?;
+        transport = j
+            .vm_accounts()
+            .iter()
+            .map(|r| serde_json::to_value(r).unwrap_or_default())
+            .collect();
         for n in notes {
             s.human(&n);
         }
@@ -403,6 +474,16 @@ fn run() -> Result<()> {
         s.human(&t);
         stats.extend(j.counters());
     }
+    drop(s);
+    if let Some(o) = otlp.as_mut() {
+        // The last push carries the final counters.
+        if let Some(m) = &metrics {
+            publish_metrics(m, &tracer, &sink, *unknown.borrow(), Some(o));
+        }
+        o.finish();
+        stats.extend(o.stats.counters());
+    }
+    let mut s = sink.borrow_mut();
     let t = s.total.render_table(&format!(
         "== viotrace-host: totals over {:.1}s ({why})",
         start.elapsed().as_secs_f64()
@@ -436,11 +517,52 @@ fn run() -> Result<()> {
             })
             .collect();
         m.insert("stages".into(), summ.into());
+        m.insert("transport".into(), transport.into());
         let _ = serde_json::to_writer(&mut s.out, &serde_json::Value::Object(m));
         let _ = s.out.write_all(b"\n");
     }
     s.out.flush().context("writing stdout")?;
+    let _ = detaching.join();
     Ok(())
+}
+
+/// Publishes the counters of the final stats line (and each VM's clock
+/// uncertainty) to the metrics endpoint: once a second, not per record.
+fn publish_metrics(
+    m: &viotrace_shared::metrics::Metrics,
+    tracer: &Rc<RefCell<Tracer>>,
+    sink: &Rc<RefCell<Sink>>,
+    unattributed: u64,
+    otlp: Option<&viotrace_shared::metrics::otlp::Otlp>,
+) {
+    let s = sink.borrow();
+    let mut c: Vec<(String, u64)> = vec![
+        ("records".into(), s.records),
+        ("unattributed".into(), unattributed),
+    ];
+    c.extend(
+        tracer
+            .borrow()
+            .stats()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v)),
+    );
+    let mut g = Vec::new();
+    if let Some(j) = s.joined.as_ref() {
+        c.extend(j.counters());
+        for (vm, u) in &j.clock_uncertainty {
+            g.push((
+                "viotrace_clock_uncertainty_seconds".to_string(),
+                vm.clone(),
+                *u as f64 / 1e9,
+            ));
+        }
+    }
+    if let Some(o) = otlp {
+        c.extend(o.stats.counters());
+    }
+    m.set_counters(c);
+    m.set_gauges(g);
 }
 
 /// Starts tracing `pid`; failures are reported and remembered (fatal only for an
@@ -453,9 +575,10 @@ fn attach(
 ) -> Result<()> {
     let res = qemu::QemuProc::inspect(pid).and_then(|p| {
         let desc = format!(
-            "pid {pid} vm={} exe={} devices={}",
+            "pid {pid} vm={} exe={} (via {}) devices={}",
             p.vm,
             p.exe.display(),
+            p.exe_via,
             p.devices
                 .iter()
                 .map(|d| format!(
@@ -477,7 +600,7 @@ fn attach(
                 format!(
                     "QEMU {}; {}",
                     t.info.version.as_deref().unwrap_or("version unknown"),
-                    t.info.layout_note
+                    t.info.trust_note()
                 )
             });
             eprintln!(
@@ -511,7 +634,7 @@ fn detach(tracer: &Rc<RefCell<Tracer>>, sink: &Rc<RefCell<Sink>>, pid: u32, why:
         _ => String::new(),
     };
     let msg = format!(
-        "viotrace-host: stopped tracing pid {pid} vm={} ({why}): {} elements{}{}{}\n",
+        "viotrace-host: stopped tracing pid {pid} vm={} ({why}): {} elements{}{}{}{}\n",
         t.proc.vm,
         t.elems + leftover.len() as u64,
         if leftover.is_empty() {
@@ -521,6 +644,14 @@ fn detach(tracer: &Rc<RefCell<Tracer>>, sink: &Rc<RefCell<Sink>>, pid: u32, why:
         },
         if abandoned > 0 {
             format!(", {abandoned} in flight abandoned")
+        } else {
+            String::new()
+        },
+        if t.probation.dropped > 0 {
+            format!(
+                ", {} records of the refused layout dropped",
+                t.probation.dropped
+            )
         } else {
             String::new()
         },

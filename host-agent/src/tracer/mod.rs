@@ -1,17 +1,18 @@
 //! Loads the BPF object, attaches the kernel tracepoints once and the QEMU
 //! uprobes per traced process, and turns ring-buffer records into [`HostElem`]s.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
 use std::path::Path;
 
 use anyhow::{Context, Result};
 use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
-use libbpf_rs::{Link, MapCore, MapFlags, OpenObject, UprobeOpts};
+use libbpf_rs::{Link, MapCore, MapFlags, OpenObject};
 use viotrace_shared::record::{Backend, HostElem, Op, Point, Points};
 
 use crate::bpf::types::{host_rec, qemu_layout};
 use crate::bpf::{ViotraceHostSkel, ViotraceHostSkelBuilder};
+use crate::qemu::verify::{Bounds, Probation, Standing};
 use crate::qemu::{self, BinaryInfo, Layout, QemuProc};
 
 /// `host_rec.ts` index → point (bpf/host/viotrace_host.bpf.h HP_*).
@@ -53,6 +54,13 @@ const QL_HAVE_NOTIFIER: u32 = 1;
 const QL_HAVE_MR_NEXT: u32 = 2;
 const QL_HAVE_LURING: u32 = 4;
 const QL_HAVE_REQ_IN: u32 = 8;
+const QL_NO_SUBMIT: u32 = 16;
+/// host_rec.flags (HR_*).
+const HR_HDR_FAULT: u32 = 1;
+const HR_HAVE_BYTES: u32 = 8;
+
+mod attach;
+mod check;
 
 /// One traced QEMU process.
 pub struct Target {
@@ -64,6 +72,13 @@ pub struct Target {
     dev_names: HashMap<u64, (String, Backend)>,
     pub cpu_ticks_start: Option<u64>,
     pub elems: u64,
+    /// The runtime check of the layout on the first requests.
+    pub probation: Probation<host_rec>,
+    bounds: Bounds,
+    /// Drive ids the command line defines (for the VirtIOBlock.blk check).
+    drive_ids: Vec<String>,
+    /// Queues whose notifiers and device were checked in the process's memory.
+    checked_vqs: HashSet<u64>,
 }
 
 pub struct Tracer<'obj> {
@@ -76,9 +91,31 @@ pub struct Tracer<'obj> {
     pub pop: bool,
     /// Elements emitted by [`Tracer::sweep_unnotified`].
     unnotified: u64,
+    /// VMs whose layout the runtime check refused, not yet taken by the caller.
+    refusals: Vec<(u32, String)>,
+    /// Records of refused layouts that were dropped (VMs already let go).
+    refused_dropped: u64,
 }
 
 impl<'obj> Tracer<'obj> {
+    /// Detaches every probe (kernel tracepoints and every process's uprobes) in
+    /// the background. Each detach waits for an RCU grace period (~50–100 ms);
+    /// one thread per link lets those waits overlap. Join the handle before
+    /// exiting.
+    pub fn detach_all(&mut self) -> std::thread::JoinHandle<()> {
+        let mut links = std::mem::take(&mut self._tp_links);
+        for t in self.targets.values_mut() {
+            links.append(&mut t.links);
+        }
+        std::thread::spawn(move || {
+            std::thread::scope(|s| {
+                for l in links {
+                    s.spawn(move || drop(l));
+                }
+            })
+        })
+    }
+
     pub fn open(storage: &'obj mut MaybeUninit<OpenObject>, pop: bool) -> Result<Tracer<'obj>> {
         let open = ViotraceHostSkelBuilder::default()
             .open(storage)
@@ -106,139 +143,9 @@ impl<'obj> Tracer<'obj> {
             missing_kernel,
             pop,
             unnotified: 0,
+            refusals: Vec::new(),
+            refused_dropped: 0,
         })
-    }
-
-    /// Starts tracing a QEMU process. Returns warnings about what cannot be seen.
-    pub fn add(&mut self, proc: QemuProc) -> Result<Vec<String>> {
-        let pid = proc.pid;
-        let info = BinaryInfo::read(&proc.exe)?;
-        let mut warn = Vec::new();
-        let layout = info.layout.with_context(|| {
-            format!(
-                "{} (pid {pid}): {}; cannot read virtqueue elements",
-                proc.exe.display(),
-                info.layout_note
-            )
-        })?;
-        for need in ["virtqueue_push", "blk_aio_preadv", "blk_aio_pwritev"] {
-            if !info.has(need) {
-                anyhow::bail!(
-                    "{} (pid {pid}) does not export {need}: virtqueue elements cannot be traced",
-                    proc.exe.display()
-                );
-            }
-        }
-        for (sym, what) in info.missing(self.pop) {
-            warn.push(format!("not visible: {what} ({sym} is not exported)"));
-        }
-        if !self.pop {
-            warn.push(format!(
-                "stage {} not traced (add --pop: 3 more uprobe hits per request)",
-                Point::HostPop
-            ));
-        }
-        warn.push(format!(
-            "stage {} not visible: QEMU's completion callbacks are static functions",
-            Point::HostCompleteCb
-        ));
-        let mut flags = QL_HAVE_MR_NEXT | QL_HAVE_LURING | QL_HAVE_REQ_IN;
-        if info.has("virtio_notify_irqfd")
-            && !self
-                .missing_kernel
-                .iter()
-                .any(|m| m.0.starts_with("irq_write"))
-        {
-            flags |= QL_HAVE_NOTIFIER;
-        }
-        let ql = qemu_layout {
-            vq_queue_index: layout.vq_queue_index,
-            vq_guest_notifier_wfd: layout.vq_guest_notifier + 4, // EventNotifier { rfd, wfd }
-            vq_host_notifier_rfd: layout.vq_host_notifier,
-            vq_vdev: layout.vq_vdev,
-            elem_index: layout.elem_index,
-            elem_out_num: layout.elem_out_num,
-            elem_in_num: layout.elem_in_num,
-            elem_in_sg: layout.elem_in_sg,
-            elem_out_sg: layout.elem_out_sg,
-            req_dev: layout.req_dev,
-            req_vq: layout.req_vq,
-            req_in: layout.req_in,
-            req_out: layout.req_out,
-            req_qiov_size: layout.req_qiov_size,
-            qiov_size: layout.qiov_size,
-            req_mr_next: layout.req_mr_next,
-            luring_sqe: layout.luring_sqe,
-            flags,
-        };
-        self.skel
-            .maps
-            .qemu_procs
-            .update(&pid.to_ne_bytes(), pod_bytes(&ql), MapFlags::ANY)
-            .context("registering the process in qemu_procs")?;
-
-        let progs = &self.skel.progs;
-        // Per guest request only blk_aio_* and virtqueue_push trap; h.notify and
-        // h.irq come from kernel tracepoints. --pop adds three traps per request.
-        let mut attach_list: Vec<(&libbpf_rs::ProgramMut, &str, bool)> = vec![
-            (&progs.submit_rw, "blk_aio_preadv", false),
-            (&progs.submit_rw, "blk_aio_pwritev", false),
-            (&progs.submit_flush, "blk_aio_flush", false),
-            (&progs.submit_discard, "blk_aio_pdiscard", false),
-            (&progs.submit_wzeroes, "blk_aio_pwrite_zeroes", false),
-            (&progs.push, "virtqueue_push", false),
-            (&progs.notify_direct, "virtio_notify", false),
-        ];
-        if self.pop {
-            attach_list.extend([
-                (&progs.handle_vq, "virtio_blk_handle_vq", false),
-                (&progs.pop_enter, "virtqueue_pop", false),
-                (&progs.pop_ret, "virtqueue_pop", true),
-            ]);
-        }
-        let mut links = Vec::new();
-        let pid_i = i32::try_from(pid).context("pid out of range")?;
-        for (prog, func, ret) in attach_list {
-            if !info.has(func) {
-                continue;
-            }
-            let opts = UprobeOpts {
-                retprobe: ret,
-                func_name: Some(func.to_string()),
-                ..Default::default()
-            };
-            match prog.attach_uprobe_with_opts(pid_i, &proc.exe, 0, opts) {
-                Ok(l) => links.push(l),
-                Err(e) => {
-                    if matches!(
-                        func,
-                        "virtqueue_push" | "blk_aio_preadv" | "blk_aio_pwritev"
-                    ) {
-                        let _ = self.skel.maps.qemu_procs.delete(&pid.to_ne_bytes());
-                        return Err(anyhow::anyhow!("{e}"))
-                            .with_context(|| format!("attaching uprobe {func} in pid {pid}"));
-                    }
-                    warn.push(format!("uprobe {func} not attached: {e}"));
-                }
-            }
-        }
-        for (what, e) in &self.missing_kernel {
-            warn.push(format!("kernel probe {what} not attached: {e}"));
-        }
-        let cpu = qemu::cpu_ticks(pid);
-        self.targets.insert(
-            pid,
-            Target {
-                proc,
-                info,
-                layout,
-                links,
-                dev_names: HashMap::new(),
-                cpu_ticks_start: cpu,
-                elems: 0,
-            },
-        );
-        Ok(warn)
     }
 
     /// Stops tracing a process: detaches its uprobes, forgets its kernel state and
@@ -248,6 +155,10 @@ impl<'obj> Tracer<'obj> {
         if let Some(t) = t.as_mut() {
             t.links.clear(); // detaches the uprobes
         }
+        // A refused layout's records are garbage: none is emitted.
+        let refused = t
+            .as_ref()
+            .is_some_and(|t| matches!(t.probation.standing, Standing::Refused));
         let _ = self.skel.maps.qemu_procs.delete(&pid.to_ne_bytes());
         let mut leftover = Vec::new();
         let mut abandoned = 0;
@@ -294,6 +205,17 @@ impl<'obj> Tracer<'obj> {
             }
         }
         leftover.sort_by_key(|r| r.ts[8]);
+        if let Some(t) = t.as_mut() {
+            if refused {
+                t.probation.dropped += leftover.len() as u64;
+                leftover.clear();
+                self.refused_dropped += t.probation.dropped;
+            } else {
+                // Still held by the check (the VM went away early): they passed it.
+                let held = std::mem::take(&mut t.probation.held);
+                leftover.splice(0..0, held);
+            }
+        }
         (t, leftover, abandoned)
     }
 
@@ -346,12 +268,12 @@ impl<'obj> Tracer<'obj> {
             out.push((*name, v));
         }
         out.push(("emitted_without_notification", self.unnotified));
+        out.push(("refused_layout_records_dropped", self.refused_dropped));
         out
     }
 
-    /// Builds the record for a ring-buffer entry.
-    pub fn make_record(&mut self, r: &host_rec) -> Option<HostElem> {
-        let t = self.targets.get_mut(&r.tgid)?;
+    /// A record built for an entry of a trusted VM (see check.rs for the others).
+    fn build(t: &mut Target, r: &host_rec) -> HostElem {
         t.elems += 1;
         let (device, backend) = match t.dev_names.get(&r.dev) {
             Some(v) => v.clone(),
@@ -361,7 +283,7 @@ impl<'obj> Tracer<'obj> {
                 v
             }
         };
-        Some(make_elem(r, &t.proc.vm, device, backend))
+        make_elem(r, &t.proc.vm, device, backend)
     }
 
     /// Builds a record for an element of a process that already went away.
@@ -420,6 +342,7 @@ fn make_elem(r: &host_rec, vm: &str, device: String, backend: Backend) -> HostEl
         ts.set_nonzero(*p, r.ts[i]);
     }
     HostElem {
+        time: viotrace_shared::walltime::of_points(&ts),
         vm: vm.to_string(),
         qemu_pid: r.tgid,
         device,

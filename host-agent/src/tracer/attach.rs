@@ -1,0 +1,319 @@
+//! Starting to trace one QEMU process: its binary's layout (with a test-only
+//! override), the optional parts the BPF side may use, and the uprobes.
+
+use std::collections::HashSet;
+
+use anyhow::{Context, Result};
+use libbpf_rs::{MapCore, MapFlags, UprobeOpts};
+use viotrace_shared::record::Point;
+
+use super::{
+    pod_bytes, Target, Tracer, QL_HAVE_LURING, QL_HAVE_MR_NEXT, QL_HAVE_NOTIFIER, QL_HAVE_REQ_IN,
+    QL_NO_SUBMIT,
+};
+use crate::bpf::types::qemu_layout;
+use crate::qemu::layout::{apply_overrides, Layout};
+use crate::qemu::verify::{Bounds, Probation};
+use crate::qemu::{self, BinaryInfo, QemuProc};
+
+/// Test hook: `[VM:]FIELD=VALUE[,FIELD=VALUE…][;[VM:]…]` replaces layout offsets
+/// of the named VMs (all VMs without a `VM:` prefix) after the machine-code
+/// confirmations, to prove that the runtime check refuses a wrong layout.
+pub const LAYOUT_OVERRIDE_ENV: &str = "VIOTRACE_HOST_LAYOUT_OVERRIDE";
+
+/// Test hook: `[VM:]SYMBOL[,SYMBOL…]` are treated as having no call site (as in an
+/// LTO build), to prove the fallback on a binary that does call them.
+pub const ASSUME_INLINED_ENV: &str = "VIOTRACE_HOST_ASSUME_INLINED";
+
+/// The override spec for a VM from the value of [`LAYOUT_OVERRIDE_ENV`].
+pub fn override_for(env: &str, vm: &str) -> Option<String> {
+    let specs: Vec<&str> = env
+        .split(';')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .filter_map(|item| {
+            let (who, spec) = match item.split_once(':') {
+                Some((who, spec)) if !who.contains('=') => (Some(who), spec),
+                _ => (None, item),
+            };
+            who.is_none_or(|w| w == vm).then_some(spec)
+        })
+        .collect();
+    (!specs.is_empty()).then(|| specs.join(","))
+}
+
+fn to_bpf(l: &Layout, flags: u32) -> qemu_layout {
+    qemu_layout {
+        vq_queue_index: l.vq_queue_index,
+        vq_guest_notifier_wfd: l.vq_guest_notifier + 4, // EventNotifier { rfd, wfd }
+        vq_host_notifier_rfd: l.vq_host_notifier,
+        vq_vdev: l.vq_vdev,
+        elem_index: l.elem_index,
+        elem_out_num: l.elem_out_num,
+        elem_in_num: l.elem_in_num,
+        elem_in_sg: l.elem_in_sg,
+        elem_out_sg: l.elem_out_sg,
+        req_dev: l.req_dev,
+        req_vq: l.req_vq,
+        req_in: l.req_in,
+        req_out: l.req_out,
+        req_qiov_size: l.req_qiov_size,
+        qiov_size: l.qiov_size,
+        req_mr_next: l.req_mr_next,
+        luring_sqe: l.luring_sqe.unwrap_or(0),
+        flags,
+        vdev_ok: 0,
+        vdev_bad: 0,
+    }
+}
+
+impl Tracer<'_> {
+    /// Starts tracing a QEMU process. Returns warnings about what cannot be seen.
+    pub fn add(&mut self, proc: QemuProc) -> Result<Vec<String>> {
+        let pid = proc.pid;
+        let mut info = BinaryInfo::read(&proc.exe)?;
+        let mut warn = Vec::new();
+        if let Ok(env) = std::env::var(LAYOUT_OVERRIDE_ENV) {
+            if let Some(spec) = override_for(&env, &proc.vm) {
+                let done = apply_overrides(&mut info.layout, &spec)
+                    .map_err(anyhow::Error::msg)
+                    .with_context(|| format!("{LAYOUT_OVERRIDE_ENV}={env}"))?;
+                warn.push(format!(
+                    "TEST OVERRIDE ({LAYOUT_OVERRIDE_ENV}): {}",
+                    done.join(", ")
+                ));
+            }
+        }
+        if let Ok(env) = std::env::var(ASSUME_INLINED_ENV) {
+            if let Some(list) = override_for(&env, &proc.vm) {
+                let syms: Vec<&str> = list.split(',').map(str::trim).collect();
+                warn.push(format!(
+                    "TEST OVERRIDE ({ASSUME_INLINED_ENV}): treated as never called: {}",
+                    syms.join(", ")
+                ));
+                info.never_called.extend(syms.iter().map(|s| s.to_string()));
+            }
+        }
+        let layout = info.layout;
+        if !info.probeable("virtqueue_push") {
+            anyhow::bail!(
+                "{} (pid {pid}): virtqueue_push is {}: virtqueue elements cannot be traced",
+                proc.exe.display(),
+                if info.has("virtqueue_push") {
+                    "never called (inlined)"
+                } else {
+                    "not exported"
+                }
+            );
+        }
+        // LTO builds inline blk_aio_* into their callers: then every element is
+        // taken at virtqueue_push (sizes from its scatter lists), without h.submit.
+        let no_submit = !info.probeable("blk_aio_preadv") || !info.probeable("blk_aio_pwritev");
+        for (sym, what, why) in info.missing(self.pop) {
+            warn.push(format!("not visible: {what} ({sym} {why})"));
+        }
+        if no_submit {
+            warn.push(format!(
+                "fallback: blk_aio_preadv/pwritev are not probeable: elements are read at \
+                 virtqueue_push (op, sector, bytes from the element), host I/O is matched by \
+                 the element's first data buffer (the first element of a merged request \
+                 only); no {} for this VM",
+                Point::HostSubmit
+            ));
+        }
+        if !info.usdt.is_empty() {
+            warn.push(format!(
+                "the binary carries {} USDT probes of provider qemu (used: virtqueue_pop with \
+                 --pop)",
+                info.usdt.len()
+            ));
+        }
+        if !self.pop {
+            warn.push(format!(
+                "stage {} not traced (add --pop: 3 more uprobe hits per request)",
+                Point::HostPop
+            ));
+        }
+        warn.push(format!(
+            "stage {} not visible: QEMU's completion callbacks are static functions",
+            Point::HostCompleteCb
+        ));
+        let mut flags = QL_HAVE_MR_NEXT | QL_HAVE_REQ_IN;
+        if layout.luring_sqe.is_some() {
+            flags |= QL_HAVE_LURING;
+        } else {
+            warn.push(format!(
+                "aio=io_uring: {}/{} not matched (QEMU {} keeps no SQE copy per request)",
+                Point::HostIoIssue,
+                Point::HostIoComplete,
+                info.version.as_deref().unwrap_or("?")
+            ));
+        }
+        if no_submit {
+            flags |= QL_NO_SUBMIT;
+        }
+        // 10.2+ has no virtio_notify_irqfd: virtio_notify is the one path.
+        let notify_path = info.has("virtio_notify_irqfd") || info.probeable("virtio_notify");
+        if notify_path
+            && !self
+                .missing_kernel
+                .iter()
+                .any(|m| m.0.starts_with("irq_write"))
+        {
+            flags |= QL_HAVE_NOTIFIER;
+        }
+        let ql = to_bpf(&layout, flags);
+        self.skel
+            .maps
+            .qemu_procs
+            .update(&pid.to_ne_bytes(), pod_bytes(&ql), MapFlags::ANY)
+            .context("registering the process in qemu_procs")?;
+        let links = match self.attach_uprobes(&proc, &info, no_submit, &mut warn) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = self.skel.maps.qemu_procs.delete(&pid.to_ne_bytes());
+                return Err(e);
+            }
+        };
+        for (what, e) in &self.missing_kernel {
+            warn.push(format!("kernel probe {what} not attached: {e}"));
+        }
+        let cpu = qemu::cpu_ticks(pid);
+        let bounds = Bounds {
+            max_queues: proc.max_queues(),
+            max_queue_size: proc.max_queue_size(),
+        };
+        let mut drive_ids: Vec<String> = proc.drives.iter().map(|d| d.id.clone()).collect();
+        drive_ids.extend(proc.devices.iter().filter_map(|d| d.drive.clone()));
+        self.targets.insert(
+            pid,
+            Target {
+                proc,
+                info,
+                layout,
+                links,
+                dev_names: Default::default(),
+                cpu_ticks_start: cpu,
+                elems: 0,
+                probation: Probation::default(),
+                bounds,
+                drive_ids,
+                checked_vqs: HashSet::new(),
+            },
+        );
+        Ok(warn)
+    }
+
+    fn attach_uprobes(
+        &self,
+        proc: &QemuProc,
+        info: &BinaryInfo,
+        no_submit: bool,
+        warn: &mut Vec<String>,
+    ) -> Result<Vec<libbpf_rs::Link>> {
+        let pid = proc.pid;
+        let progs = &self.skel.progs;
+        let mut links = Vec::new();
+        let pid_i = i32::try_from(pid).context("pid out of range")?;
+        // Per guest request only blk_aio_* and virtqueue_push trap; h.notify and
+        // h.irq come from kernel tracepoints. --pop adds three traps per request.
+        let mut attach_list: Vec<(&libbpf_rs::ProgramMut, &str, bool)> = vec![
+            (&progs.submit_rw, "blk_aio_preadv", false),
+            (&progs.submit_rw, "blk_aio_pwritev", false),
+            (&progs.submit_flush, "blk_aio_flush", false),
+            (&progs.submit_discard, "blk_aio_pdiscard", false),
+            (&progs.submit_wzeroes, "blk_aio_pwrite_zeroes", false),
+            (&progs.push, "virtqueue_push", false),
+            (&progs.notify_direct, "virtio_notify", false),
+        ];
+        if self.pop || no_submit {
+            // Without blk_aio_* probes, virtio_blk_handle_vq registers the queue
+            // before its first kick is read (h.notify).
+            attach_list.push((&progs.handle_vq, "virtio_blk_handle_vq", false));
+        }
+        // h.pop: the USDT probe when the build has it (one trap, no layout needed
+        // for the element pointer), else a uprobe + uretprobe on virtqueue_pop.
+        let mut usdt_pop = self.pop && info.usdt.contains("virtqueue_pop");
+        if usdt_pop {
+            match progs
+                .usdt_pop
+                .attach_usdt(pid_i, &proc.exe, "qemu", "virtqueue_pop")
+            {
+                Ok(l) => {
+                    links.push(l);
+                    warn.push(format!("{} from USDT qemu:virtqueue_pop", Point::HostPop));
+                }
+                Err(e) => {
+                    warn.push(format!(
+                        "USDT qemu:virtqueue_pop not attached ({e}): uprobes instead"
+                    ));
+                    usdt_pop = false;
+                }
+            }
+        }
+        if self.pop && !usdt_pop {
+            attach_list.extend([
+                (&progs.pop_enter, "virtqueue_pop", false),
+                (&progs.pop_ret, "virtqueue_pop", true),
+            ]);
+        }
+        if no_submit {
+            attach_list.retain(|(_, f, _)| !f.starts_with("blk_aio_"));
+        }
+        for (prog, func, ret) in attach_list {
+            if !info.probeable(func) {
+                continue;
+            }
+            let opts = UprobeOpts {
+                retprobe: ret,
+                func_name: Some(func.to_string()),
+                ..Default::default()
+            };
+            match prog.attach_uprobe_with_opts(pid_i, &proc.exe, 0, opts) {
+                Ok(l) => links.push(l),
+                Err(e) => {
+                    if matches!(
+                        func,
+                        "virtqueue_push" | "blk_aio_preadv" | "blk_aio_pwritev"
+                    ) {
+                        return Err(anyhow::anyhow!("{e}"))
+                            .with_context(|| format!("attaching uprobe {func} in pid {pid}"));
+                    }
+                    warn.push(format!("uprobe {func} not attached: {e}"));
+                }
+            }
+        }
+        Ok(links)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn override_per_vm() {
+        let env = "victim:req_out=0x90;all_vq=1";
+        assert_eq!(
+            override_for(env, "victim").as_deref(),
+            Some("req_out=0x90,all_vq=1")
+        );
+        assert_eq!(override_for(env, "other").as_deref(), Some("all_vq=1"));
+        assert_eq!(override_for("a:x=1", "b"), None);
+        assert_eq!(override_for("", "b"), None);
+        // A C name has no ':' but may be given with a VM prefix.
+        assert_eq!(
+            override_for("v:VirtIOBlockReq.out=8", "v").as_deref(),
+            Some("VirtIOBlockReq.out=8")
+        );
+    }
+
+    #[test]
+    fn bpf_layout_carries_the_offsets() {
+        let (l, _) = crate::qemu::layout::select(crate::qemu::layout::Version::parse("10.2.0"));
+        let q = to_bpf(&l, QL_HAVE_MR_NEXT);
+        assert_eq!(q.vq_guest_notifier_wfd, l.vq_guest_notifier + 4);
+        assert_eq!(q.luring_sqe, 0);
+        assert_eq!(q.flags, QL_HAVE_MR_NEXT);
+    }
+}

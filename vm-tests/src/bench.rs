@@ -39,9 +39,19 @@ pub const JOBS: &[Job] = &[
     },
 ];
 
-/// Conditions, alternated in this order each round: no agents, each agent, both joined, and
-/// the anchor: a biolatency-style bpftrace script in the guest.
-pub const CONDITIONS: &[&str] = &["none", "guest", "host", "both", "bpftrace"];
+/// Conditions, alternated in this order each round: no agents, the guest agent always-on
+/// (`guest`: tables, no records written) and in capture mode (`capture`: `--json`, a record
+/// for every I/O), the host agent, both joined, and the anchor: a biolatency-style bpftrace
+/// script in the guest.
+pub const CONDITIONS: &[&str] = &["none", "guest", "capture", "host", "both", "bpftrace"];
+
+/// Done-when bounds of issue 11, checked by [`verdicts`]: guest BPF run time per I/O as a
+/// multiple of the anchor's (always-on, capture), and IOPS ratio margins below the anchor's
+/// (guest-only, both joined).
+pub const MAX_BPF_X_ALWAYS_ON: f64 = 2.0;
+pub const MAX_BPF_X_CAPTURE: f64 = 3.0;
+pub const GUEST_IOPS_MARGIN: f64 = 0.05;
+pub const BOTH_IOPS_MARGIN: f64 = 0.10;
 
 /// The anchor: bcc/bpftrace's classic biolatency (issue → complete histogram) in the guest.
 const BPFTRACE_SCRIPT: &str = "tracepoint:block:block_rq_issue { @s[args->dev, args->sector] = nsecs; } \
@@ -50,7 +60,7 @@ tracepoint:block:block_rq_complete /@s[args->dev, args->sector]/ { \
 
 fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool) -> VmConfig {
     let agents = match cond {
-        "guest" => Agents::Guest,
+        "guest" | "capture" => Agents::Guest,
         "host" => Agents::Host,
         "both" => Agents::Both,
         _ => Agents::None,
@@ -61,6 +71,7 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool) -> VmConfig {
         console: false,
         // bpftrace needs room; every condition gets the same memory.
         memory_mib: base.memory_mib.max(2048),
+        guest_json: base.guest_json || cond == "capture",
         ..base.clone()
     };
     if cond == "bpftrace" {
@@ -148,6 +159,8 @@ pub struct Costs {
     pub guest_agent_peak_rss_kib: Vec<u64>,
     pub host_agent_peak_rss_kib: Vec<u64>,
     pub drops: Vec<u64>,
+    /// Host agent uprobe/USDT hits per guest I/O (its `uprobe_hits` counter), when it reports them.
+    pub host_uprobe_hits_per_io: Vec<f64>,
     /// Guest BPF run time per I/O (ns, guest clock), with --bpf-stats.
     pub guest_bpf_ns_per_io: Vec<f64>,
     /// Per program: ns per I/O, one value per round.
@@ -222,6 +235,32 @@ fn drops(r: &RunResult) -> u64 {
         }
     }
     total
+}
+
+/// A counter of the host agent's final stats line, wherever it is nested.
+fn host_counter(r: &RunResult, name: &str) -> Option<u64> {
+    let lines = read_jsonl(&r.path("host.jsonl")).ok()?;
+    let last = lines.iter().rev().find(|v| v["kind"] == "stats")?;
+    find_counter(last, name)
+}
+
+fn find_counter(v: &Value, name: &str) -> Option<u64> {
+    match v {
+        Value::Object(m) => m.get(name).and_then(Value::as_u64).or_else(|| {
+            m.values()
+                .filter(|x| x.is_object() || x.is_array())
+                .find_map(|x| find_counter(x, name))
+        }),
+        // counters as [{"name":…,"value":…}]
+        Value::Array(a) => a.iter().find_map(|x| {
+            if x["name"] == name {
+                x["value"].as_u64()
+            } else {
+                find_counter(x, name)
+            }
+        }),
+        _ => None,
+    }
 }
 
 fn sum_counters(v: &Value) -> u64 {
@@ -319,6 +358,10 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
                 c.host_agent_peak_rss_kib.push(u.peak_rss_kib);
             }
             c.drops.push(drops(&r));
+            if let Some(h) = host_counter(&r, "uprobe_hits") {
+                c.host_uprobe_hits_per_io
+                    .push(h as f64 / total_ios.max(1) as f64);
+            }
             let progs = |w: &str| {
                 fs::read_to_string(dir.join(format!("bpf-progs.{w}.txt")))
                     .ok()
@@ -415,6 +458,7 @@ pub fn render(res: &BenchResult) -> String {
             c.drops.iter().sum::<u64>()
         );
     }
+    s += &render_verdicts(&verdicts(res));
     for &name in CONDITIONS {
         let Some(c) = res.costs.get(name) else {
             continue;
@@ -440,9 +484,168 @@ pub fn render(res: &BenchResult) -> String {
     s
 }
 
+/// One done-when check of issue 11, from medians within this run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Verdict {
+    pub check: String,
+    pub value: f64,
+    pub bound: f64,
+    /// `value <= bound` for costs, `value >= bound` for IOPS ratios.
+    pub pass: bool,
+}
+
+fn iops_ratio(res: &BenchResult, cond: &str, job: &str) -> Option<f64> {
+    let m = |c: &str| {
+        res.jobs
+            .get(c)
+            .and_then(|j| j.get(job))
+            .map(|s| median(&s.iops))
+    };
+    Some(m(cond)? / m("none")?)
+}
+
+/// The issue-11 checks this run has the conditions for: guest BPF run time per I/O against
+/// the anchor's, and each condition's IOPS ratio against the anchor's ratio, per job.
+pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
+    let mut v = Vec::new();
+    let bpf = |c: &str| {
+        res.costs
+            .get(c)
+            .filter(|c| !c.guest_bpf_ns_per_io.is_empty())
+            .map(|c| median(&c.guest_bpf_ns_per_io))
+    };
+    if let Some(anchor) = bpf("bpftrace").filter(|a| *a > 0.0) {
+        for (cond, bound) in [
+            ("guest", MAX_BPF_X_ALWAYS_ON),
+            ("capture", MAX_BPF_X_CAPTURE),
+        ] {
+            if let Some(x) = bpf(cond) {
+                let value = x / anchor;
+                v.push(Verdict {
+                    check: format!("{cond}: guest BPF ns/IO ÷ anchor's"),
+                    value,
+                    bound,
+                    pass: value <= bound,
+                });
+            }
+        }
+    }
+    for (cond, margin) in [
+        ("guest", GUEST_IOPS_MARGIN),
+        ("capture", GUEST_IOPS_MARGIN),
+        ("both", BOTH_IOPS_MARGIN),
+        ("host", 0.0),
+    ] {
+        for j in JOBS {
+            let (Some(x), Some(a)) = (
+                iops_ratio(res, cond, j.name),
+                iops_ratio(res, "bpftrace", j.name),
+            ) else {
+                continue;
+            };
+            v.push(Verdict {
+                check: format!(
+                    "{cond} {}: IOPS ratio ≥ anchor's ({a:.3}) − {margin:.2}",
+                    j.name
+                ),
+                value: x,
+                bound: a - margin,
+                pass: x >= a - margin,
+            });
+        }
+    }
+    for (cond, c) in &res.costs {
+        if !c.host_uprobe_hits_per_io.is_empty() {
+            let value = median(&c.host_uprobe_hits_per_io);
+            v.push(Verdict {
+                check: format!("{cond}: host uprobe hits per I/O"),
+                value,
+                bound: 1.0,
+                pass: value <= 1.0,
+            });
+        }
+    }
+    v
+}
+
+fn render_verdicts(v: &[Verdict]) -> String {
+    let mut s = String::new();
+    if v.is_empty() {
+        return s;
+    }
+    let _ = writeln!(
+        s,
+        "\nagainst the anchor (issue 11, medians within this run):"
+    );
+    for x in v {
+        let _ = writeln!(
+            s,
+            "  {:<4} {:<60} {:>7.3} (bound {:.3})",
+            if x.pass { "ok" } else { "MISS" },
+            x.check,
+            x.value,
+            x.bound
+        );
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn samples(iops: f64) -> Samples {
+        Samples {
+            iops: vec![iops],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn verdicts_compare_with_the_anchor_within_the_run() {
+        let mut res = BenchResult::default();
+        for (cond, iops) in [
+            ("none", 100.0),
+            ("guest", 86.0),
+            ("bpftrace", 90.0),
+            ("both", 70.0),
+        ] {
+            res.jobs
+                .entry(cond.into())
+                .or_default()
+                .insert("randread-4k-qd1".into(), samples(iops));
+        }
+        for (cond, ns) in [
+            ("guest", 20_000.0),
+            ("bpftrace", 10_000.0),
+            ("capture", 31_000.0),
+        ] {
+            res.costs
+                .entry(cond.into())
+                .or_default()
+                .guest_bpf_ns_per_io = vec![ns];
+        }
+        let v = verdicts(&res);
+        let get = |p: &str| v.iter().find(|x| x.check.starts_with(p)).unwrap().clone();
+        let g = get("guest: guest BPF");
+        assert!(g.pass && (g.value - 2.0).abs() < 1e-9);
+        assert!(!get("capture: guest BPF").pass);
+        // 0.86 ≥ 0.90 − 0.05
+        assert!(get("guest randread-4k-qd1").pass);
+        // 0.70 < 0.90 − 0.10
+        assert!(!get("both randread-4k-qd1").pass);
+        assert!(render_verdicts(&v).contains("MISS"));
+    }
+
+    #[test]
+    fn finds_nested_counters() {
+        let v: Value = serde_json::from_str(
+            r#"{"kind":"stats","vms":[{"counters":[{"name":"uprobe_hits","value":7}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(find_counter(&v, "uprobe_hits"), Some(7));
+        assert_eq!(find_counter(&v, "nope"), None);
+    }
 
     #[test]
     fn sums_nested_drop_counters() {

@@ -13,11 +13,16 @@
 //! ```
 
 pub mod assets;
+pub mod attack;
 pub mod bench;
+pub mod compat;
+mod config;
 pub mod metrics;
 mod proc;
 mod qmp;
+mod result;
 pub mod vm;
+pub mod vmlock;
 pub mod workloads;
 
 pub use vm::{

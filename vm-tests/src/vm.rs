@@ -1,11 +1,9 @@
 //! Booting a lab VM, running a workload and the agents, and collecting the results.
 
-use std::fmt;
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -13,221 +11,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
-use serde::Serialize;
 
-use crate::assets::{self, Assets, Cpio};
+use crate::assets::{self, Assets, Cpio, GuestAssets, GuestKernel, Qemu, QemuBuild};
+pub use crate::config::{Accel, Agents, Aio, DiskFormat, HostAttach, VmConfig, VsockMode};
 use crate::metrics::{ProcSample, RunMetrics, Usage};
 use crate::proc::Guarded;
 use crate::qmp::Qmp;
-
-/// Which agents run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum Agents {
-    None,
-    Guest,
-    Host,
-    Both,
-}
-
-impl Agents {
-    pub fn guest(self) -> bool {
-        matches!(self, Agents::Guest | Agents::Both)
-    }
-    pub fn host(self) -> bool {
-        matches!(self, Agents::Host | Agents::Both)
-    }
-}
-
-/// QEMU's block backend I/O mode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum Aio {
-    Threads,
-    Native,
-    #[value(name = "io_uring")]
-    IoUring,
-}
-
-impl fmt::Display for Aio {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Aio::Threads => "threads",
-            Aio::Native => "native",
-            Aio::IoUring => "io_uring",
-        })
-    }
-}
-
-/// Data disk image format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum DiskFormat {
-    Raw,
-    Qcow2,
-}
-
-/// How the guest↔host vsock channel is provided.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum VsockMode {
-    /// Kernel vhost-vsock when /dev/vhost-vsock works, else vhost-user (hybrid vsock).
-    Auto,
-    /// vhost-device-vsock: hybrid vsock over a Unix socket.
-    VhostUser,
-    /// The host kernel's vhost-vsock (`vhost-vsock-pci`, real AF_VSOCK on the host).
-    Kernel,
-    None,
-}
-
-/// QEMU accelerator.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum Accel {
-    Auto,
-    Kvm,
-    Tcg,
-}
-
-/// When the host agent attaches to QEMU.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum HostAttach {
-    /// QEMU starts paused (-S); the agent attaches by pid; then the VM is resumed.
-    Paused,
-    /// The agent starts first in discovery mode (no pid) and must find QEMU by itself.
-    BeforeQemu,
-    /// The agent attaches by pid to a running VM once the workload has started.
-    Running,
-}
-
-/// Everything about one lab run.
-#[derive(Clone, Debug, Serialize)]
-pub struct VmConfig {
-    pub name: String,
-    pub smp: u32,
-    pub queues: u32,
-    pub memory_mib: u32,
-    pub aio: Aio,
-    /// QEMU cache mode for the data disk (`writeback`, `none`, `directsync`, …). With
-    /// `aio=native` the lab forces `cache.direct=on` (`none`) as QEMU requires.
-    pub cache: String,
-    pub format: DiskFormat,
-    pub agents: Agents,
-    /// The guest agent writes JSON records to guest.jsonl (default). Off: it keeps only its
-    /// periodic per-stage tables (guest.log) — the always-on configuration the bench measures.
-    pub guest_json: bool,
-    /// Extra guest agent arguments: shell words evaluated by the guest's shell when the
-    /// agent starts (after `setup`), so `--pid $(cat /run/x.pid)` works.
-    pub guest_args: String,
-    pub host_args: Vec<String>,
-    pub host_attach: HostAttach,
-    /// Shell script run in the guest before the guest agent starts (e.g. create cgroups).
-    pub setup: Option<String>,
-    /// Size of an extra blank raw virtio-blk disk (`vdb`, not formatted), MiB.
-    pub extra_disk_mib: Option<u32>,
-    /// Host programs copied into the guest with their libraries (e.g. `bpftrace`).
-    pub guest_tools: Vec<String>,
-    /// Fixed hybrid-vsock Unix socket path of the vhost-user backend (default: in the
-    /// run's private directory). Guest connections to port P arrive on `<path>_P`.
-    pub vsock_uds: Option<PathBuf>,
-    pub timeout: Duration,
-    pub vsock: VsockMode,
-    pub accel: Accel,
-    /// Echo the guest console (and agents' stdout when not captured) live.
-    pub console: bool,
-    /// Guest CID (vsock).
-    pub cid: u32,
-    /// Extra QEMU arguments (appended).
-    pub qemu_args: Vec<String>,
-}
-
-impl Default for VmConfig {
-    fn default() -> Self {
-        VmConfig {
-            name: "viotrace-lab".into(),
-            smp: 1,
-            queues: 1,
-            memory_mib: 1024,
-            aio: Aio::Threads,
-            cache: "writeback".into(),
-            format: DiskFormat::Raw,
-            agents: Agents::None,
-            guest_json: true,
-            guest_args: String::new(),
-            host_args: Vec::new(),
-            host_attach: HostAttach::Paused,
-            setup: None,
-            extra_disk_mib: None,
-            guest_tools: Vec::new(),
-            vsock_uds: None,
-            timeout: Duration::from_secs(600),
-            vsock: VsockMode::Auto,
-            accel: Accel::Auto,
-            console: false,
-            cid: 3,
-            qemu_args: Vec::new(),
-        }
-    }
-}
-
-/// The outcome of a lab run whose VM booted and finished.
-#[derive(Clone, Debug, Serialize)]
-pub struct RunResult {
-    pub out_dir: PathBuf,
-    /// The workload script's exit status.
-    pub workload_rc: i32,
-    /// From starting (or resuming) QEMU to the workload's start, seconds.
-    pub boot_secs: f64,
-    /// The workload's run time, seconds.
-    pub workload_secs: f64,
-    /// Whole run, seconds.
-    pub total_secs: f64,
-    pub accel: String,
-    pub vsock: String,
-    pub qemu_pid: u32,
-    pub guest_agent_rc: Option<i32>,
-    pub host_agent_rc: Option<i32>,
-    /// CPU time and peak RSS of QEMU and the agents over the workload window.
-    pub metrics: RunMetrics,
-    /// Host CLOCK_MONOTONIC (ns) when the workload's start and end markers were seen on
-    /// the console: the window in which host-side records belong to the workload.
-    pub workload_start_ns: u64,
-    pub workload_end_ns: u64,
-    pub config: VmConfig,
-}
-
-impl RunResult {
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.out_dir.join(name)
-    }
-
-    /// Reads a JSON-lines output of the run (`guest.jsonl`, `host.jsonl`, `joined.jsonl`).
-    pub fn jsonl(&self, name: &str) -> Result<Vec<serde_json::Value>> {
-        read_jsonl(&self.path(name))
-    }
-
-    pub fn workload_log(&self) -> String {
-        fs::read_to_string(self.path("workload.log")).unwrap_or_default()
-    }
-}
-
-/// Reads a JSON-lines file.
-pub fn read_jsonl(p: &Path) -> Result<Vec<serde_json::Value>> {
-    let f = File::open(p).with_context(|| format!("open {}", p.display()))?;
-    let mut v = Vec::new();
-    for (i, line) in BufReader::new(f).lines().enumerate() {
-        let line = line?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        v.push(
-            serde_json::from_str(&line)
-                .with_context(|| format!("{}:{}: bad JSON", p.display(), i + 1))?,
-        );
-    }
-    Ok(v)
-}
+use crate::result::write_summary;
+pub use crate::result::{read_jsonl, RunResult};
 
 enum Event {
     Line(Instant, String),
@@ -295,16 +86,62 @@ fn tail(p: &Path, n: usize) -> String {
 /// The lab.
 pub struct Lab {
     pub assets: Assets,
+    /// Guest kernels prepared so far (the default one by [`Lab::new`]).
+    guests: std::sync::Mutex<std::collections::BTreeMap<GuestKernel, GuestAssets>>,
+    /// QEMU builds prepared so far.
+    qemus: std::sync::Mutex<std::collections::BTreeMap<QemuBuild, Qemu>>,
+    /// The machine-wide VM lock taken for each VM's lifetime (see [`crate::vmlock`]).
+    vm_lock: Option<PathBuf>,
     interrupt: Arc<AtomicBool>,
 }
 
 impl Lab {
-    /// Prepares (and caches) all assets.
+    /// Prepares (and caches) all assets, with the default guest kernel.
     pub fn new() -> Result<Lab> {
-        Ok(Lab {
+        Lab::with_kernel(&GuestKernel::default())
+    }
+
+    /// Prepares (and caches) all assets, with the guest kernel `kernel`. Runs whose
+    /// [`VmConfig::guest_kernel`] differs prepare theirs on first use.
+    pub fn with_kernel(kernel: &GuestKernel) -> Result<Lab> {
+        let lab = Lab {
             assets: Assets::ensure()?,
+            guests: Default::default(),
+            qemus: Default::default(),
+            vm_lock: crate::vmlock::default_lock_path(),
             interrupt: Arc::new(AtomicBool::new(false)),
-        })
+        };
+        lab.guest(kernel)?;
+        Ok(lab)
+    }
+
+    /// The QEMU build `build` (downloaded, extracted or debootstrapped once).
+    pub fn qemu(&self, build: &QemuBuild) -> Result<Qemu> {
+        let mut qemus = self.qemus.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(q) = qemus.get(build) {
+            return Ok(q.clone());
+        }
+        let q = assets::qemu::ensure_qemu(&self.assets.cache, build)
+            .with_context(|| format!("prepare QEMU {build}"))?;
+        qemus.insert(build.clone(), q.clone());
+        Ok(q)
+    }
+
+    /// The guest kernel `kernel` and its initramfs (downloaded and built once).
+    pub fn guest(&self, kernel: &GuestKernel) -> Result<GuestAssets> {
+        let mut guests = self.guests.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(g) = guests.get(kernel) {
+            return Ok(g.clone());
+        }
+        let g = GuestAssets::ensure(&self.assets.cache, kernel)
+            .with_context(|| format!("prepare guest kernel {kernel}"))?;
+        guests.insert(kernel.clone(), g.clone());
+        Ok(g)
+    }
+
+    /// Uses `path` as the machine-wide VM lock (`None`: take no lock).
+    pub fn set_vm_lock(&mut self, path: Option<PathBuf>) {
+        self.vm_lock = path;
     }
 
     /// A flag that, once set (e.g. by a SIGINT handler), stops the run and tears the VM down.
@@ -357,8 +194,9 @@ impl Lab {
         };
 
         // initrd = base + per-run overlay.
+        let guest = self.guest(&cfg.guest_kernel)?;
         let initrd = rd.join("initrd.cpio");
-        fs::copy(&self.assets.base_initramfs, &initrd).context("copy base initramfs")?;
+        fs::copy(&guest.base_initramfs, &initrd).context("copy base initramfs")?;
         {
             let mut f = fs::OpenOptions::new().append(true).open(&initrd)?;
             if !cfg.guest_tools.is_empty() {
@@ -402,6 +240,12 @@ impl Lab {
         };
         let disk = rd.join(format!("data.{fmt}"));
         fs::copy(golden, &disk).context("copy golden data disk")?;
+
+        // One lab VM at a time on this machine, from here until the VM is gone.
+        let _vm_lock = match &self.vm_lock {
+            Some(p) => Some(crate::vmlock::acquire(p)?),
+            None => None,
+        };
 
         // vsock.
         let vsock = match cfg.vsock {
@@ -465,7 +309,16 @@ impl Lab {
         };
         let qmp_path = rd.join("qmp.sock");
         let paused = host_bin.is_some() && cfg.host_attach == HostAttach::Paused;
-        let mut q = Command::new("qemu-system-x86_64");
+        let qemu_build = self.qemu(&cfg.qemu)?;
+        // A QEMU in its own root sees only the run directory: the kernel goes there too.
+        let vmlinuz = if qemu_build.rooted() {
+            let k = rd.join("vmlinuz");
+            fs::copy(&guest.kernel.vmlinuz, &k).context("copy the guest kernel")?;
+            k
+        } else {
+            guest.kernel.vmlinuz.clone()
+        };
+        let mut q = qemu_build.command(&[rd]);
         q.args([
             "-name",
             &cfg.name,
@@ -485,7 +338,7 @@ impl Lab {
         ))
         .args(["-numa", "node,memdev=mem"])
         .arg("-kernel")
-        .arg(&self.assets.vmlinuz)
+        .arg(&vmlinuz)
         .arg("-initrd")
         .arg(&initrd)
         .args([
@@ -605,10 +458,13 @@ impl Lab {
         };
 
         // Host agent by pid on the paused VM, then resume.
+        // QMP answering proves the pid is QEMU itself (a rooted QEMU is exec'd by a wrapper).
         let mut t_resume = t_qemu;
         if let (Some(hb), HostAttach::Paused) = (&host_bin, cfg.host_attach) {
+            let mut qmp = Qmp::connect(&qmp_path, Duration::from_secs(30)).with_context(|| {
+                format!("QEMU did not start: {}", tail(&out.join("qemu.log"), 10))
+            })?;
             host_agent = Some(attach_by_pid(hb, 0)?);
-            let mut qmp = Qmp::connect(&qmp_path, Duration::from_secs(10))?;
             qmp.execute("cont")?;
             t_resume = Instant::now();
         }
@@ -763,6 +619,8 @@ impl Lab {
             total_secs: t_all.elapsed().as_secs_f64(),
             accel: accel.to_string(),
             vsock: format!("{vsock:?}"),
+            kernel_release: guest.kernel.release.clone(),
+            qemu_version: qemu_build.version.clone(),
             qemu_pid,
             guest_agent_rc,
             host_agent_rc,
@@ -825,6 +683,7 @@ impl Lab {
         }
         let log = File::create(name("host", "log"))?;
         cmd.args(&cfg.host_args)
+            .envs(cfg.host_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(File::create(name("host", "jsonl"))?);
         if cfg.console {
@@ -864,54 +723,5 @@ impl Lab {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(h)
-    }
-}
-
-fn write_summary(r: &RunResult) -> Result<()> {
-    let mut s = String::new();
-    s += &format!("workload exit status: {}\n", r.workload_rc);
-    s += &format!("boot to workload:     {:.2} s\n", r.boot_secs);
-    s += &format!("workload time:        {:.2} s\n", r.workload_secs);
-    s += &format!("total run time:       {:.2} s\n", r.total_secs);
-    s += &format!(
-        "vm: {} vCPU, {} queue(s), aio={}, cache={}, format={:?}, accel={}, vsock={}\n",
-        r.config.smp,
-        r.config.queues,
-        r.config.aio,
-        r.config.cache,
-        r.config.format,
-        r.accel,
-        r.vsock
-    );
-    s += &format!("agents: {:?}", r.config.agents);
-    if let Some(rc) = r.guest_agent_rc {
-        s += &format!(", guest agent exit {rc}");
-    }
-    if let Some(rc) = r.host_agent_rc {
-        s += &format!(", host agent exit {rc}");
-    }
-    s += "\n";
-    let m = &r.metrics;
-    for (what, u) in [
-        ("qemu", m.qemu),
-        ("host agent", m.host_agent),
-        ("guest agent", m.guest_agent),
-    ] {
-        if let Some(u) = u {
-            s += &format!(
-                "{what:<12} over the workload: {:.2} s CPU, peak RSS {} KiB\n",
-                u.cpu_secs, u.peak_rss_kib
-            );
-        }
-    }
-    fs::write(r.path("summary.txt"), s)?;
-    fs::write(r.path("summary.json"), serde_json::to_vec_pretty(r)?)?;
-    Ok(())
-}
-
-impl FromStr for Agents {
-    type Err = anyhow::Error;
-    fn from_str(s: &str) -> Result<Self> {
-        <Agents as clap::ValueEnum>::from_str(s, true).map_err(|e| anyhow::anyhow!(e))
     }
 }

@@ -2,7 +2,8 @@
 
 use serde_json::Value;
 use viotrace_shared::record::Point;
-use viotrace_vm_tests::{Agents, RunResult, VmConfig};
+use viotrace_vm_tests::assets::GuestKernel;
+use viotrace_vm_tests::{Agents, RunResult, VmConfig, VsockMode};
 
 mod common;
 use common::{known_io_shape, run_agents, Shape, KNOWN_IO};
@@ -52,6 +53,11 @@ fn assert_points_in_order(rec: &Value) {
 
 /// Checks the KNOWN_IO records on vdb; returns them.
 fn check_known_io(r: &RunResult, with_virtio: bool) -> Vec<Value> {
+    check_io(r, with_virtio, &known_io_shape())
+}
+
+/// Checks the vdb records against `shape` ((op, bytes) → count); returns them.
+fn check_io(r: &RunResult, with_virtio: bool, shape: &Shape) -> Vec<Value> {
     let recs = r.jsonl("guest.jsonl").expect("guest.jsonl");
     let rqs: Vec<Value> = kind(&recs, "guest_rq")
         .into_iter()
@@ -68,8 +74,8 @@ fn check_known_io(r: &RunResult, with_virtio: bool) -> Vec<Value> {
             .or_default() += 1;
     }
     assert_eq!(
-        by_shape,
-        known_io_shape(),
+        &by_shape,
+        shape,
         "vdb requests by (op, bytes); log:\n{}",
         guest_log(r)
     );
@@ -190,16 +196,18 @@ fn tracepoint_mode_degrades_to_block_layer_points() {
     );
 }
 
-#[test]
-fn two_queues_use_the_batched_submit_path() {
+/// 2 vCPUs and 2 virtqueues: blk-mq submits through virtio_queue_rqs (batched); 400 exact
+/// reads on both queues, each with its descriptor head.
+fn check_two_queues(name: &str, kernel: GuestKernel) -> RunResult {
     let wl = "set -e\n\
         fio --name=q --filename=/dev/vdb --rw=randread --bs=4k --direct=1 --ioengine=libaio \
         --iodepth=8 --numjobs=2 --size=32M --number_ios=200 --randrepeat=0 --output=/dev/null\n";
     let r = run_guest(
-        "guest-2q",
+        name,
         VmConfig {
             smp: 2,
             queues: 2,
+            guest_kernel: kernel,
             ..VmConfig::default()
         },
         wl,
@@ -224,6 +232,12 @@ fn two_queues_use_the_batched_submit_path() {
         vec![0, 1],
         "both virtqueues used"
     );
+    r
+}
+
+#[test]
+fn two_queues_use_the_batched_submit_path() {
+    check_two_queues("guest-2q", GuestKernel::default());
 }
 
 #[test]
@@ -325,5 +339,300 @@ fn buffered_write_then_fsync_is_attributed_to_the_file_inode() {
         bytes,
         64 * 4096,
         "write-back bytes attributed to inode {inode}"
+    );
+}
+
+// ---- Other guest kernels (issue 9): 5.10 (bullseye), 6.12 (trixie), newest 7.x (sid) ----
+
+/// KNOWN_IO plus 20 random 4 KiB O_DIRECT reads through io_uring.
+fn known_io_uring() -> (String, Shape) {
+    let wl = format!(
+        "{KNOWN_IO}fio --name=u --filename=/dev/vdb --rw=randread --bs=4k --direct=1 \
+         --ioengine=io_uring --size=32M --number_ios=20 --randrepeat=0 --output=/dev/null\n"
+    );
+    let mut shape = known_io_shape();
+    *shape.entry(("read".into(), 4096)).or_default() += 20;
+    (wl, shape)
+}
+
+/// The points a mode cannot see on any kernel (no kernel-function hooks).
+const TRACEPOINT_BLIND: &[&str] = &[
+    "g.queue_rq",
+    "g.vq_add",
+    "g.kick",
+    "g.irq",
+    "g.driver_complete",
+    "g.bio_complete",
+];
+
+/// The final stats line of guest.jsonl.
+fn final_stats(r: &RunResult) -> Value {
+    let recs = r.jsonl("guest.jsonl").expect("guest.jsonl");
+    kind(&recs, "stats")
+        .into_iter()
+        .rfind(|v| v["final"] == true)
+        .cloned()
+        .unwrap_or_else(|| panic!("no final stats line; log:\n{}", guest_log(r)))
+}
+
+/// Runs KNOWN_IO + io_uring on `kernel` with `args`; checks the exact requests, the mode the
+/// agent ran in, that its blind-point report is exactly `blind`, and that the records carry
+/// every guest point except those (where the kernel fires them) and none of those.
+///
+/// Kprobe mode may lose a request's driver points now and then (a kprobe that fires while
+/// another BPF kprobe program runs is skipped by the kernel: 1 of 670 requests seen on 7.2),
+/// so there `exact` is false: each point must be in all records but as many as the agent
+/// counted skipped kprobe hits and program runs (`kprobe_hits_lost` + `bpf_runs_lost`, where
+/// the kernel tells), else all but 1 %.
+fn check_kernel_mode(
+    name: &str,
+    kernel: GuestKernel,
+    args: &str,
+    want_mode: &str,
+    blind: &[&str],
+    exact: bool,
+) -> RunResult {
+    let (wl, shape) = known_io_uring();
+    let r = run_guest(
+        name,
+        VmConfig {
+            guest_kernel: kernel,
+            guest_args: args.into(),
+            ..VmConfig::default()
+        },
+        &wl,
+    );
+    let stats = final_stats(&r);
+    assert_eq!(stats["mode"], want_mode, "{}", guest_log(&r));
+    let reported: Vec<&str> = stats["blind_points"]
+        .as_array()
+        .expect("blind_points")
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(reported, blind, "blind points on {}", r.kernel_release);
+    let rqs = check_io(&r, blind.is_empty() && exact, &shape);
+    // Kprobe hits and program runs the kernel skipped (counted where it can tell: 6.7+ and
+    // 5.12+) bound the records that may lack a point; elsewhere 1 %.
+    let c = &stats["counters"];
+    let lost = c["kprobe_hits_lost"]
+        .as_u64()
+        .zip(c["bpf_runs_lost"].as_u64())
+        .map(|(a, b)| a + b);
+    let need = match (exact, lost) {
+        (true, _) => rqs.len(),
+        (false, Some(n)) => rqs.len().saturating_sub(n as usize),
+        (false, None) => rqs.len() - rqs.len() / 100,
+    };
+    // Every point not reported blind is in every record (g.rq_insert only where the
+    // kernel's blk-mq inserts; 6.12+ issues directly), no reported one in any.
+    for p in Point::ALL
+        .iter()
+        .map(|p| p.name())
+        .filter(|p| p.starts_with("g."))
+    {
+        let n = rqs.iter().filter(|v| v["ts"].get(p).is_some()).count();
+        if blind.contains(&p) {
+            assert_eq!(n, 0, "{p} reported blind but seen");
+        } else if !matches!(p, "g.rq_insert" | "g.syscall_exit") {
+            // Syscall tracepoint runs the kernel skipped are counted (bpf_runs_lost, 7.x).
+            let runs_lost = c["bpf_runs_lost"].as_u64().unwrap_or(0) as usize;
+            let need = if p.starts_with("g.syscall") {
+                need.min(rqs.len().saturating_sub(runs_lost))
+            } else {
+                need
+            };
+            assert!(n >= need, "{p} in {n} of {} records", rqs.len());
+        }
+    }
+    if blind.is_empty() {
+        let heads = rqs.iter().filter(|v| v["head"].is_u64()).count();
+        assert!(heads >= need, "descriptor head in {heads} of {}", rqs.len());
+    }
+    // io_uring: each submission names its file offset (the tracepoint generation of this kernel).
+    let recs = r.jsonl("guest.jsonl").unwrap();
+    let uring: Vec<&Value> = kind(&recs, "guest_io")
+        .into_iter()
+        .filter(|v| v["syscall"] == "io_uring_enter" && v["requests"].as_array().is_some())
+        .collect();
+    assert_eq!(uring.len(), 20, "io_uring_enter records with requests");
+    for v in uring {
+        let req = &v["requests"][0];
+        assert_eq!(v["bytes"], 4096, "{v}");
+        assert_eq!(
+            v["file_offset"].as_u64(),
+            req["sector"].as_u64().map(|s| s * 512),
+            "io_uring file offset = request sector × 512: {v}"
+        );
+    }
+    r
+}
+
+#[test]
+fn kernel_5_10_auto_mode_falls_back_to_kprobes_for_modules_and_sees_everything() {
+    let r = check_kernel_mode(
+        "guest-5.10-auto",
+        GuestKernel::V5_10,
+        "",
+        "fentry",
+        &[],
+        true,
+    );
+    assert!(
+        r.kernel_release.starts_with("5.10."),
+        "{}",
+        r.kernel_release
+    );
+    let log = guest_log(&r);
+    assert!(
+        log.contains("virtqueue_add_sgs: no BTF for virtio_ring"),
+        "the kprobe fallback is reported: {log}"
+    );
+}
+
+#[test]
+fn kernel_5_10_tracepoint_mode_reports_the_driver_points_blind() {
+    check_kernel_mode(
+        "guest-5.10-tracepoint",
+        GuestKernel::V5_10,
+        "--mode tracepoint",
+        "tracepoint",
+        TRACEPOINT_BLIND,
+        true,
+    );
+}
+
+#[test]
+fn kernel_6_12_auto_mode_sees_everything() {
+    let r = check_kernel_mode(
+        "guest-6.12-auto",
+        GuestKernel::V6_12,
+        "",
+        "fentry",
+        &[],
+        true,
+    );
+    assert!(
+        r.kernel_release.starts_with("6.12."),
+        "{}",
+        r.kernel_release
+    );
+}
+
+#[test]
+fn kernel_7_auto_mode_sees_everything() {
+    let r = check_kernel_mode("guest-7-auto", GuestKernel::V7, "", "fentry", &[], true);
+    assert!(r.kernel_release.starts_with("7."), "{}", r.kernel_release);
+}
+
+#[test]
+fn kernel_7_tracepoint_mode_reports_the_driver_points_blind() {
+    check_kernel_mode(
+        "guest-7-tracepoint",
+        GuestKernel::V7,
+        "--mode tracepoint",
+        "tracepoint",
+        TRACEPOINT_BLIND,
+        true,
+    );
+}
+
+#[test]
+fn kernel_5_10_kprobe_mode_sees_everything() {
+    check_kernel_mode(
+        "guest-5.10-kprobe",
+        GuestKernel::V5_10,
+        "--mode kprobe",
+        "kprobe",
+        &[],
+        false,
+    );
+}
+
+#[test]
+fn kernel_7_kprobe_mode_sees_everything() {
+    let r = check_kernel_mode(
+        "guest-7-kprobe",
+        GuestKernel::V7,
+        "--mode kprobe",
+        "kprobe",
+        &[],
+        false,
+    );
+    // 7.x tells how many kprobe hits it skipped: the agent reports it as a loss counter.
+    let stats = final_stats(&r);
+    assert!(stats["counters"]["kprobe_hits_lost"].is_u64(), "{stats}");
+}
+
+/// 7.x: virtio_queue_rqs(struct rq_list *), read through bpf_get_func_arg in fentry mode.
+#[test]
+fn kernel_7_two_queues_use_the_batched_submit_path() {
+    let r = check_two_queues("guest-7-2q", GuestKernel::V7);
+    let recs = r.jsonl("guest.jsonl").unwrap();
+    let queued = kind(&recs, "guest_rq")
+        .into_iter()
+        .filter(|v| v["disk"] == "vdb" && v["ts"]["g.queue_rq"].is_u64())
+        .count();
+    assert_eq!(queued, 400, "g.queue_rq on every request");
+    assert_eq!(final_stats(&r)["mode"], "fentry");
+}
+
+/// On 5.10 (no module BTF) the descriptor head is read at an assumed vring_virtqueue offset;
+/// QEMU's own view of the same requests (host agent) proves it, with queue depth so heads vary.
+#[test]
+fn kernel_5_10_descriptor_heads_equal_qemus() {
+    let wl = "set -e\n\
+        fio --name=q --filename=/dev/vdb --rw=randread --bs=4k --direct=1 --ioengine=libaio \
+        --iodepth=8 --size=32M --number_ios=300 --randrepeat=0 --output=/dev/null\n\
+        fio --name=w --filename=/dev/vdb --rw=randwrite --bs=8k --direct=1 --ioengine=libaio \
+        --iodepth=16 --size=32M --number_ios=200 --randrepeat=0 --output=/dev/null\n";
+    let r = run_agents(
+        "guest-5.10-heads",
+        Agents::Both,
+        VmConfig {
+            guest_kernel: GuestKernel::V5_10,
+            guest_args: "--mode kprobe".into(),
+            // Both agents write their own records; no link is needed for this comparison.
+            vsock: VsockMode::None,
+            ..VmConfig::default()
+        },
+        wl,
+    );
+    assert_eq!(r.guest_agent_rc, Some(0));
+    let guest = r.jsonl("guest.jsonl").unwrap();
+    let host = r.jsonl("host.jsonl").unwrap();
+    let key = |v: &Value| {
+        (
+            v["op"].as_str().unwrap_or("?").to_string(),
+            v["sector"].as_u64().unwrap_or(u64::MAX),
+            v["bytes"].as_u64().unwrap_or(0),
+        )
+    };
+    let mut qemu: std::collections::HashMap<_, Vec<(u64, u64)>> = Default::default();
+    for v in kind(&host, "host_elem")
+        .into_iter()
+        .filter(|v| v["device"] == "vextra")
+    {
+        qemu.entry(key(v))
+            .or_default()
+            .push((v["queue"].as_u64().unwrap(), v["head"].as_u64().unwrap()));
+    }
+    let rqs: Vec<&Value> = kind(&guest, "guest_rq")
+        .into_iter()
+        .filter(|v| v["disk"] == "vdb")
+        .collect();
+    assert_eq!(rqs.len(), 500, "300 reads + 200 writes");
+    let mut heads = std::collections::BTreeSet::new();
+    for v in &rqs {
+        let qh = (v["queue"].as_u64().unwrap(), v["head"].as_u64().unwrap());
+        heads.insert(qh.1);
+        let seen = qemu
+            .get(&key(v))
+            .unwrap_or_else(|| panic!("QEMU never saw {v}"));
+        assert!(seen.contains(&qh), "guest {qh:?}, QEMU {seen:?}: {v}");
+    }
+    assert!(
+        heads.len() >= 8,
+        "queue depth 8-16 spreads the heads: {heads:?}"
     );
 }

@@ -95,6 +95,10 @@ fn hanging_workload_is_stopped_at_timeout_without_leftovers() {
         ..VmConfig::default()
     };
     let out = out_dir("hang");
+    // Timed from when this test holds the machine-wide VM lock: waiting for
+    // another program's VM is not the lab's stop time.
+    let _vm = viotrace_vm_tests::vmlock::default_lock_path()
+        .map(|p| viotrace_vm_tests::vmlock::acquire(&p).expect("VM lock"));
     let t = std::time::Instant::now();
     let err = lab()
         .run(&cfg, "echo about-to-hang\nsleep 100000\n", &out)
@@ -181,4 +185,40 @@ fn agents_none_leaves_no_agent_outputs() {
     assert!(!r.path("host.jsonl").exists());
     assert!(read_jsonl(&r.path("nonexistent.jsonl")).is_err());
     let _: &Lab = lab();
+}
+
+#[test]
+fn a_second_lab_waits_for_the_vm_lock() {
+    let _g = lab_lock();
+    let dir = out_dir("vm-lock");
+    std::fs::create_dir_all(&dir).unwrap();
+    let lock_path = dir.join("vm.lock");
+    let mut own = Lab::new().expect("lab");
+    own.set_vm_lock(Some(lock_path.clone()));
+    // Another program holds the lock.
+    let mut other = viotrace_vm_tests::vmlock::hold_in_other_process(&lock_path).unwrap();
+    let out = dir.join("run");
+    let t0 = std::time::Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let out2 = out.clone();
+    let runner = std::thread::spawn(move || {
+        let cfg = VmConfig {
+            name: "vt-vm-lock".into(),
+            ..VmConfig::default()
+        };
+        let r = own.run(&cfg, "true\n", &out2);
+        tx.send(std::time::Instant::now()).unwrap();
+        r.map(|r| r.workload_rc)
+    });
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(
+        rx.try_recv().is_err() && !out.join("serial.log").exists(),
+        "the VM started while another lab held the lock"
+    );
+    let released = std::time::Instant::now();
+    drop(other.stdin.take());
+    assert!(other.wait().unwrap().success());
+    let finished = rx.recv_timeout(Duration::from_secs(120)).expect("run ends");
+    assert_eq!(runner.join().unwrap().expect("lab run"), 0);
+    assert!(finished > released && t0.elapsed() > Duration::from_secs(4));
 }

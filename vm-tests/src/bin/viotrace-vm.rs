@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use viotrace_vm_tests::{
+    assets::{GuestKernel, QemuBuild},
     workloads, Accel, Agents, Aio, DiskFormat, HostAttach, Lab, VmConfig, VsockMode,
 };
 
@@ -59,18 +60,41 @@ enum Cmd {
         /// Also measure the guest's BPF run time per program (bpftool in the guest).
         #[arg(long)]
         bpf_stats: bool,
-        /// Conditions to alternate (none, guest, host, both, bpftrace).
+        /// Conditions to alternate (none, guest, capture, host, both, bpftrace; capture = the
+        /// guest agent with --json).
         #[arg(
             long,
             value_delimiter = ',',
-            default_value = "none,guest,host,both,bpftrace"
+            default_value = "none,guest,capture,host,both,bpftrace"
         )]
         conditions: Vec<String>,
         #[arg(short, long, default_value = "lab-out/bench")]
         out: PathBuf,
     },
     /// Build and cache the lab's assets (guest kernel, initramfs, disk, vsock backend) without booting.
-    Prepare,
+    Prepare {
+        /// Also every guest kernel (5.10, 6.1, 6.12, 7.x) and QEMU build (10.0, 11.x) of the matrix.
+        #[arg(long)]
+        matrix: bool,
+    },
+    /// Attack a host agent's guest socket as a hostile guest would (record floods, forged
+    /// clock samples, half-open connections, a reconnect storm), and print what was done.
+    /// Only for your own host agent: the socket is a hybrid-vsock `<uds-path>_<port>` path.
+    Attack {
+        /// The host agent's guest socket.
+        socket: PathBuf,
+    },
+    /// The compatibility table (guest kernels × QEMU builds × attach modes) as Markdown, from
+    /// the run directories the lab tests left.
+    Compat {
+        /// A directory of lab runs (or one run directory); repeatable.
+        /// Default: <workspace>/target/lab-tests.
+        #[arg(long)]
+        results: Vec<PathBuf>,
+        /// Write the table here instead of standard output.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(Args)]
@@ -130,6 +154,14 @@ struct VmArgs {
     /// Do not echo the guest console.
     #[arg(long)]
     quiet: bool,
+    /// Guest kernel: Debian cloud kernel 5.10 (bullseye), 6.1 (bookworm), 6.12 (trixie),
+    /// 7.x (sid's newest), or a package name linux-image-<release>.
+    #[arg(long, default_value = "6.1")]
+    guest_kernel: GuestKernel,
+    /// QEMU: 7.2 (the host's qemu-system-x86_64), 10.0 (bookworm-backports, extracted),
+    /// 11.x (sid's, run inside a debootstrapped sid root), or a path to a qemu-system-x86_64.
+    #[arg(long, default_value = "7.2")]
+    qemu: QemuBuild,
 }
 
 impl VmArgs {
@@ -149,6 +181,7 @@ impl VmArgs {
             guest_json: !self.guest_tables_only,
             guest_args: self.guest_args.clone(),
             host_args: split(&self.host_args, "host-args")?,
+            host_env: Vec::new(),
             timeout: self.timeout,
             vsock: self.vsock,
             accel: self.accel,
@@ -166,6 +199,8 @@ impl VmArgs {
             extra_disk_mib: self.extra_disk,
             guest_tools: self.guest_tool.clone(),
             vsock_uds: None,
+            guest_kernel: self.guest_kernel.clone(),
+            qemu: self.qemu.clone(),
         })
     }
 }
@@ -183,9 +218,36 @@ fn main() -> ExitCode {
 fn real_main() -> Result<ExitCode> {
     let cli = Cli::parse();
     let (cfg, workload, out) = match cli.cmd {
-        Cmd::Prepare => {
+        Cmd::Attack { socket } => {
+            for r in viotrace_vm_tests::attack::all(&socket) {
+                println!("{}", serde_json::to_string(&r)?);
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
+        Cmd::Compat { results, out } => {
+            compat(results, out)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Cmd::Prepare { matrix } => {
             let lab = Lab::new()?;
             viotrace_vm_tests::assets::install_vhost_vsock(&lab.assets.cache)?;
+            if matrix {
+                for k in &GuestKernel::SERIES {
+                    let g = lab.guest(k)?;
+                    println!("guest kernel {k}: {}", g.kernel.release);
+                }
+                for b in &QemuBuild::BUILDS {
+                    let q = lab.qemu(b)?;
+                    println!("QEMU {b}: {}", q.version);
+                }
+                let p =
+                    viotrace_vm_tests::assets::prometheus::ensure_prometheus(&lab.assets.cache)?;
+                println!("Prometheus (fleet-output tests): {}", p.display());
+                let v = viotrace_vm_tests::assets::prometheus::ensure_victoria_metrics(
+                    &lab.assets.cache,
+                )?;
+                println!("VictoriaMetrics (OTLP tests): {}", v.display());
+            }
             println!("lab assets ready in {}", lab.assets.cache.display());
             return Ok(ExitCode::SUCCESS);
         }
@@ -198,7 +260,7 @@ fn real_main() -> Result<ExitCode> {
             bpf_stats,
             out,
         } => {
-            let lab = Lab::new()?;
+            let lab = Lab::with_kernel(&vm.guest_kernel)?;
             let flag = lab.interrupt_flag();
             signal_hook::flag::register(signal_hook::consts::SIGINT, flag.clone())?;
             signal_hook::flag::register(signal_hook::consts::SIGTERM, flag)?;
@@ -237,7 +299,7 @@ fn real_main() -> Result<ExitCode> {
             (cfg, workloads::DEMO.to_string(), out)
         }
     };
-    let lab = Lab::new()?;
+    let lab = Lab::with_kernel(&cfg.guest_kernel)?;
     let flag = lab.interrupt_flag();
     signal_hook::flag::register(signal_hook::consts::SIGINT, flag.clone())?;
     signal_hook::flag::register(signal_hook::consts::SIGTERM, flag.clone())?;
@@ -251,4 +313,30 @@ fn real_main() -> Result<ExitCode> {
     );
     println!("results in {}", r.out_dir.display());
     Ok(ExitCode::from(u8::try_from(r.workload_rc).unwrap_or(1)))
+}
+
+fn compat(mut results: Vec<PathBuf>, out: Option<PathBuf>) -> Result<()> {
+    use viotrace_vm_tests::compat;
+    if results.is_empty() {
+        results.push(viotrace_vm_tests::assets::workspace_root().join("target/lab-tests"));
+    }
+    let (runs, skipped) = compat::scan(&results)?;
+    for s in &skipped {
+        eprintln!("viotrace-vm: skipped {}: {}", s.dir.display(), s.reason);
+    }
+    anyhow::ensure!(
+        !runs.is_empty(),
+        "no usable lab runs in {}",
+        results
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let md = compat::render(&runs, &skipped);
+    match out {
+        Some(p) => std::fs::write(&p, md).with_context(|| format!("write {}", p.display()))?,
+        None => print!("{md}"),
+    }
+    Ok(())
 }

@@ -6,6 +6,9 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use viotrace_vm_tests::{assets, Agents, Lab, RunResult, VmConfig};
 
+pub mod checks;
+pub mod host;
+
 /// The lab, prepared once per test binary.
 pub fn lab() -> &'static Lab {
     static LAB: OnceLock<Lab> = OnceLock::new();

@@ -14,20 +14,15 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, ensure, Context, Result};
+use nix::fcntl::{Flock, FlockArg};
 
-/// Modules the guest needs, in insmod order (the Debian package has no modules.dep).
-pub const GUEST_MODULES: &[&str] = &[
-    "virtio_ring",
-    "virtio",
-    "virtio_pci_legacy_dev",
-    "virtio_pci_modern_dev",
-    "virtio_pci",
-    "virtio_blk",
-    "virtio_console",
-    "vsock",
-    "vmw_vsock_virtio_transport_common",
-    "vmw_vsock_virtio_transport",
-];
+pub mod apt;
+pub mod kernel;
+pub mod prometheus;
+pub mod qemu;
+
+pub use kernel::{GuestKernel, Kernel};
+pub use qemu::{Qemu, QemuBuild};
 
 /// Size of the golden data disk.
 pub const DATA_DISK_MIB: u64 = 256;
@@ -37,18 +32,15 @@ pub const VHOST_VSOCK_CRATE: &str = "vhost-device-vsock";
 pub const VHOST_VSOCK_VERSION: &str = "0.3.0";
 
 /// Bump when the layout of the base initramfs changes.
-const INITRAMFS_LAYOUT: u32 = 1;
+const INITRAMFS_LAYOUT: u32 = 2;
 
 /// The guest init script (embedded).
-pub const GUEST_INIT: &str = include_str!("../guest/init.sh");
+pub const GUEST_INIT: &str = include_str!("../../guest/init.sh");
 
-/// Paths of the cached assets.
+/// Paths of the cached assets shared by every guest kernel.
 #[derive(Debug, Clone)]
 pub struct Assets {
     pub cache: PathBuf,
-    pub kernel_release: String,
-    pub vmlinuz: PathBuf,
-    pub base_initramfs: PathBuf,
     pub golden_raw: PathBuf,
     pub golden_qcow2: PathBuf,
     pub vhost_vsock: Option<PathBuf>,
@@ -67,7 +59,7 @@ pub fn cache_dir() -> PathBuf {
         .unwrap_or_else(|| workspace_root().join("target").join("vm-cache"))
 }
 
-fn run(cmd: &mut Command) -> Result<String> {
+pub(crate) fn run(cmd: &mut Command) -> Result<String> {
     let out = cmd
         .output()
         .with_context(|| format!("cannot run {:?}", cmd.get_program()))?;
@@ -82,7 +74,7 @@ fn run(cmd: &mut Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-fn need_tool(tool: &str, package: &str) -> Result<()> {
+pub(crate) fn need_tool(tool: &str, package: &str) -> Result<()> {
     let found = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
         .unwrap_or(false);
@@ -94,20 +86,15 @@ fn need_tool(tool: &str, package: &str) -> Result<()> {
 }
 
 impl Assets {
-    /// Builds whatever is missing and returns the paths. Idempotent and cheap when cached.
+    /// Builds whatever is missing (except guest kernels, see [`GuestAssets::ensure`]) and
+    /// returns the paths. Idempotent and cheap when cached.
     pub fn ensure() -> Result<Assets> {
         let cache = cache_dir();
         fs::create_dir_all(&cache).with_context(|| format!("create {}", cache.display()))?;
-        let (kernel_release, kdir) = ensure_kernel(&cache)?;
-        let vmlinuz = kdir.join("vmlinuz");
-        let base_initramfs = ensure_base_initramfs(&cache, &kernel_release, &kdir)?;
         let (golden_raw, golden_qcow2) = ensure_golden_disk(&cache)?;
         let vhost_vsock = find_vhost_vsock(&cache);
         Ok(Assets {
             cache,
-            kernel_release,
-            vmlinuz,
-            base_initramfs,
             golden_raw,
             golden_qcow2,
             vhost_vsock,
@@ -115,126 +102,42 @@ impl Assets {
     }
 }
 
-/// Picks the guest kernel: a cached one if present, else the newest Debian
-/// `linux-image-6.1.0-N-cloud-amd64` known to apt (`VIOTRACE_GUEST_KERNEL_PKG` overrides).
-fn ensure_kernel(cache: &Path) -> Result<(String, PathBuf)> {
-    let wanted = std::env::var("VIOTRACE_GUEST_KERNEL_PKG").ok();
-    if wanted.is_none() {
-        if let Some(found) = newest_cached_kernel(cache)? {
-            return Ok(found);
-        }
-    }
-    let pkg = match wanted {
-        Some(p) => p,
-        None => newest_cloud_kernel_package()?,
-    };
-    let release = pkg
-        .strip_prefix("linux-image-")
-        .with_context(|| format!("unexpected kernel package name {pkg}"))?
-        .to_string();
-    let kdir = cache.join(format!("kernel-{release}"));
-    if kdir.join("ok").exists() {
-        return Ok((release, kdir));
-    }
-    need_tool("apt-get", "apt")?;
-    need_tool("dpkg-deb", "dpkg")?;
-    eprintln!("viotrace-vm: downloading guest kernel {pkg} (once)");
-    let dl = cache.join("download");
-    let _ = fs::remove_dir_all(&dl);
-    fs::create_dir_all(&dl)?;
-    run(Command::new("apt-get")
-        .args(["download", "-q", &pkg])
-        .current_dir(&dl))
-    .with_context(|| {
-        format!("download {pkg} (is `apt-get update` done and is the package available?)")
-    })?;
-    let deb = fs::read_dir(&dl)?
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|x| x == "deb"))
-        .context("apt-get download produced no .deb")?;
-    let x = dl.join("x");
-    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&x))?;
-    let _ = fs::remove_dir_all(&kdir);
-    fs::create_dir_all(kdir.join("modules"))?;
-    fs::copy(
-        x.join(format!("boot/vmlinuz-{release}")),
-        kdir.join("vmlinuz"),
-    )
-    .context("kernel package has no vmlinuz")?;
-    let _ = fs::copy(
-        x.join(format!("boot/config-{release}")),
-        kdir.join("config"),
-    );
-    let moddir = x.join(format!("lib/modules/{release}/kernel"));
-    for m in GUEST_MODULES {
-        let src = find_module(&moddir, m)?
-            .with_context(|| format!("module {m}.ko not in {}", moddir.display()))?;
-        fs::copy(&src, kdir.join("modules").join(format!("{m}.ko")))?;
-    }
-    fs::write(kdir.join("ok"), &pkg)?;
-    let _ = fs::remove_dir_all(&dl);
-    Ok((release, kdir))
+/// One guest kernel and the base initramfs built for it.
+#[derive(Debug, Clone)]
+pub struct GuestAssets {
+    pub kernel: Kernel,
+    pub base_initramfs: PathBuf,
 }
 
-fn newest_cached_kernel(cache: &Path) -> Result<Option<(String, PathBuf)>> {
-    let mut best: Option<(Vec<u64>, String, PathBuf)> = None;
-    for e in fs::read_dir(cache)?.filter_map(|e| e.ok()) {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(rel) = name.strip_prefix("kernel-") else {
-            continue;
-        };
-        if !e.path().join("ok").exists() {
-            continue;
-        }
-        let key = version_key(rel);
-        if best.as_ref().is_none_or(|b| key > b.0) {
-            best = Some((key, rel.to_string(), e.path()));
-        }
+impl GuestAssets {
+    /// The guest kernel `choice` (downloaded once) and its initramfs (built once).
+    pub fn ensure(cache: &Path, choice: &GuestKernel) -> Result<GuestAssets> {
+        let kernel = kernel::ensure_kernel(cache, choice)?;
+        let base_initramfs = ensure_base_initramfs(cache, &kernel)?;
+        Ok(GuestAssets {
+            kernel,
+            base_initramfs,
+        })
     }
-    Ok(best.map(|(_, r, p)| (r, p)))
 }
 
-fn version_key(s: &str) -> Vec<u64> {
+/// An exclusive `flock` on `path` (created if missing), held until the guard drops.
+pub fn lock_file(path: &Path) -> Result<Flock<File>> {
+    let f = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("open lock file {}", path.display()))?;
+    Flock::lock(f, FlockArg::LockExclusive)
+        .map_err(|(_, e)| anyhow::anyhow!("lock {}: {e}", path.display()))
+}
+
+pub(crate) fn version_key(s: &str) -> Vec<u64> {
     s.split(|c: char| !c.is_ascii_digit())
         .filter(|x| !x.is_empty())
         .filter_map(|x| x.parse().ok())
         .collect()
-}
-
-fn newest_cloud_kernel_package() -> Result<String> {
-    need_tool("apt-cache", "apt")?;
-    let out = run(Command::new("apt-cache").args([
-        "search",
-        "--names-only",
-        r"^linux-image-6\.1\.0-[0-9]+-cloud-amd64$",
-    ]))?;
-    out.lines()
-        .filter_map(|l| l.split_whitespace().next())
-        .max_by_key(|p| version_key(p))
-        .map(str::to_string)
-        .context(
-            "apt knows no linux-image-6.1.0-*-cloud-amd64 package: run `apt-get update` \
-             on a Debian 12 (bookworm) host, or set VIOTRACE_GUEST_KERNEL_PKG",
-        )
-}
-
-fn find_module(dir: &Path, name: &str) -> Result<Option<PathBuf>> {
-    for e in fs::read_dir(dir)?.filter_map(|e| e.ok()) {
-        let p = e.path();
-        let ft = e.file_type()?;
-        if ft.is_dir() {
-            if let Some(found) = find_module(&p, name)? {
-                return Ok(Some(found));
-            }
-        } else if p
-            .file_name()
-            .is_some_and(|f| f == format!("{name}.ko").as_str())
-        {
-            return Ok(Some(p));
-        }
-    }
-    Ok(None)
 }
 
 /// A cpio (newc) archive writer: directories, files, symlinks, all owned by root.
@@ -333,7 +236,7 @@ fn library_closure(bin: &Path) -> Result<Vec<(String, PathBuf)>> {
     Ok(libs)
 }
 
-fn which(tool: &str) -> Option<PathBuf> {
+pub(crate) fn which(tool: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|p| {
         std::env::split_paths(&p)
             .map(|d| d.join(tool))
@@ -341,8 +244,10 @@ fn which(tool: &str) -> Option<PathBuf> {
     })
 }
 
-/// The base initramfs: busybox, fio + libraries, the modules and the init script.
-fn ensure_base_initramfs(cache: &Path, release: &str, kdir: &Path) -> Result<PathBuf> {
+/// The base initramfs: busybox, fio + libraries, the kernel's modules (and their insmod
+/// order in `lib/modules/order`) and the init script.
+fn ensure_base_initramfs(cache: &Path, kernel: &Kernel) -> Result<PathBuf> {
+    let release = &kernel.release;
     need_tool("busybox", "busybox-static")?;
     need_tool("fio", "fio")?;
     let busybox = which("busybox").context("busybox")?;
@@ -362,7 +267,7 @@ fn ensure_base_initramfs(cache: &Path, release: &str, kdir: &Path) -> Result<Pat
         busybox.display()
     );
     eprintln!("viotrace-vm: building the guest initramfs (once)");
-    let tmp = path.with_extension("tmp");
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let f = BufWriter::new(File::create(&tmp)?);
     let mut c = Cpio::new(f, 0);
     for d in [
@@ -388,12 +293,15 @@ fn ensure_base_initramfs(cache: &Path, release: &str, kdir: &Path) -> Result<Pat
     c.file("init", 0o755, GUEST_INIT.as_bytes())?;
     c.file("etc/passwd", 0o644, b"root:x:0:0:root:/root:/bin/sh\n")?;
     c.file("etc/group", 0o644, b"root:x:0:\n")?;
-    for m in GUEST_MODULES {
+    for m in &kernel.modules {
         c.host_file(
             &format!("lib/modules/{m}.ko"),
-            &kdir.join("modules").join(format!("{m}.ko")),
+            &kernel.dir.join("modules").join(format!("{m}.ko")),
         )?;
     }
+    let mut order = kernel.modules.join("\n");
+    order.push('\n');
+    c.file("lib/modules/order", 0o644, order.as_bytes())?;
     c.host_file("usr/bin/fio", &fio)?;
     for (guest_path, host_path) in library_closure(&fio)? {
         c.host_file(&guest_path, &host_path)?;

@@ -1,0 +1,179 @@
+//! What a lab run is: the VM, the agents and how they attach.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::assets::{GuestKernel, QemuBuild};
+
+/// Which agents run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Agents {
+    None,
+    Guest,
+    Host,
+    Both,
+}
+
+impl Agents {
+    pub fn guest(self) -> bool {
+        matches!(self, Agents::Guest | Agents::Both)
+    }
+    pub fn host(self) -> bool {
+        matches!(self, Agents::Host | Agents::Both)
+    }
+}
+
+/// QEMU's block backend I/O mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Aio {
+    Threads,
+    Native,
+    #[value(name = "io_uring")]
+    IoUring,
+}
+
+impl fmt::Display for Aio {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Aio::Threads => "threads",
+            Aio::Native => "native",
+            Aio::IoUring => "io_uring",
+        })
+    }
+}
+
+/// Data disk image format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DiskFormat {
+    Raw,
+    Qcow2,
+}
+
+/// How the guest↔host vsock channel is provided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum VsockMode {
+    /// Kernel vhost-vsock when /dev/vhost-vsock works, else vhost-user (hybrid vsock).
+    Auto,
+    /// vhost-device-vsock: hybrid vsock over a Unix socket.
+    VhostUser,
+    /// The host kernel's vhost-vsock (`vhost-vsock-pci`, real AF_VSOCK on the host).
+    Kernel,
+    None,
+}
+
+/// QEMU accelerator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Accel {
+    Auto,
+    Kvm,
+    Tcg,
+}
+
+/// When the host agent attaches to QEMU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostAttach {
+    /// QEMU starts paused (-S); the agent attaches by pid; then the VM is resumed.
+    Paused,
+    /// The agent starts first in discovery mode (no pid) and must find QEMU by itself.
+    BeforeQemu,
+    /// The agent attaches by pid to a running VM once the workload has started.
+    Running,
+}
+
+/// Everything about one lab run.
+#[derive(Clone, Debug, Serialize)]
+pub struct VmConfig {
+    pub name: String,
+    pub smp: u32,
+    pub queues: u32,
+    pub memory_mib: u32,
+    pub aio: Aio,
+    /// QEMU cache mode for the data disk (`writeback`, `none`, `directsync`, …). With
+    /// `aio=native` the lab forces `cache.direct=on` (`none`) as QEMU requires.
+    pub cache: String,
+    pub format: DiskFormat,
+    pub agents: Agents,
+    /// The guest agent writes JSON records to guest.jsonl (default). Off: it keeps only its
+    /// periodic per-stage tables (guest.log) — the always-on configuration the bench measures.
+    pub guest_json: bool,
+    /// Extra guest agent arguments: shell words evaluated by the guest's shell when the
+    /// agent starts (after `setup`), so `--pid $(cat /run/x.pid)` works.
+    pub guest_args: String,
+    pub host_args: Vec<String>,
+    /// Extra environment variables of the host agent (its test hooks), per run: never
+    /// set on the test process, whose tests run in parallel threads.
+    pub host_env: Vec<(String, String)>,
+    pub host_attach: HostAttach,
+    /// Shell script run in the guest before the guest agent starts (e.g. create cgroups).
+    pub setup: Option<String>,
+    /// Size of an extra blank raw virtio-blk disk (`vdb`, not formatted), MiB.
+    pub extra_disk_mib: Option<u32>,
+    /// Host programs copied into the guest with their libraries (e.g. `bpftrace`).
+    pub guest_tools: Vec<String>,
+    /// Fixed hybrid-vsock Unix socket path of the vhost-user backend (default: in the
+    /// run's private directory). Guest connections to port P arrive on `<path>_P`.
+    pub vsock_uds: Option<PathBuf>,
+    pub timeout: Duration,
+    pub vsock: VsockMode,
+    pub accel: Accel,
+    /// Echo the guest console (and agents' stdout when not captured) live.
+    pub console: bool,
+    /// Guest CID (vsock).
+    pub cid: u32,
+    /// Extra QEMU arguments (appended).
+    pub qemu_args: Vec<String>,
+    /// The guest kernel (default: Debian 12's 6.1 cloud kernel).
+    pub guest_kernel: GuestKernel,
+    /// The QEMU build (default: the host's, Debian 12's 7.2).
+    pub qemu: QemuBuild,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig {
+            name: "viotrace-lab".into(),
+            smp: 1,
+            queues: 1,
+            memory_mib: 1024,
+            aio: Aio::Threads,
+            cache: "writeback".into(),
+            format: DiskFormat::Raw,
+            agents: Agents::None,
+            guest_json: true,
+            guest_args: String::new(),
+            host_args: Vec::new(),
+            host_env: Vec::new(),
+            host_attach: HostAttach::Paused,
+            setup: None,
+            extra_disk_mib: None,
+            guest_tools: Vec::new(),
+            vsock_uds: None,
+            timeout: Duration::from_secs(600),
+            vsock: VsockMode::Auto,
+            accel: Accel::Auto,
+            console: false,
+            cid: 3,
+            qemu_args: Vec::new(),
+            guest_kernel: GuestKernel::default(),
+            qemu: QemuBuild::default(),
+        }
+    }
+}
+
+impl FromStr for Agents {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        <Agents as clap::ValueEnum>::from_str(s, true).map_err(|e| anyhow::anyhow!(e))
+    }
+}

@@ -213,7 +213,29 @@ impl JoinEngine {
                 p.mismatch = true;
             }
         }
-        let other_at_arrival = other.vm(vid).now;
+        // The other side's progress when this record arrived, but at least this
+        // record's own end mapped into the other side's clock: after an
+        // interrupted stream the other side's progress is stale, and its resent
+        // records still have to reach this record's time.
+        let mapped = {
+            let clock = &mut self.vms[vid as usize].clock;
+            if !clock.is_synced() {
+                None
+            } else if S::IS_GUEST {
+                clock
+                    .offset_at(t.last)
+                    .map(|e| t.last.saturating_add_signed(e.offset_ns))
+            } else {
+                let near = other.vm(vid).now.unwrap_or(t.last);
+                clock
+                    .offset_at(near)
+                    .map(|e| t.last.saturating_add_signed(-e.offset_ns))
+            }
+        };
+        let other_at_arrival = match (other.vm(vid).now, mapped) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
         let full = if own.vm(vid).pending >= self.cfg.max_pending_per_vm {
             Some(vid)
         } else if own.len() >= self.cfg.max_pending {

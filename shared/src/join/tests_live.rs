@@ -265,6 +265,45 @@ fn a_stalled_guest_stream_keeps_host_records_waiting_for_the_resend() {
     assert!(out.iter().all(|j| j.joined));
 }
 
+/// A stall longer than the timeout (the lab's vsock backend took ~10 s to let a
+/// cut connection go): host records that arrived while the guest stream was
+/// stalled wait until the resent guest stream reaches their own time, not just
+/// until it moved `timeout` past where it stood when they arrived.
+#[test]
+fn resent_guest_records_join_host_records_older_than_the_timeout() {
+    let s = generate(&SynthConfig {
+        requests: 60,
+        interval_ns: 100_000_000,
+        ..SynthConfig::default()
+    });
+    let mut e = JoinEngine::new(JoinConfig {
+        timeout_ns: 1_000_000_000,
+        ..JoinConfig::default()
+    });
+    let mut out = Vec::new();
+    for &(a, b, c, d) in &s.probes {
+        e.clock("vm0").add_guest_probe(a, b, c, d).unwrap();
+    }
+    for (g, h) in s.guest.iter().zip(&s.host).take(10) {
+        e.push_host(h.clone(), &mut out);
+        e.push_guest("vm0", g.clone(), &mut out);
+    }
+    assert_eq!(out.len(), 10);
+    // The connection is cut; the host goes on for 5 s.
+    e.set_guest_stalled("vm0", true);
+    for h in s.host.iter().skip(10).cloned() {
+        e.push_host(h, &mut out);
+    }
+    assert_eq!(out.len(), 10);
+    e.set_guest_stalled("vm0", false);
+    // The resend: 5 s of guest records, one at a time.
+    for g in s.guest.iter().skip(10).cloned() {
+        e.push_guest("vm0", g, &mut out);
+    }
+    assert_eq!(out.len(), 60, "{:?}", e.stats());
+    assert!(out.iter().all(|j| j.joined), "{:?}", e.stats());
+}
+
 #[test]
 fn learned_disk_device_binding_separates_disks() {
     let s = generate(&SynthConfig {

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use viotrace_shared::chrome::ChromeTrace;
+use viotrace_shared::chrome::{ChromeTrace, MAX_LANES};
 use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::join::{JoinConfig, JoinEngine, JoinStats};
 use viotrace_shared::proto::GuestRecord;
@@ -535,13 +535,17 @@ impl Joined {
         self.out.flush().context("write joined records")?;
         if let Some((p, c, err)) = self.chrome.take() {
             let n = c.len();
+            let overlapping = match c.overlapping() {
+                0 => String::new(),
+                o => format!(" ({o} drawn overlapping: their queue had {MAX_LANES} lanes in use)"),
+            };
             if let Some(e) = err {
                 return Err(e).with_context(|| format!("write {}", p.display()));
             }
             c.finish()
                 .with_context(|| format!("write {}", p.display()))?;
             self.human.push(format!(
-                "viotrace-host: Chrome trace with {n} requests in {} (open in ui.perfetto.dev)\n",
+                "viotrace-host: Chrome trace with {n} requests in {}{overlapping} (open in ui.perfetto.dev)\n",
                 p.display()
             ));
         }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use viotrace_shared::chrome::ChromeTrace;
+use viotrace_shared::chrome::{ChromeTrace, MAX_LANES};
 use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::join::{JoinConfig, JoinEngine, JoinStats};
 use viotrace_shared::proto::GuestRecord;
@@ -99,7 +99,12 @@ pub struct Joined {
     pub interval: Aggregator,
     pub total: Aggregator,
     threshold_ns: Option<u64>,
-    chrome: Option<(PathBuf, ChromeTrace)>,
+    /// The Chrome trace, streamed as records are written, and its first write error.
+    chrome: Option<(
+        PathBuf,
+        ChromeTrace<BufWriter<File>>,
+        Option<std::io::Error>,
+    )>,
     conns: HashMap<u64, Conn>,
     pub records: u64,
     /// Human output (tables, waterfalls, notices).
@@ -171,7 +176,15 @@ impl Joined {
             interval: Aggregator::new(),
             total: Aggregator::new(),
             threshold_ns: opts.threshold_ns,
-            chrome: opts.chrome.clone().map(|p| (p, ChromeTrace::new())),
+            chrome: match &opts.chrome {
+                Some(p) => {
+                    let f = File::create(p).with_context(|| format!("create {}", p.display()))?;
+                    let c = ChromeTrace::new(BufWriter::new(f))
+                        .with_context(|| format!("write {}", p.display()))?;
+                    Some((p.clone(), c, None))
+                }
+                None => None,
+            },
             conns: HashMap::new(),
             records: 0,
             human: Vec::new(),
@@ -373,8 +386,8 @@ impl Joined {
                 continue;
             }
             o.written += 1;
-            if let Some((_, c)) = self.chrome.as_mut() {
-                c.add(&j);
+            if let Some((_, c, err @ None)) = self.chrome.as_mut() {
+                *err = c.add(&j).err();
             }
             let rec = Record::Io(j);
             if serde_json::to_writer(&mut self.out, &rec).is_ok() {
@@ -520,16 +533,19 @@ impl Joined {
         self.engine.flush(&mut self.buf);
         self.emit();
         self.out.flush().context("write joined records")?;
-        if let Some((p, c)) = self.chrome.as_mut() {
-            let mut f = BufWriter::new(
-                File::create(&*p).with_context(|| format!("create {}", p.display()))?,
-            );
-            c.write(&mut f)
+        if let Some((p, c, err)) = self.chrome.take() {
+            let n = c.len();
+            let overlapping = match c.overlapping() {
+                0 => String::new(),
+                o => format!(" ({o} drawn overlapping: their queue had {MAX_LANES} lanes in use)"),
+            };
+            if let Some(e) = err {
+                return Err(e).with_context(|| format!("write {}", p.display()));
+            }
+            c.finish()
                 .with_context(|| format!("write {}", p.display()))?;
-            f.flush()?;
             self.human.push(format!(
-                "viotrace-host: Chrome trace with {} requests in {} (open in ui.perfetto.dev)\n",
-                c.len(),
+                "viotrace-host: Chrome trace with {n} requests in {}{overlapping} (open in ui.perfetto.dev)\n",
                 p.display()
             ));
         }

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use viotrace_shared::cause::Verdicts;
 use viotrace_shared::chrome::{ChromeTrace, MAX_LANES};
 use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::join::{JoinConfig, JoinEngine, JoinStats};
@@ -115,6 +116,8 @@ pub struct Joined {
     pub clock_uncertainty: HashMap<String, u64>,
     /// OTLP traces of slow I/Os (`--otlp`).
     pub otlp: Option<viotrace_shared::metrics::otlp::SlowTraces>,
+    /// Why-slow verdicts of joined records above the threshold (`-t`).
+    pub verdicts: Option<Verdicts>,
 }
 
 impl Joined {
@@ -191,6 +194,7 @@ impl Joined {
             metrics: None,
             clock_uncertainty: HashMap::new(),
             otlp: None,
+            verdicts: opts.threshold_ns.map(Verdicts::new),
         })
     }
 
@@ -326,8 +330,11 @@ impl Joined {
 
     fn emit(&mut self) {
         let ready = std::mem::take(&mut self.buf);
-        for j in ready {
+        for mut j in ready {
             self.records += 1;
+            if let Some(v) = self.verdicts.as_mut() {
+                v.judge(&mut j);
+            }
             let label = format!(
                 "{}/{}",
                 j.vm,
@@ -375,7 +382,11 @@ impl Joined {
                         fmt_ns(j.clock_uncertainty_ns.unwrap_or(0)),
                         j.time.map_or("?".to_string(), |t| t.to_string()),
                     );
-                    self.human.push(render_waterfall(&header, &j.ts));
+                    let mut w = render_waterfall(&header, &j.ts);
+                    if let Some(c) = &j.cause {
+                        w += &format!("  cause: {}: {}\n", c.kind.name(), c.evidence);
+                    }
+                    self.human.push(w);
                 }
             }
             // Per-VM output rate: statistics above keep every record; the files
@@ -427,6 +438,10 @@ impl Joined {
             ("join_evicted_lost".to_string(), s.evicted),
             ("clock_conflicts".to_string(), s.clock_conflicts),
         ];
+        if let Some(vd) = &self.verdicts {
+            v.push(("slow_with_cause".to_string(), vd.flagged));
+            v.push(("cause_classes_refused".to_string(), vd.classes_refused()));
+        }
         let mut sum: HashMap<&'static str, u64> = HashMap::new();
         for r in self.vm_accounts() {
             let (a, rl) = (&r.transport, r.output_rate_limited);
@@ -533,7 +548,10 @@ impl Joined {
         self.engine.flush(&mut self.buf);
         self.emit();
         self.out.flush().context("write joined records")?;
-        if let Some((p, c, err)) = self.chrome.take() {
+        if let Some((p, mut c, mut err)) = self.chrome.take() {
+            if err.is_none() {
+                err = c.finish().err();
+            }
             let n = c.len();
             let overlapping = match c.overlapping() {
                 0 => String::new(),
@@ -542,8 +560,6 @@ impl Joined {
             if let Some(e) = err {
                 return Err(e).with_context(|| format!("write {}", p.display()));
             }
-            c.finish()
-                .with_context(|| format!("write {}", p.display()))?;
             self.human.push(format!(
                 "viotrace-host: Chrome trace with {n} requests in {}{overlapping} (open in ui.perfetto.dev)\n",
                 p.display()

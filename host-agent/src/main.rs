@@ -418,12 +418,22 @@ fn run() -> Result<()> {
             next_table = now + cli.interval;
             let mut s = sink.borrow_mut();
             if let Some(j) = s.joined.as_mut() {
+                let mut t = String::new();
                 if !j.interval.is_empty() {
-                    let t = j.interval.render_table(&format!(
+                    t = j.interval.render_table(&format!(
                         "== viotrace end-to-end (guest + host, host clock): last {}",
                         humantime::format_duration(cli.interval)
                     ));
                     j.interval.clear();
+                }
+                let title = format!(
+                    "== viotrace why-slow: causes of the slow I/Os of the last {}",
+                    humantime::format_duration(cli.interval)
+                );
+                if let Some(c) = j.verdicts.as_mut().and_then(|v| v.take_interval(&title)) {
+                    t += &c;
+                }
+                if !t.is_empty() {
                     s.human(&t);
                 }
             }

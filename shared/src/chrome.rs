@@ -8,7 +8,7 @@
 //! named `<disk> q<N>`, `<disk> q<N> #2`, … and sorted together.
 //! Timestamps are µs (fractional) in the records' clock domain.
 
-use std::collections::HashMap;
+use std::collections::{BinaryHeap, HashMap};
 use std::io::{self, Write};
 
 use serde_json::json;
@@ -18,6 +18,41 @@ use crate::record::JoinedIo;
 /// Lanes one `(VM, track)` may have; a request that fits none of them is drawn
 /// in the last one (overlapping) and counted in [`ChromeTrace::overlapping`].
 pub const MAX_LANES: usize = 64;
+
+/// Requests are held this long (by the latest end seen) before they are drawn,
+/// so that requests arriving out of order still go to lanes in start order.
+pub const REORDER_NS: u64 = 1_000_000_000;
+/// Most requests held for reordering; beyond it the earliest is drawn at once.
+pub const MAX_HELD: usize = 8192;
+
+/// A request waiting to be drawn; the heap's top is the earliest start.
+struct Held {
+    start: u64,
+    seq: u64,
+    end: u64,
+    vm: String,
+    track: String,
+    name: String,
+    args: serde_json::Value,
+    stages: Vec<(String, u64, u64)>,
+}
+
+impl PartialEq for Held {
+    fn eq(&self, o: &Self) -> bool {
+        (self.start, self.seq) == (o.start, o.seq)
+    }
+}
+impl Eq for Held {}
+impl PartialOrd for Held {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Held {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (o.start, o.seq).cmp(&(self.start, self.seq))
+    }
+}
 
 /// The lanes of one `(VM, track)`: each lane's thread id and the end of the
 /// latest request drawn in it.
@@ -38,6 +73,12 @@ struct Track {
 pub struct ChromeTrace<W: Write> {
     w: W,
     first: bool,
+    finished: bool,
+    /// Requests waiting to be drawn in start order, and the latest end seen.
+    held: BinaryHeap<Held>,
+    seq: u64,
+    newest: u64,
+    added: u64,
     pids: HashMap<String, u32>,
     tracks: HashMap<(u32, String), Track>,
     next_tid: HashMap<u32, u32>,
@@ -57,6 +98,11 @@ impl<W: Write> ChromeTrace<W> {
         Ok(Self {
             w,
             first: true,
+            finished: false,
+            held: BinaryHeap::new(),
+            seq: 0,
+            newest: 0,
+            added: 0,
             pids: HashMap::new(),
             tracks: HashMap::new(),
             next_tid: HashMap::new(),
@@ -66,13 +112,23 @@ impl<W: Write> ChromeTrace<W> {
         })
     }
 
-    /// Requests written.
+    /// Requests added (drawn, or held for reordering until [`finish`](Self::finish)).
     pub fn len(&self) -> u64 {
-        self.written
+        self.added
     }
 
     pub fn is_empty(&self) -> bool {
-        self.written == 0
+        self.added == 0
+    }
+
+    /// Requests drawn so far.
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
+    /// Requests currently held for reordering (at most [`MAX_HELD`]).
+    pub fn held(&self) -> usize {
+        self.held.len()
     }
 
     /// Requests that could not be drawn (fewer than two points).
@@ -163,8 +219,6 @@ impl<W: Write> ChromeTrace<W> {
             Some(q) => format!("{disk} q{q}"),
             None => disk.to_owned(),
         };
-        let pid = self.pid(&io.vm)?;
-        let tid = self.lane(pid, &track, start, end)?;
         let args = json!({
             "op": io.op.name(),
             "sector": io.sector,
@@ -179,33 +233,75 @@ impl<W: Write> ChromeTrace<W> {
             "total_ns": io.total_ns,
             "merge_id": io.merge_id,
         });
-        self.emit(
-            &json!({"ph":"X","name":format!("{} {}", io.op.name(), io.bytes),
-            "cat":"io","pid":pid,"tid":tid,"ts":us(start),"dur":us(end - start),"args":args}),
-        )?;
         // Stage slices follow each other from the first anchor; a negative
         // stage (clock uncertainty) is drawn empty and the next one starts
         // where the previous ended, clamped inside the request.
         let bd = crate::stages::derive(&io.ts);
         let mut t = bd.start_ns.unwrap_or(start);
+        let mut stages = Vec::with_capacity(bd.stages.len());
         for (name, d) in bd.stages.iter() {
             let s = t.clamp(start, end);
             let e = t.saturating_add_signed(d).clamp(s, end);
             t = t.saturating_add_signed(d);
+            stages.push((name.to_owned(), s, e));
+        }
+        self.seq += 1;
+        self.held.push(Held {
+            start,
+            seq: self.seq,
+            end,
+            vm: io.vm.clone(),
+            track,
+            name: format!("{} {}", io.op.name(), io.bytes),
+            args,
+            stages,
+        });
+        self.added += 1;
+        self.newest = self.newest.max(end);
+        while let Some(h) = self.held.peek() {
+            if h.start.saturating_add(REORDER_NS) > self.newest && self.held.len() <= MAX_HELD {
+                break;
+            }
+            let h = self.held.pop().expect("peeked");
+            self.draw(h)?;
+        }
+        Ok(())
+    }
+
+    /// Writes one held request: its slice and its stages nested inside.
+    fn draw(&mut self, h: Held) -> io::Result<()> {
+        let pid = self.pid(&h.vm)?;
+        let tid = self.lane(pid, &h.track, h.start, h.end)?;
+        self.emit(
+            &json!({"ph":"X","name":h.name,"cat":"io","pid":pid,"tid":tid,
+            "ts":us(h.start),"dur":us(h.end - h.start),"args":h.args}),
+        )?;
+        for (name, s, e) in &h.stages {
             self.emit(
                 &json!({"ph":"X","name":name,"cat":"stage","pid":pid,"tid":tid,
-                "ts":us(s),"dur":us(e - s)}),
+                "ts":us(*s),"dur":us(e - s)}),
             )?;
         }
         self.written += 1;
         Ok(())
     }
 
-    /// Closes the trace's JSON and flushes; returns the writer.
-    pub fn finish(mut self) -> io::Result<W> {
+    /// Draws every held request, closes the trace's JSON and flushes (once).
+    pub fn finish(&mut self) -> io::Result<()> {
+        if self.finished {
+            return Ok(());
+        }
+        self.finished = true;
+        while let Some(h) = self.held.pop() {
+            self.draw(h)?;
+        }
         self.w.write_all(b"\n]}\n")?;
-        self.w.flush()?;
-        Ok(self.w)
+        self.w.flush()
+    }
+
+    /// The writer (call [`finish`](Self::finish) first).
+    pub fn into_inner(self) -> W {
+        self.w
     }
 }
 
@@ -240,8 +336,9 @@ mod tests {
             t.add(j).unwrap();
         }
         assert_eq!(t.len(), 300);
-        assert_eq!(t.overlapping(), 0);
-        let buf = t.finish().unwrap();
+        t.finish().unwrap();
+        assert_eq!((t.written(), t.overlapping()), (300, 0));
+        let buf = t.into_inner();
         let v: serde_json::Value = serde_json::from_slice(&buf).unwrap();
         let evs = v["traceEvents"].as_array().unwrap();
         let io: Vec<_> = evs.iter().filter(|e| e["cat"] == "io").collect();
@@ -288,21 +385,35 @@ mod tests {
     }
 
     #[test]
-    fn streams_with_bounded_state_and_counts_overflowing_lanes() {
+    fn streams_in_start_order_with_bounded_state_and_counts_overflowing_lanes() {
         let mut t = ChromeTrace::new(Vec::new()).unwrap();
-        // 100k back-to-back requests keep one lane.
-        for i in 0..100_000u64 {
-            t.add(&io("vm0", i * 10, i * 10 + 10)).unwrap();
+        // 100k back-to-back requests (10 µs each, 1 s in all), arriving in pairs
+        // swapped: drawn in start order, they keep one lane.
+        for i in (0..100_000u64).step_by(2) {
+            for k in [i + 1, i] {
+                t.add(&io("vm0", k * 10_000, k * 10_000 + 10_000)).unwrap();
+            }
+            assert!(t.held() <= MAX_HELD + 1);
         }
-        assert_eq!(t.tracks.values().map(|t| t.lanes.len()).sum::<usize>(), 1);
+        assert!(
+            t.written() > 0,
+            "requests older than the reorder window are drawn"
+        );
         // MAX_LANES + 5 requests all in flight at once: the extra 5 overlap.
         for _ in 0..MAX_LANES + 5 {
-            t.add(&io("vm0", 2_000_000, 3_000_000)).unwrap();
+            t.add(&io("vm0", 2_000_000_000, 3_000_000_000)).unwrap();
         }
+        t.finish().unwrap();
         assert_eq!(t.overlapping(), 5);
-        assert_eq!(t.len(), 100_000 + MAX_LANES as u64 + 5);
-        let buf = t.finish().unwrap();
+        assert_eq!(t.written(), 100_000 + MAX_LANES as u64 + 5);
+        let buf = t.into_inner();
         let v: serde_json::Value = serde_json::from_slice(&buf).unwrap();
-        assert!(v["traceEvents"].as_array().unwrap().len() > 100_000);
+        let evs = v["traceEvents"].as_array().unwrap();
+        // The 100k sequential requests all went to the first lane (tid 1).
+        let first_lane = evs
+            .iter()
+            .filter(|e| e["cat"] == "io" && e["tid"] == 1)
+            .count();
+        assert!(first_lane >= 100_000, "{first_lane}");
     }
 }

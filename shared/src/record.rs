@@ -451,6 +451,10 @@ pub struct JoinedIo {
     pub clock_uncertainty_ns: Option<u64>,
     pub joined: bool,
     pub reason: Option<UnmatchedReason>,
+    /// Why this request was slow (joined records the host agent judged slow:
+    /// see `cause`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<Box<crate::cause::Cause>>,
 }
 
 /// Any JSON-lines record, tagged with `"kind"`.

@@ -16,11 +16,11 @@
 
 mod baseline;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use crate::record::Op;
+use crate::record::{JoinedIo, Op};
 use crate::stages::Stages;
 
 pub use baseline::{Window, WINDOW};
@@ -169,13 +169,86 @@ impl Engine {
             self.classes_refused += 1;
             return None;
         }
-        let class = self.classes.entry(key.clone()).or_default();
+        let class = match self.classes.get_mut(key) {
+            Some(c) => c,
+            None => self.classes.entry(key.clone()).or_default(),
+        };
         let verdict = class.judge(key, stages, substages, total_ns, threshold_ns);
         class.total.push(total_ns);
         for (name, v) in stages.iter().chain(substages.iter()) {
-            class.stages.entry(name.to_string()).or_default().push(v);
+            match class.stages.get_mut(name) {
+                Some(w) => w.push(v),
+                None => class.stages.entry(name.to_string()).or_default().push(v),
+            }
         }
         verdict
+    }
+}
+
+/// Classes one host agent keeps baselines for (VMs × disks × ops × size classes).
+pub const MAX_CLASSES: usize = 4096;
+
+/// The host agent's verdicts: judges each joined request above the threshold
+/// against its class's baseline, puts the [`Cause`] on the record and counts the
+/// causes of the current interval for the periodic table.
+#[derive(Debug)]
+pub struct Verdicts {
+    engine: Engine,
+    threshold_ns: i64,
+    interval: BTreeMap<(CauseKind, String), u64>,
+    /// Records judged slow, in all.
+    pub flagged: u64,
+}
+
+impl Verdicts {
+    pub fn new(threshold_ns: u64) -> Verdicts {
+        Verdicts {
+            engine: Engine::new(MAX_CLASSES),
+            threshold_ns: i64::try_from(threshold_ns).unwrap_or(i64::MAX),
+            interval: BTreeMap::new(),
+            flagged: 0,
+        }
+    }
+
+    /// Requests not judged because [`MAX_CLASSES`] classes were taken.
+    pub fn classes_refused(&self) -> u64 {
+        self.engine.classes_refused
+    }
+
+    /// Judges a joined record (others are left alone) and sets its `cause`.
+    pub fn judge(&mut self, io: &mut JoinedIo) {
+        let (true, Some(total)) = (io.joined, io.total_ns) else {
+            return;
+        };
+        let disk = io.disk.as_deref().or(io.device.as_deref()).unwrap_or("?");
+        let key = ClassKey::new(&io.vm, disk, io.op, io.bytes);
+        io.cause = self
+            .engine
+            .observe(&key, &io.stages, &io.substages, total, self.threshold_ns)
+            .map(Box::new);
+        if let Some(c) = &io.cause {
+            self.flagged += 1;
+            *self.interval.entry((c.kind, c.stage.clone())).or_default() += 1;
+        }
+    }
+
+    /// The interval's causes, most frequent first (`None` when there were none),
+    /// and a fresh interval.
+    pub fn take_interval(&mut self, title: &str) -> Option<String> {
+        if self.interval.is_empty() {
+            return None;
+        }
+        let mut v: Vec<((CauseKind, String), u64)> =
+            std::mem::take(&mut self.interval).into_iter().collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut out = format!(
+            "{title}\n    {:<18} {:<24} {:>8}\n",
+            "cause", "stage", "slow I/Os"
+        );
+        for ((kind, stage), n) in v.iter().take(8) {
+            out += &format!("    {:<18} {:<24} {:>8}\n", kind.name(), stage, n);
+        }
+        Some(out)
     }
 }
 

@@ -170,3 +170,73 @@ proptest! {
         prop_assert_eq!(Some(c.kind), kind_of_stage(names[idx]));
     }
 }
+
+fn joined(slow: &str, extra: i64, subs: &[(&'static str, i64)]) -> JoinedIo {
+    let (stages, total) = req(slow, extra);
+    let mut j: JoinedIo = serde_json::from_value(serde_json::json!({
+        "vm": "vm1", "disk": "vdb", "op": "read", "sector": 8, "bytes": 4096,
+        "joined": true, "ts": {}, "ts_domain": "host", "stages": {}, "substages": {},
+    }))
+    .unwrap();
+    j.stages = stages;
+    j.substages = st(subs);
+    j.total_ns = Some(total);
+    j
+}
+
+#[test]
+fn verdicts_mark_the_slow_record_and_count_the_interval() {
+    let mut v = Verdicts::new(MS as u64);
+    for _ in 0..32 {
+        let mut j = joined(
+            "",
+            0,
+            &[("host_io.queue", 5_000), ("host_io.kernel", 190_000)],
+        );
+        v.judge(&mut j);
+        assert!(j.cause.is_none());
+    }
+    assert!(v.take_interval("t").is_none(), "nothing slow yet");
+    // QEMU held the request 20 ms before its system call (throttling).
+    let mut j = joined(
+        "host_io",
+        20 * MS,
+        &[
+            ("host_io.queue", 20 * MS + 5_000),
+            ("host_io.kernel", 190_000),
+        ],
+    );
+    v.judge(&mut j);
+    let c = j.cause.as_ref().expect("judged slow");
+    assert_eq!(
+        (c.kind, c.stage.as_str()),
+        (CauseKind::QemuQueue, "host_io.queue")
+    );
+    let line = serde_json::to_string(&crate::record::Record::Io(j.clone())).unwrap();
+    assert!(
+        line.contains(r#""cause":{"kind":"qemu_queue","stage":"host_io.queue""#),
+        "{line}"
+    );
+    // Unjoined records and records under the threshold are not judged.
+    let mut u = joined("host_io", 20 * MS, &[]);
+    u.joined = false;
+    v.judge(&mut u);
+    assert!(u.cause.is_none());
+    let t = v.take_interval("== causes").expect("one cause");
+    assert!(
+        t.contains("qemu_queue") && t.contains("host_io.queue"),
+        "{t}"
+    );
+    assert_eq!(v.flagged, 1);
+    assert!(
+        v.take_interval("again").is_none(),
+        "the interval starts afresh"
+    );
+}
+
+#[test]
+fn records_without_a_cause_serialize_as_before() {
+    let j = joined("", 0, &[]);
+    let line = serde_json::to_string(&crate::record::Record::Io(j)).unwrap();
+    assert!(!line.contains("cause"), "{line}");
+}

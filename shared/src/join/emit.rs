@@ -88,6 +88,7 @@ fn build(
         clock_uncertainty_ns,
         joined: reason.is_none(),
         reason,
+        cause: None,
     };
     if let Some(g) = g {
         io.disk = Some(g.disk);

@@ -562,6 +562,7 @@ mod tests {
             clock_uncertainty_ns: Some(100),
             joined: true,
             reason: None,
+            cause: None,
         }
     }
 

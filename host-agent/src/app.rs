@@ -1,0 +1,561 @@
+//! The host agent's state and its phases: start-up ([`App::new`],
+//! [`App::attach_initial`], [`App::start_joined`]), the loop's work
+//! ([`App::drain`] after each ring-buffer poll, [`App::tick`]: stale elements,
+//! the layout check, the once-a-second [`scan`](App::scan) for exits and new
+//! VMs, joined-mode events and the periodic tables) and the clean stop
+//! ([`App::finish`]). The ring buffer's callback only queues raw records; the
+//! app owns the tracer, the outputs and the join, so nothing is shared.
+
+use std::cell::RefCell;
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::mem::MaybeUninit;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use libbpf_rs::{OpenObject, RingBuffer, RingBufferBuilder};
+use viotrace_shared::metrics::otlp::Otlp;
+use viotrace_shared::metrics::{Metrics, Recorder};
+use viotrace_shared::stats::Aggregator;
+
+use crate::bpf::types::host_rec;
+use crate::sink::Sink;
+use crate::tracer::{self, Tracer};
+use crate::{fleet, joined, qemu, Cli};
+
+/// How long a pushed element waits for QEMU's guest notification before it is
+/// reported without one.
+const UNNOTIFIED_AFTER_NS: u64 = 200_000_000;
+
+/// Raw ring-buffer records waiting for [`App::drain`], and those that did not parse.
+#[derive(Default)]
+pub struct Queue {
+    recs: Vec<host_rec>,
+    unparsed: u64,
+}
+
+pub struct App<'obj> {
+    cli: Cli,
+    tracer: Tracer<'obj>,
+    sink: Sink,
+    queue: Rc<RefCell<Queue>>,
+    /// Records no traced element could be made of (besides the unparsed ones).
+    unknown: u64,
+    metrics: Option<Arc<Metrics>>,
+    otlp: Option<Otlp>,
+    /// `--pid`s; empty means discovery.
+    explicit: BTreeSet<u32>,
+    /// Processes not to look at again (failed, refused or not ours).
+    failed: BTreeSet<u32>,
+    start: Instant,
+    next_table: Instant,
+    next_scan: Instant,
+}
+
+impl<'obj> App<'obj> {
+    /// Loads the BPF object and starts the metrics endpoint and the OTLP pusher.
+    pub fn new(cli: Cli, storage: &'obj mut MaybeUninit<OpenObject>) -> Result<App<'obj>> {
+        tracer::ensure_tracefs()?;
+        let tracer = Tracer::open(storage, cli.pop)?;
+        for (what, e) in &tracer.missing_kernel {
+            eprintln!("viotrace-host: warning: kernel probe {what} not attached: {e}");
+        }
+        let mut sink = Sink {
+            json: cli.json,
+            threshold_ns: cli
+                .threshold
+                .map(|d| d.as_nanos().min(u128::from(u64::MAX)) as u64),
+            interval: Aggregator::new(),
+            total: Aggregator::new(),
+            out: std::io::BufWriter::new(std::io::stdout()),
+            records: 0,
+            joined: None,
+            metrics: None,
+        };
+        let metrics = (cli.metrics_listen.is_some() || cli.otlp.is_some())
+            .then(|| Metrics::new("viotrace-host"));
+        if let (Some(m), Some(addr)) = (&metrics, &cli.metrics_listen) {
+            let at = viotrace_shared::metrics::expose::serve(addr, m.clone())
+                .with_context(|| format!("--metrics-listen {addr}"))?;
+            eprintln!("viotrace-host: Prometheus metrics on http://{at}/metrics");
+        }
+        if let Some(m) = &metrics {
+            sink.metrics = Some(Recorder::new(m.clone()));
+        }
+        let otlp = match (&metrics, &cli.otlp) {
+            (Some(m), Some(base)) => Some(fleet::start_otlp(&cli, base, m.clone())?),
+            _ => None,
+        };
+        let start = Instant::now();
+        Ok(App {
+            explicit: cli.pids.iter().copied().collect(),
+            next_table: start + cli.interval,
+            next_scan: start + Duration::from_secs(1),
+            cli,
+            tracer,
+            sink,
+            queue: Rc::default(),
+            unknown: 0,
+            metrics,
+            otlp,
+            failed: BTreeSet::new(),
+            start,
+        })
+    }
+
+    /// The ring buffer; its callback only queues the raw records for [`App::drain`].
+    pub fn ring_buffer(&self, events: &libbpf_rs::MapHandle) -> Result<RingBuffer<'static>> {
+        let mut rbb = RingBufferBuilder::new();
+        let q = self.queue.clone();
+        rbb.add(events, move |data: &[u8]| {
+            let mut q = q.borrow_mut();
+            match tracer::parse_rec(data) {
+                Some(r) => q.recs.push(r),
+                None => q.unparsed += 1,
+            }
+            0
+        })
+        .context("setting up the ring buffer")?;
+        rbb.build().context("building the ring buffer")
+    }
+
+    /// An owned handle on the ring buffer map.
+    pub fn events_map(&self) -> Result<libbpf_rs::MapHandle> {
+        libbpf_rs::MapHandle::try_from(&self.tracer.skel.maps.events)
+            .context("duplicating the ring buffer map handle")
+    }
+
+    /// Consumes what the ring buffer holds and turns it into elements.
+    pub fn drain(&mut self, rb: &RingBuffer) {
+        let _ = rb.consume();
+        let mut recs = std::mem::take(&mut self.queue.borrow_mut().recs);
+        for r in &recs {
+            match self.tracer.make_record(r) {
+                Some(v) => v.iter().for_each(|e| self.sink.elem(e)),
+                None => self.unknown += 1,
+            }
+        }
+        recs.clear();
+        let mut q = self.queue.borrow_mut();
+        if q.recs.is_empty() {
+            q.recs = recs; // keep the allocation
+        }
+    }
+
+    fn unattributed(&self) -> u64 {
+        self.unknown + self.queue.borrow().unparsed
+    }
+
+    fn wanted(&self, pid: u32) -> bool {
+        self.cli.vms.is_empty()
+            || qemu::QemuProc::inspect(pid).is_ok_and(|p| self.cli.vms.contains(&p.vm))
+    }
+
+    /// Attaches to the `--pid`s, or to every (matching) running QEMU.
+    pub fn attach_initial(&mut self) -> Result<()> {
+        let initial: Vec<u32> = if self.explicit.is_empty() {
+            qemu::discover()
+                .into_iter()
+                .filter(|&p| self.wanted(p))
+                .collect()
+        } else {
+            self.explicit.iter().copied().collect()
+        };
+        let explicit = !self.explicit.is_empty();
+        for pid in initial {
+            if explicit && !qemu::is_qemu(pid) {
+                eprintln!("viotrace-host: warning: pid {pid} does not run a qemu-system-* or qemu-kvm binary; trying anyway");
+            }
+            self.attach(pid, explicit)?;
+        }
+        if !explicit && self.tracer.targets.is_empty() {
+            eprintln!(
+                "viotrace-host: no {}QEMU process yet; waiting for qemu-system-* to start",
+                if self.cli.vms.is_empty() {
+                    ""
+                } else {
+                    "matching "
+                }
+            );
+        }
+        Ok(())
+    }
+
+    /// Joined mode (`--listen-uds`/`--listen-vsock`): starts serving guest agents.
+    pub fn start_joined(&mut self) -> Result<()> {
+        let cli = &self.cli;
+        if cli.listen_uds.is_empty() && cli.listen_vsock.is_none() {
+            return Ok(());
+        }
+        let only_vm = {
+            let vms: BTreeSet<String> = self
+                .tracer
+                .targets
+                .values()
+                .map(|t| t.proc.vm.clone())
+                .collect();
+            (vms.len() == 1).then(|| vms.into_iter().next()).flatten()
+        };
+        let opts = joined::JoinOpts {
+            unix: cli
+                .listen_uds
+                .iter()
+                .map(|s| {
+                    let (vm, path) = joined::parse_listen_uds(s);
+                    (vm.or_else(|| only_vm.clone()), path)
+                })
+                .collect(),
+            vsock_port: cli.listen_vsock,
+            out: cli.joined_out.clone(),
+            chrome: cli.chrome_trace.clone(),
+            threshold_ns: self.sink.threshold_ns,
+            vm_for_cid: self
+                .tracer
+                .targets
+                .iter()
+                .filter_map(|(pid, t)| joined::guest_cid_of(*pid).map(|c| (c, t.proc.vm.clone())))
+                .collect(),
+            max_vm_rate: cli.max_vm_rate,
+        };
+        let mut j = joined::Joined::start(&opts)?;
+        eprintln!(
+            "viotrace-host: joined mode: waiting for guest agents on {}",
+            cli.listen_uds
+                .iter()
+                .cloned()
+                .chain(cli.listen_vsock.map(|p| format!("vsock port {p}")))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        j.metrics = self.metrics.as_ref().map(|m| Recorder::new(m.clone()));
+        j.otlp = self.otlp.as_ref().map(|o| o.traces());
+        self.sink.joined = Some(j);
+        Ok(())
+    }
+
+    /// Whether `--duration` has elapsed.
+    pub fn done(&self, now: Instant) -> bool {
+        self.cli.duration.is_some_and(|d| now - self.start >= d)
+    }
+
+    /// The loop's work after each poll: elements whose guest notification QEMU
+    /// skipped, the runtime layout check, the scan, joined-mode events, tables.
+    pub fn tick(&mut self, rb: &RingBuffer, now: Instant) -> Result<()> {
+        let stale = self
+            .tracer
+            .sweep_unnotified(viotrace_shared::clock::monotonic_ns(), UNNOTIFIED_AFTER_NS);
+        for r in stale {
+            match self.tracer.make_record(&r) {
+                Some(v) => v.iter().for_each(|e| self.sink.elem(e)),
+                None => self.unknown += 1,
+            }
+        }
+        // The runtime layout check: held records released, refused VMs let go.
+        let released = self.tracer.poll_probation();
+        released.iter().for_each(|e| self.sink.elem(e));
+        for (pid, msg) in self.tracer.take_refusals() {
+            eprintln!("viotrace-host: pid {pid}: {msg}");
+            self.detach(pid, "layout refused");
+            self.failed.insert(pid);
+        }
+        if now >= self.next_scan {
+            self.next_scan = now + Duration::from_secs(1);
+            self.scan(rb)?;
+        }
+        if let Some(j) = self.sink.joined.as_mut() {
+            let notes = j.poll();
+            for n in notes {
+                self.sink.human(&n);
+            }
+        }
+        if now >= self.next_table {
+            self.next_table = now + self.cli.interval;
+            self.tables();
+        }
+        Ok(())
+    }
+
+    /// Once a second: metrics published, exited VMs let go, new VMs attached.
+    fn scan(&mut self, rb: &RingBuffer) -> Result<()> {
+        self.publish_metrics();
+        let gone: Vec<u32> = self
+            .tracer
+            .targets
+            .keys()
+            .copied()
+            .filter(|&p| !qemu::alive(p))
+            .collect();
+        for pid in gone {
+            self.drain(rb);
+            self.detach(pid, "exited");
+        }
+        if self.explicit.is_empty() {
+            for pid in qemu::discover() {
+                if self.tracer.targets.contains_key(&pid) || self.failed.contains(&pid) {
+                    continue;
+                }
+                if !self.wanted(pid) {
+                    self.failed.insert(pid); // not ours: do not look again
+                    continue;
+                }
+                self.attach(pid, false)?;
+            }
+            self.failed.retain(|&p| qemu::alive(p));
+        }
+        Ok(())
+    }
+
+    /// The periodic tables: end to end, why-slow, and this agent's own.
+    fn tables(&mut self) {
+        let every = humantime::format_duration(self.cli.interval);
+        let s = &mut self.sink;
+        if let Some(j) = s.joined.as_mut() {
+            let mut t = String::new();
+            if !j.interval.is_empty() {
+                t = j.interval.render_table(&format!(
+                    "== viotrace end-to-end (guest + host, host clock): last {every}"
+                ));
+                j.interval.clear();
+            }
+            let title =
+                format!("== viotrace why-slow: causes of the slow I/Os of the last {every}");
+            if let Some(c) = j.verdicts.as_mut().and_then(|v| v.take_interval(&title)) {
+                t += &c;
+            }
+            if !t.is_empty() {
+                s.human(&t);
+            }
+        }
+        if !s.interval.is_empty() {
+            let t = s.interval.render_table(&format!(
+                "== viotrace-host: last {every} (at +{:.1}s)",
+                self.start.elapsed().as_secs_f64()
+            ));
+            s.human(&t);
+            s.interval.clear();
+        }
+        let _ = s.out.flush();
+    }
+
+    /// Clean stop: drain, detach everything, emit what was still waiting, and the
+    /// totals, counters and final stats line.
+    pub fn finish(mut self, rb: &RingBuffer, why: &str) -> Result<()> {
+        self.drain(rb);
+        let detaching = self.tracer.detach_all();
+        self.drain(rb);
+        let pids: Vec<u32> = self.tracer.targets.keys().copied().collect();
+        for pid in pids {
+            self.detach(pid, "agent stopping");
+        }
+        self.drain(rb);
+        let mut stats: Vec<(String, u64)> = self
+            .tracer
+            .stats()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        let mut transport = Vec::new();
+        if let Some(mut j) = self.sink.joined.take() {
+            let notes = j.finish()?;
+            transport = j
+                .vm_accounts()
+                .iter()
+                .map(|r| serde_json::to_value(r).unwrap_or_default())
+                .collect();
+            for n in notes {
+                self.sink.human(&n);
+            }
+            let t = j.total.render_table(&format!(
+                "== viotrace end-to-end totals ({} records)",
+                j.records
+            ));
+            self.sink.human(&t);
+            stats.extend(j.counters());
+            // The final metrics publication below still reports the join's counters.
+            self.sink.joined = Some(j);
+        }
+        if self.otlp.is_some() {
+            // The last push carries the final counters.
+            self.publish_metrics();
+            if let Some(o) = self.otlp.as_mut() {
+                o.finish();
+                stats.extend(o.stats.counters());
+            }
+        }
+        self.final_lines(&stats, transport, why)?;
+        let _ = detaching.join();
+        Ok(())
+    }
+
+    /// The totals table, the counters line and (with `--json`) the stats line.
+    fn final_lines(
+        &mut self,
+        stats: &[(String, u64)],
+        transport: Vec<serde_json::Value>,
+        why: &str,
+    ) -> Result<()> {
+        let unattributed = self.unattributed();
+        let s = &mut self.sink;
+        let t = s.total.render_table(&format!(
+            "== viotrace-host: totals over {:.1}s ({why})",
+            self.start.elapsed().as_secs_f64()
+        ));
+        s.human(&t);
+        let mut line = format!(
+            "drops/counters: records={} unattributed={unattributed}",
+            s.records
+        );
+        for (k, v) in stats {
+            line += &format!(" {k}={v}");
+        }
+        line.push('\n');
+        s.human(&line);
+        if s.json {
+            let mut m = serde_json::Map::new();
+            m.insert("kind".into(), "stats".into());
+            m.insert("records".into(), s.records.into());
+            m.insert("unattributed".into(), unattributed.into());
+            for (k, v) in stats {
+                m.insert(k.clone(), (*v).into());
+            }
+            let summ: Vec<serde_json::Value> = s
+                .total
+                .summaries()
+                .into_iter()
+                .map(|(label, stage, sm)| {
+                    serde_json::json!({"label": label, "stage": stage, "count": sm.count,
+                        "mean_ns": sm.mean_ns, "p50_ns": sm.p50_ns, "p99_ns": sm.p99_ns, "max_ns": sm.max_ns})
+                })
+                .collect();
+            m.insert("stages".into(), summ.into());
+            m.insert("transport".into(), transport.into());
+            let _ = serde_json::to_writer(&mut s.out, &serde_json::Value::Object(m));
+            let _ = s.out.write_all(b"\n");
+        }
+        s.out.flush().context("writing stdout")
+    }
+
+    /// Publishes the counters of the final stats line (and each VM's clock
+    /// uncertainty) to the metrics endpoint: once a second, not per record.
+    fn publish_metrics(&self) {
+        let Some(m) = &self.metrics else { return };
+        let unattributed = self.unattributed();
+        let s = &self.sink;
+        let mut c: Vec<(String, u64)> = vec![
+            ("records".into(), s.records),
+            ("unattributed".into(), unattributed),
+        ];
+        c.extend(
+            self.tracer
+                .stats()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v)),
+        );
+        let mut g = Vec::new();
+        if let Some(j) = s.joined.as_ref() {
+            c.extend(j.counters());
+            for (vm, u) in &j.clock_uncertainty {
+                g.push((
+                    "viotrace_clock_uncertainty_seconds".to_string(),
+                    vm.clone(),
+                    *u as f64 / 1e9,
+                ));
+            }
+        }
+        if let Some(o) = &self.otlp {
+            c.extend(o.stats.counters());
+        }
+        m.set_counters(c);
+        m.set_gauges(g);
+    }
+
+    /// Starts tracing `pid`; failures are reported and remembered (fatal only for an
+    /// explicit --pid that cannot be traced at all).
+    fn attach(&mut self, pid: u32, explicit: bool) -> Result<()> {
+        let res = qemu::QemuProc::inspect(pid).and_then(|p| {
+            let desc = format!(
+                "pid {pid} vm={} exe={} (via {}) devices={}",
+                p.vm,
+                p.exe.display(),
+                p.exe_via,
+                p.devices
+                    .iter()
+                    .map(|d| format!(
+                        "{}(drive={},backend={:?})",
+                        d.id.as_deref().unwrap_or("?"),
+                        d.drive.as_deref().unwrap_or("?"),
+                        p.backend_of(Some(d))
+                    ))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
+            let warns = self.tracer.add(p)?;
+            Ok((desc, warns))
+        });
+        match res {
+            Ok((desc, warns)) => {
+                let info = self.tracer.targets.get(&pid).map(|t| {
+                    format!(
+                        "QEMU {}; {}",
+                        t.info.version.as_deref().unwrap_or("version unknown"),
+                        t.info.trust_note()
+                    )
+                });
+                eprintln!(
+                    "viotrace-host: tracing {desc} ({})",
+                    info.unwrap_or_default()
+                );
+                for w in warns {
+                    eprintln!("viotrace-host: pid {pid}: {w}");
+                }
+                Ok(())
+            }
+            Err(e) if explicit => Err(e.context(format!("cannot trace pid {pid}"))),
+            Err(e) => {
+                eprintln!("viotrace-host: not tracing pid {pid}: {e:#}");
+                self.failed.insert(pid);
+                Ok(())
+            }
+        }
+    }
+
+    fn detach(&mut self, pid: u32, why: &str) {
+        let (t, leftover, abandoned) = self.tracer.remove(pid);
+        let Some(t) = t else { return };
+        for r in &leftover {
+            let e = Tracer::record_of_gone(&t, r);
+            self.sink.elem(&e);
+        }
+        let cpu = match (t.cpu_ticks_start, qemu::cpu_ticks(pid)) {
+            (Some(a), Some(b)) => format!(", QEMU CPU {} ticks", b.saturating_sub(a)),
+            _ => String::new(),
+        };
+        let msg = format!(
+            "viotrace-host: stopped tracing pid {pid} vm={} ({why}): {} elements{}{}{}{}\n",
+            t.proc.vm,
+            t.elems + leftover.len() as u64,
+            if leftover.is_empty() {
+                String::new()
+            } else {
+                format!(", {} emitted without h.irq", leftover.len())
+            },
+            if abandoned > 0 {
+                format!(", {abandoned} in flight abandoned")
+            } else {
+                String::new()
+            },
+            if t.probation.dropped > 0 {
+                format!(
+                    ", {} records of the refused layout dropped",
+                    t.probation.dropped
+                )
+            } else {
+                String::new()
+            },
+            cpu
+        );
+        eprint!("{msg}");
+    }
+}

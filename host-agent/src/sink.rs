@@ -1,0 +1,91 @@
+//! Where the host agent's own records go: JSON lines, per-stage tables,
+//! slow-element waterfalls, metrics, and the joined mode's input.
+
+use std::io::Write;
+
+use serde::Serialize;
+use viotrace_shared::record::HostElem;
+use viotrace_shared::stats::{render_waterfall, stages, Aggregator, TOTAL_STAGE};
+
+use crate::joined;
+
+#[derive(Serialize)]
+struct Tagged<'a, T: Serialize> {
+    kind: &'static str,
+    #[serde(flatten)]
+    rec: &'a T,
+}
+
+/// Where the records go, and the aggregates built from them.
+pub struct Sink {
+    pub json: bool,
+    pub threshold_ns: Option<u64>,
+    pub interval: Aggregator,
+    pub total: Aggregator,
+    pub out: std::io::BufWriter<std::io::Stdout>,
+    pub records: u64,
+    pub joined: Option<joined::Joined>,
+    pub metrics: Option<viotrace_shared::metrics::Recorder>,
+}
+
+impl Sink {
+    pub fn human(&mut self, s: &str) {
+        if self.json {
+            eprint!("{s}");
+        } else {
+            let _ = self.out.write_all(s.as_bytes());
+        }
+    }
+
+    pub fn elem(&mut self, e: &HostElem) {
+        self.records += 1;
+        if let Some(j) = self.joined.as_mut() {
+            j.host_elem(e);
+        }
+        // In joined mode the end-to-end records carry these stages (source="joined"):
+        // deriving them a second time per element would double the exporter's cost.
+        if let Some(m) = self.metrics.as_mut().filter(|_| self.joined.is_none()) {
+            let b = viotrace_shared::join::host_breakdown(e);
+            let (q, op) = (Some(e.queue), e.op);
+            m.record(
+                "host", &e.vm, &e.device, q, op, e.bytes, &b.stages, b.total_ns, true,
+            );
+        }
+        let label = format!("{}/{}", e.vm, e.device);
+        let st = stages(&e.ts);
+        for (stage, ns) in &st {
+            self.interval.record(&label, stage, *ns);
+            self.total.record(&label, stage, *ns);
+        }
+        if self.json {
+            let t = Tagged {
+                kind: "host_elem",
+                rec: e,
+            };
+            if serde_json::to_writer(&mut self.out, &t).is_ok() {
+                let _ = self.out.write_all(b"\n");
+            }
+        }
+        if let Some(th) = self.threshold_ns {
+            let total = st.iter().find(|(n, _)| n == TOTAL_STAGE).map_or(0, |x| x.1);
+            if total >= th {
+                let header = format!(
+                    "slow element: vm={} disk={} q{} head={} {} sector={} bytes={} backend={:?} merge_id={} status={} at {}",
+                    e.vm,
+                    e.device,
+                    e.queue,
+                    e.head,
+                    e.op,
+                    e.sector,
+                    e.bytes,
+                    e.backend,
+                    e.merge_id,
+                    e.status.map_or("-".to_string(), |s| s.to_string()),
+                    e.time.map_or("?".to_string(), |t| t.to_string())
+                );
+                let w = render_waterfall(&header, &e.ts);
+                self.human(&w);
+            }
+        }
+    }
+}

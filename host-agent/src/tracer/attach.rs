@@ -73,27 +73,7 @@ impl Tracer<'_> {
         let pid = proc.pid;
         let mut info = BinaryInfo::read(&proc.exe)?;
         let mut warn = Vec::new();
-        if let Ok(env) = std::env::var(LAYOUT_OVERRIDE_ENV) {
-            if let Some(spec) = override_for(&env, &proc.vm) {
-                let done = apply_overrides(&mut info.layout, &spec)
-                    .map_err(anyhow::Error::msg)
-                    .with_context(|| format!("{LAYOUT_OVERRIDE_ENV}={env}"))?;
-                warn.push(format!(
-                    "TEST OVERRIDE ({LAYOUT_OVERRIDE_ENV}): {}",
-                    done.join(", ")
-                ));
-            }
-        }
-        if let Ok(env) = std::env::var(ASSUME_INLINED_ENV) {
-            if let Some(list) = override_for(&env, &proc.vm) {
-                let syms: Vec<&str> = list.split(',').map(str::trim).collect();
-                warn.push(format!(
-                    "TEST OVERRIDE ({ASSUME_INLINED_ENV}): treated as never called: {}",
-                    syms.join(", ")
-                ));
-                info.never_called.extend(syms.iter().map(|s| s.to_string()));
-            }
-        }
+        test_overrides(&proc.vm, &mut info, &mut warn)?;
         let layout = info.layout;
         if !info.probeable("virtqueue_push") {
             anyhow::bail!(
@@ -109,59 +89,7 @@ impl Tracer<'_> {
         // LTO builds inline blk_aio_* into their callers: then every element is
         // taken at virtqueue_push (sizes from its scatter lists), without h.submit.
         let no_submit = !info.probeable("blk_aio_preadv") || !info.probeable("blk_aio_pwritev");
-        for (sym, what, why) in info.missing(self.pop) {
-            warn.push(format!("not visible: {what} ({sym} {why})"));
-        }
-        if no_submit {
-            warn.push(format!(
-                "fallback: blk_aio_preadv/pwritev are not probeable: elements are read at \
-                 virtqueue_push (op, sector, bytes from the element), host I/O is matched by \
-                 the element's first data buffer (the first element of a merged request \
-                 only); no {} for this VM",
-                Point::HostSubmit
-            ));
-        }
-        if !info.usdt.is_empty() {
-            warn.push(format!(
-                "the binary carries {} USDT probes of provider qemu (used: virtqueue_pop with \
-                 --pop)",
-                info.usdt.len()
-            ));
-        }
-        if !self.pop {
-            warn.push(format!(
-                "stage {} not traced (add --pop: 3 more uprobe hits per request)",
-                Point::HostPop
-            ));
-        }
-        warn.push(format!(
-            "stage {} not visible: QEMU's completion callbacks are static functions",
-            Point::HostCompleteCb
-        ));
-        let mut flags = QL_HAVE_MR_NEXT | QL_HAVE_REQ_IN;
-        if layout.luring_sqe.is_some() {
-            flags |= QL_HAVE_LURING;
-        } else {
-            warn.push(format!(
-                "aio=io_uring: {}/{} not matched (QEMU {} keeps no SQE copy per request)",
-                Point::HostIoIssue,
-                Point::HostIoComplete,
-                info.version.as_deref().unwrap_or("?")
-            ));
-        }
-        if no_submit {
-            flags |= QL_NO_SUBMIT;
-        }
-        // 10.2+ has no virtio_notify_irqfd: virtio_notify is the one path.
-        let notify_path = info.has("virtio_notify_irqfd") || info.probeable("virtio_notify");
-        if notify_path
-            && !self
-                .missing_kernel
-                .iter()
-                .any(|m| m.0.starts_with("irq_write"))
-        {
-            flags |= QL_HAVE_NOTIFIER;
-        }
+        let flags = self.flags_and_warnings(&info, no_submit, &mut warn);
         let ql = to_bpf(&layout, flags);
         self.skel
             .maps
@@ -284,6 +212,97 @@ impl Tracer<'_> {
             }
         }
         Ok(links)
+    }
+}
+
+/// The test-only overrides of a VM's layout and of which symbols count as inlined.
+fn test_overrides(vm: &str, info: &mut BinaryInfo, warn: &mut Vec<String>) -> Result<()> {
+    if let Ok(env) = std::env::var(LAYOUT_OVERRIDE_ENV) {
+        if let Some(spec) = override_for(&env, vm) {
+            let done = apply_overrides(&mut info.layout, &spec)
+                .map_err(anyhow::Error::msg)
+                .with_context(|| format!("{LAYOUT_OVERRIDE_ENV}={env}"))?;
+            warn.push(format!(
+                "TEST OVERRIDE ({LAYOUT_OVERRIDE_ENV}): {}",
+                done.join(", ")
+            ));
+        }
+    }
+    if let Ok(env) = std::env::var(ASSUME_INLINED_ENV) {
+        if let Some(list) = override_for(&env, vm) {
+            let syms: Vec<&str> = list.split(',').map(str::trim).collect();
+            warn.push(format!(
+                "TEST OVERRIDE ({ASSUME_INLINED_ENV}): treated as never called: {}",
+                syms.join(", ")
+            ));
+            info.never_called.extend(syms.iter().map(|s| s.to_string()));
+        }
+    }
+    Ok(())
+}
+
+impl Tracer<'_> {
+    /// The flags the BPF side gets for a process, and what cannot be seen in it.
+    fn flags_and_warnings(
+        &self,
+        info: &BinaryInfo,
+        no_submit: bool,
+        warn: &mut Vec<String>,
+    ) -> u32 {
+        for (sym, what, why) in info.missing(self.pop) {
+            warn.push(format!("not visible: {what} ({sym} {why})"));
+        }
+        if no_submit {
+            warn.push(format!(
+                "fallback: blk_aio_preadv/pwritev are not probeable: elements are read at \
+                     virtqueue_push (op, sector, bytes from the element), host I/O is matched by \
+                     the element's first data buffer (the first element of a merged request \
+                     only); no {} for this VM",
+                Point::HostSubmit
+            ));
+        }
+        if !info.usdt.is_empty() {
+            warn.push(format!(
+                "the binary carries {} USDT probes of provider qemu (used: virtqueue_pop with \
+                     --pop)",
+                info.usdt.len()
+            ));
+        }
+        if !self.pop {
+            warn.push(format!(
+                "stage {} not traced (add --pop: 3 more uprobe hits per request)",
+                Point::HostPop
+            ));
+        }
+        warn.push(format!(
+            "stage {} not visible: QEMU's completion callbacks are static functions",
+            Point::HostCompleteCb
+        ));
+        let mut flags = QL_HAVE_MR_NEXT | QL_HAVE_REQ_IN;
+        if info.layout.luring_sqe.is_some() {
+            flags |= QL_HAVE_LURING;
+        } else {
+            warn.push(format!(
+                "aio=io_uring: {}/{} not matched (QEMU {} keeps no SQE copy per request)",
+                Point::HostIoIssue,
+                Point::HostIoComplete,
+                info.version.as_deref().unwrap_or("?")
+            ));
+        }
+        if no_submit {
+            flags |= QL_NO_SUBMIT;
+        }
+        // 10.2+ has no virtio_notify_irqfd: virtio_notify is the one path.
+        let notify_path = info.has("virtio_notify_irqfd") || info.probeable("virtio_notify");
+        if notify_path
+            && !self
+                .missing_kernel
+                .iter()
+                .any(|m| m.0.starts_with("irq_write"))
+        {
+            flags |= QL_HAVE_NOTIFIER;
+        }
+        flags
     }
 }
 

@@ -21,6 +21,7 @@ pub mod metrics;
 mod proc;
 mod qmp;
 mod result;
+mod run;
 pub mod vm;
 pub mod vmlock;
 pub mod workloads;

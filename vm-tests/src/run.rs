@@ -1,0 +1,657 @@
+//! One lab run, in phases: the guest's initramfs and the data disk, the vsock
+//! backend, the QEMU command line, QEMU and its console (markers, host agent
+//! attach and restarts, the deadline), stopping everything, and the results.
+//! Every helper process is a [`Guarded`] child: whatever path a run leaves by,
+//! nothing it started outlives it.
+
+use std::fs::{self, File};
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use nix::sys::signal::Signal;
+
+use crate::assets::{self, Cpio, GuestAssets, Qemu};
+use crate::config::{Accel, Agents, Aio, DiskFormat, HostAttach, VmConfig, VsockMode};
+use crate::metrics::{ProcSample, RunMetrics, Usage};
+use crate::proc::Guarded;
+use crate::qmp::Qmp;
+use crate::result::{write_summary, RunResult};
+use crate::vm::{
+    kernel_cid, kernel_vhost_vsock_usable, kvm_usable, mono_at, shell_quote, tail, Lab,
+    AGENT_VSOCK_PORT, MARK_AGENT_EXIT, MARK_AGENT_FAILED, MARK_DONE, MARK_END, MARK_ERROR,
+    MARK_HOST_RESTART, MARK_START,
+};
+
+enum Event {
+    Line(Instant, String),
+    Eof,
+}
+
+/// The guest↔host channel of a run.
+struct Vsock {
+    mode: VsockMode,
+    /// Hybrid vsock: the VMM-side Unix socket (`<uds>_<port>` for guest connections).
+    uds: PathBuf,
+    vhost_sock: PathBuf,
+    backend: Option<Guarded>,
+}
+
+/// QEMU's and the host agent's CPU and memory at one instant.
+type Sample = (Option<ProcSample>, Option<ProcSample>);
+
+/// What the console said so far, and the host agent's incarnations.
+#[derive(Default)]
+struct Console {
+    t_start: Option<Instant>,
+    t_end: Option<Instant>,
+    rc: Option<i32>,
+    done: bool,
+    guest_errors: Vec<String>,
+    guest_agent_rc: Option<i32>,
+    host_agent: Option<Guarded>,
+    host_agent_pid: Option<u32>,
+    /// (QEMU, host agent) at the workload's start and end.
+    samples: (Sample, Sample),
+    mono: (u64, u64),
+    host_restarts: u32,
+    /// Exit codes of the host agent's earlier incarnations.
+    host_agent_rcs: Vec<Option<i32>>,
+}
+
+/// How the console loop ended.
+enum Ended {
+    /// QEMU exited (its console closed first).
+    Exited(ExitStatus),
+    /// The deadline passed or the run was interrupted.
+    Stopped { interrupted: bool },
+}
+
+pub(crate) struct Run<'a> {
+    pub lab: &'a Lab,
+    pub cfg: &'a VmConfig,
+    pub out: &'a Path,
+    /// The run's private directory (initramfs, disks, sockets).
+    pub rd: &'a Path,
+}
+
+impl Run<'_> {
+    pub fn execute(&self, workload: &str) -> Result<RunResult> {
+        let (cfg, out) = (self.cfg, self.out);
+        let t_all = Instant::now();
+        let guest_bin = cfg
+            .agents
+            .guest()
+            .then(assets::guest_agent_binary)
+            .transpose()?;
+        let host_bin = cfg
+            .agents
+            .host()
+            .then(assets::host_agent_binary)
+            .transpose()?;
+        let guest = self.lab.guest(&cfg.guest_kernel)?;
+        let initrd = self.initrd(workload, &guest, guest_bin.as_deref())?;
+        let disk = self.data_disk()?;
+        // One lab VM at a time on this machine, from here until the VM is gone.
+        let _vm_lock = match &self.lab.vm_lock {
+            Some(p) => Some(crate::vmlock::acquire(p)?),
+            None => None,
+        };
+        let mut vs = self.vsock()?;
+        let qemu_build = self.lab.qemu(&cfg.qemu)?;
+        let paused = host_bin.is_some() && cfg.host_attach == HostAttach::Paused;
+        let (mut q, accel) = self.qemu_command(&qemu_build, &guest, &initrd, &disk, &vs, paused)?;
+        let hybrid_uds = (vs.mode != VsockMode::Kernel).then_some(vs.uds.as_path());
+        let mut con = Console::default();
+        // Host agent in discovery mode: up before QEMU exists.
+        if let (Some(hb), HostAttach::BeforeQemu) = (&host_bin, cfg.host_attach) {
+            con.host_agent = Some(
+                self.lab
+                    .start_host_agent(cfg, hb, None, out, self.rd, hybrid_uds, 0)?,
+            );
+        }
+        let t_qemu = Instant::now();
+        let mut qemu = Guarded::spawn("qemu-system-x86_64", &mut q)?;
+        let qemu_pid = qemu.pid();
+        let (rx, reader) = serial_reader(&mut qemu, out.join("serial.log"), cfg.console)?;
+        // The host agent attached to this QEMU by pid (incarnation 0, or a restart).
+        let attach = |hb: &Path, incarnation: u32| {
+            self.lab.start_host_agent(
+                cfg,
+                hb,
+                Some(qemu_pid),
+                out,
+                self.rd,
+                hybrid_uds,
+                incarnation,
+            )
+        };
+        // Host agent by pid on the paused VM, then resume.
+        // QMP answering proves the pid is QEMU itself (a rooted QEMU is exec'd by a wrapper).
+        let mut t_resume = t_qemu;
+        if let (Some(hb), HostAttach::Paused) = (&host_bin, cfg.host_attach) {
+            let mut qmp = Qmp::connect(&self.rd.join("qmp.sock"), Duration::from_secs(30))
+                .with_context(|| {
+                    format!("QEMU did not start: {}", tail(&out.join("qemu.log"), 10))
+                })?;
+            con.host_agent = Some(attach(hb, 0)?);
+            qmp.execute("cont")?;
+            t_resume = Instant::now();
+        }
+        con.host_agent_pid = con.host_agent.as_ref().map(|h| h.pid());
+        let on_line = |con: &mut Console, t: Instant, line: &str| -> Result<()> {
+            self.on_line(con, t, line, qemu_pid, host_bin.as_deref(), &attach)
+        };
+        let ended = self.console_loop(&mut con, &rx, &mut qemu, t_resume + cfg.timeout, on_line)?;
+        let qemu_status = match ended {
+            Ended::Exited(st) => st,
+            Ended::Stopped { interrupted } => {
+                qemu.stop(Signal::SIGTERM, Duration::from_secs(2))?;
+                if let Some(mut h) = con.host_agent.take() {
+                    let _ = h.stop(Signal::SIGINT, Duration::from_secs(10));
+                }
+                if let Some(mut b) = vs.backend.take() {
+                    let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
+                }
+                let _ = reader.join();
+                bail!(self.stopped_message(interrupted, con.t_start.is_some()));
+            }
+        };
+        let _ = reader.join();
+        let host_agent_rc = stop_host_agents(&mut con)?;
+        if let Some(mut b) = vs.backend.take() {
+            let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
+        }
+        self.unpack_results()?;
+        self.check_completed(&con, qemu_status)?;
+        let t_start = con.t_start.unwrap_or(t_resume);
+        let t_end = con.t_end.unwrap_or(t_start);
+        let (s_start, s_end) = con.samples;
+        let result = RunResult {
+            out_dir: out.to_path_buf(),
+            workload_rc: con.rc.unwrap_or(255),
+            boot_secs: (t_start - t_resume).as_secs_f64(),
+            workload_secs: (t_end - t_start).as_secs_f64(),
+            total_secs: t_all.elapsed().as_secs_f64(),
+            accel: accel.to_string(),
+            vsock: format!("{:?}", vs.mode),
+            kernel_release: guest.kernel.release.clone(),
+            qemu_version: qemu_build.version.clone(),
+            qemu_pid,
+            guest_agent_rc: con.guest_agent_rc,
+            host_agent_rc,
+            metrics: RunMetrics {
+                qemu: Usage::between(s_start.0, s_end.0),
+                host_agent: Usage::between(s_start.1, s_end.1),
+                guest_agent: Usage::between(
+                    ProcSample::from_files(out, "guest-agent.start"),
+                    ProcSample::from_files(out, "guest-agent.end"),
+                ),
+            },
+            workload_start_ns: con.mono.0,
+            workload_end_ns: con.mono.1,
+            config: cfg.clone(),
+        };
+        write_summary(&result)?;
+        Ok(result)
+    }
+
+    /// The run's initramfs: the guest's base, the tools overlay, and the run's
+    /// configuration, setup and workload scripts and guest agent.
+    fn initrd(
+        &self,
+        workload: &str,
+        guest: &GuestAssets,
+        guest_bin: Option<&Path>,
+    ) -> Result<PathBuf> {
+        let cfg = self.cfg;
+        let initrd = self.rd.join("initrd.cpio");
+        fs::copy(&guest.base_initramfs, &initrd).context("copy base initramfs")?;
+        let mut f = fs::OpenOptions::new().append(true).open(&initrd)?;
+        if !cfg.guest_tools.is_empty() {
+            let tools = assets::tools_overlay(&self.lab.assets.cache, &cfg.guest_tools)?;
+            std::io::copy(&mut File::open(tools)?, &mut f)?;
+        }
+        let mut c = Cpio::new(Vec::new(), 1_000_000);
+        let disk = "vda";
+        let mut conf = String::new();
+        conf += &format!("VIOTRACE_DISK={disk}\n");
+        conf += &format!(
+            "VIOTRACE_GUEST_AGENT={}\n",
+            if guest_bin.is_some() { 1 } else { 0 }
+        );
+        let mut gargs = cfg.guest_args.clone();
+        if cfg.agents == Agents::Both {
+            gargs += &format!(" --connect vsock:2:{AGENT_VSOCK_PORT}");
+        }
+        conf += &format!("VIOTRACE_GUEST_ARGS={}\n", shell_quote(&gargs));
+        conf += &format!(
+            "VIOTRACE_GUEST_OUTPUT={}\n",
+            if cfg.guest_json { "--json" } else { "" }
+        );
+        c.file("viotrace/config.sh", 0o644, conf.as_bytes())?;
+        c.file(
+            "viotrace/setup.sh",
+            0o755,
+            cfg.setup.as_deref().unwrap_or("").as_bytes(),
+        )?;
+        c.file("viotrace/workload.sh", 0o755, workload.as_bytes())?;
+        if let Some(g) = guest_bin {
+            c.host_file("bin/viotrace-guest", g)?;
+        }
+        f.write_all(&c.finish()?)?;
+        Ok(initrd)
+    }
+
+    /// The data disk, a copy of the golden image in the run's format.
+    fn data_disk(&self) -> Result<PathBuf> {
+        let golden = match self.cfg.format {
+            DiskFormat::Raw => &self.lab.assets.golden_raw,
+            DiskFormat::Qcow2 => &self.lab.assets.golden_qcow2,
+        };
+        let disk = self
+            .rd
+            .join(format!("data.{}", format_name(self.cfg.format)));
+        fs::copy(golden, &disk).context("copy golden data disk")?;
+        Ok(disk)
+    }
+
+    /// The extra blank disk (`--extra-disk`), when asked for.
+    fn extra_disk(&self, mib: u32) -> Result<PathBuf> {
+        let extra = self
+            .rd
+            .join(format!("extra.{}", format_name(self.cfg.format)));
+        if self.cfg.format == DiskFormat::Qcow2 {
+            let st = Command::new("qemu-img")
+                .args(["create", "-q", "-f", "qcow2"])
+                .arg(&extra)
+                .arg(format!("{mib}M"))
+                .status()
+                .context("run qemu-img")?;
+            anyhow::ensure!(st.success(), "qemu-img create failed");
+        } else {
+            File::create(&extra)?.set_len(u64::from(mib) << 20)?;
+        }
+        Ok(extra)
+    }
+
+    /// The vsock mode, and for vhost-user the backend, started and listening.
+    fn vsock(&self) -> Result<Vsock> {
+        let (cfg, cache) = (self.cfg, &self.lab.assets.cache);
+        let mode = match cfg.vsock {
+            VsockMode::Auto if kernel_vhost_vsock_usable() => VsockMode::Kernel,
+            VsockMode::Auto => {
+                if assets::find_vhost_vsock(cache).is_some() {
+                    VsockMode::VhostUser
+                } else if cfg.agents == Agents::Both {
+                    assets::install_vhost_vsock(cache)?;
+                    VsockMode::VhostUser
+                } else {
+                    VsockMode::None
+                }
+            }
+            m => m,
+        };
+        let uds = cfg
+            .vsock_uds
+            .clone()
+            .unwrap_or_else(|| self.rd.join("vsock.sock"));
+        let vhost_sock = self.rd.join("vhost.sock");
+        let mut vs = Vsock {
+            mode,
+            uds,
+            vhost_sock,
+            backend: None,
+        };
+        if mode == VsockMode::VhostUser {
+            vs.backend = Some(self.vhost_user_backend(&vs)?);
+        }
+        Ok(vs)
+    }
+
+    fn vhost_user_backend(&self, vs: &Vsock) -> Result<Guarded> {
+        let bin = assets::install_vhost_vsock(&self.lab.assets.cache)?;
+        let log_path = self.out.join("vsock-backend.log");
+        let log = File::create(&log_path)?;
+        let mut b = Guarded::spawn(
+            "vhost-device-vsock",
+            Command::new(&bin)
+                .arg("--vm")
+                .arg(format!(
+                    "guest-cid={},socket={},uds-path={}",
+                    self.cfg.cid,
+                    vs.vhost_sock.display(),
+                    vs.uds.display()
+                ))
+                .stdin(Stdio::null())
+                .stdout(log.try_clone()?)
+                .stderr(log),
+        )?;
+        let t = Instant::now();
+        while !vs.vhost_sock.exists() {
+            if let Some(st) = b.try_wait()? {
+                bail!("vhost-device-vsock exited ({st}): {}", tail(&log_path, 10));
+            }
+            if t.elapsed() > Duration::from_secs(15) {
+                bail!(
+                    "vhost-device-vsock did not create {}",
+                    vs.vhost_sock.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(b)
+    }
+
+    /// QEMU's command line, and the accelerator it uses.
+    fn qemu_command(
+        &self,
+        qemu_build: &Qemu,
+        guest: &GuestAssets,
+        initrd: &Path,
+        disk: &Path,
+        vs: &Vsock,
+        paused: bool,
+    ) -> Result<(Command, &'static str)> {
+        let (cfg, rd) = (self.cfg, self.rd);
+        let accel = match cfg.accel {
+            Accel::Auto if kvm_usable() => "kvm",
+            Accel::Auto | Accel::Tcg => "tcg",
+            Accel::Kvm => "kvm",
+        };
+        // A QEMU in its own root sees only the run directory: the kernel goes there too.
+        let vmlinuz = if qemu_build.rooted() {
+            let k = rd.join("vmlinuz");
+            fs::copy(&guest.kernel.vmlinuz, &k).context("copy the guest kernel")?;
+            k
+        } else {
+            guest.kernel.vmlinuz.clone()
+        };
+        let mut q = qemu_build.command(&[rd]);
+        q.args([
+            "-name",
+            &cfg.name,
+            "-accel",
+            accel,
+            "-nodefaults",
+            "-no-reboot",
+        ])
+        .args(["-display", "none", "-monitor", "none", "-serial", "stdio"])
+        .args(["-cpu", if accel == "kvm" { "host" } else { "max" }])
+        .args(["-smp", &cfg.smp.to_string()])
+        .args(["-m", &format!("{}M", cfg.memory_mib)])
+        .arg("-object")
+        .arg(format!(
+            "memory-backend-memfd,id=mem,size={}M,share=on",
+            cfg.memory_mib
+        ))
+        .args(["-numa", "node,memdev=mem"])
+        .arg("-kernel")
+        .arg(&vmlinuz)
+        .arg("-initrd")
+        .arg(initrd)
+        .args([
+            "-append",
+            "console=ttyS0 panic=-1 quiet loglevel=3 rdinit=/init tsc=reliable \
+                     random.trust_cpu=on mitigations=off",
+        ])
+        .arg("-qmp")
+        .arg(format!(
+            "unix:{},server=on,wait=off",
+            rd.join("qmp.sock").display()
+        ));
+        let cache = if cfg.aio == Aio::Native {
+            "none"
+        } else {
+            cfg.cache.as_str()
+        };
+        let fmt = format_name(cfg.format);
+        let mut drive = |file: &Path, id: &str, dev: &str| {
+            q.arg("-drive").arg(format!(
+                "file={},if=none,id={id},format={fmt},aio={},cache={cache}",
+                file.display(),
+                cfg.aio
+            ));
+            q.arg("-device").arg(format!(
+                "virtio-blk-pci,drive={id},id={dev},num-queues={}",
+                cfg.queues
+            ));
+        };
+        drive(disk, "data", "vdata");
+        if let Some(mib) = cfg.extra_disk_mib {
+            drive(&self.extra_disk(mib)?, "extra", "vextra");
+        }
+        q.args(["-device", "virtio-serial-pci,id=vser"])
+            .arg("-chardev")
+            .arg(format!(
+                "file,id=results,path={}",
+                rd.join("results.tar").display()
+            ))
+            .args([
+                "-device",
+                "virtserialport,bus=vser.0,chardev=results,name=viotrace.results",
+            ]);
+        match vs.mode {
+            VsockMode::VhostUser => {
+                q.arg("-chardev")
+                    .arg(format!(
+                        "socket,id=vsockchr,path={}",
+                        vs.vhost_sock.display()
+                    ))
+                    .args(["-device", "vhost-user-vsock-pci,chardev=vsockchr"]);
+            }
+            VsockMode::Kernel => {
+                q.arg("-device")
+                    .arg(format!("vhost-vsock-pci,guest-cid={}", kernel_cid(cfg.cid)));
+            }
+            _ => {}
+        }
+        if paused {
+            q.arg("-S");
+        }
+        q.args(&cfg.qemu_args);
+        let qlog = File::create(self.out.join("qemu.log"))?;
+        q.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(qlog);
+        Ok((q, accel))
+    }
+
+    /// Reads the console until QEMU exits, the deadline passes or the run is interrupted.
+    fn console_loop(
+        &self,
+        con: &mut Console,
+        rx: &mpsc::Receiver<Event>,
+        qemu: &mut Guarded,
+        deadline: Instant,
+        mut on_line: impl FnMut(&mut Console, Instant, &str) -> Result<()>,
+    ) -> Result<Ended> {
+        let mut eof = false;
+        loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(Event::Line(t, line)) => on_line(con, t, &line)?,
+                Ok(Event::Eof) => eof = true,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => eof = true,
+            }
+            // When QEMU exits its stdout closes: the reader's Eof ends the loop
+            // after every console line has gone through the marker parsing.
+            if eof {
+                if let Some(st) = qemu.wait_timeout(Duration::from_secs(10))? {
+                    return Ok(Ended::Exited(st));
+                }
+            }
+            let interrupted = self.lab.interrupt.load(Ordering::SeqCst);
+            if Instant::now() >= deadline || interrupted {
+                return Ok(Ended::Stopped { interrupted });
+            }
+        }
+    }
+
+    /// One console line: the workload's and the guest agent's markers.
+    fn on_line(
+        &self,
+        con: &mut Console,
+        t: Instant,
+        line: &str,
+        qemu_pid: u32,
+        host_bin: Option<&Path>,
+        attach: &dyn Fn(&Path, u32) -> Result<Guarded>,
+    ) -> Result<()> {
+        let sample = |hp: Option<u32>| {
+            (
+                ProcSample::of_pid(qemu_pid),
+                hp.and_then(ProcSample::of_pid),
+            )
+        };
+        if line.contains(MARK_START) {
+            con.t_start = Some(t);
+            con.mono.0 = mono_at(t);
+            if let (Some(hb), HostAttach::Running) = (host_bin, self.cfg.host_attach) {
+                let h = attach(hb, 0)?;
+                con.host_agent_pid = Some(h.pid());
+                con.host_agent = Some(h);
+            }
+            con.samples.0 = sample(con.host_agent_pid);
+        } else if let Some(r) = line.split_once(MARK_END) {
+            con.t_end = Some(t);
+            con.mono.1 = mono_at(t);
+            con.samples.1 = sample(con.host_agent_pid);
+            con.rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
+        } else if line.contains(MARK_HOST_RESTART) {
+            if let (Some(hb), Some(mut h)) = (host_bin, con.host_agent.take()) {
+                let st = h.stop(Signal::SIGINT, Duration::from_secs(30))?;
+                con.host_restarts += 1;
+                con.host_agent_rcs.push(st.code());
+                let h = attach(hb, con.host_restarts)?;
+                con.host_agent_pid = Some(h.pid());
+                con.host_agent = Some(h);
+            }
+        } else if line.contains(MARK_DONE) {
+            con.done = true;
+        } else if line.contains(MARK_ERROR) || line.contains(MARK_AGENT_FAILED) {
+            con.guest_errors.push(line.trim().to_string());
+        } else if let Some(r) = line.split_once(MARK_AGENT_EXIT) {
+            con.guest_agent_rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
+        }
+        Ok(())
+    }
+
+    fn stopped_message(&self, interrupted: bool, started: bool) -> String {
+        let what = if interrupted {
+            "interrupted".to_string()
+        } else {
+            format!(
+                "timed out after {} ({})",
+                humantime::format_duration(self.cfg.timeout),
+                if started {
+                    "the workload did not finish"
+                } else {
+                    "the guest never started the workload"
+                }
+            )
+        };
+        format!(
+            "lab VM {what}; QEMU and helpers stopped. Last serial lines:\n{}",
+            tail(&self.out.join("serial.log"), 25)
+        )
+    }
+
+    /// Unpacks the results the guest shipped over its serial port.
+    fn unpack_results(&self) -> Result<()> {
+        let tarball = self.rd.join("results.tar");
+        if tarball.exists() && fs::metadata(&tarball)?.len() > 0 {
+            let mut ar = tar::Archive::new(File::open(&tarball)?);
+            ar.unpack(self.out)
+                .context("unpack the results the guest shipped (truncated?)")?;
+        }
+        Ok(())
+    }
+
+    /// Fails the run when the guest did not finish it or reported errors.
+    fn check_completed(&self, con: &Console, qemu_status: ExitStatus) -> Result<()> {
+        let out = self.out;
+        if !con.done || con.t_start.is_none() {
+            let qerr = tail(&out.join("qemu.log"), 10);
+            bail!(
+                "the guest did not complete the run (QEMU {qemu_status}){}{}. Last serial lines:\n{}",
+                if con.guest_errors.is_empty() {
+                    String::new()
+                } else {
+                    format!("; guest said: {}", con.guest_errors.join("; "))
+                },
+                if qerr.is_empty() {
+                    String::new()
+                } else {
+                    format!("; QEMU said: {qerr}")
+                },
+                tail(&out.join("serial.log"), 25)
+            );
+        }
+        if !con.guest_errors.is_empty() {
+            bail!(
+                "the guest reported errors: {}\nguest agent log:\n{}",
+                con.guest_errors.join("; "),
+                tail(&out.join("guest.log"), 20)
+            );
+        }
+        Ok(())
+    }
+}
+
+fn format_name(f: DiskFormat) -> &'static str {
+    match f {
+        DiskFormat::Raw => "raw",
+        DiskFormat::Qcow2 => "qcow2",
+    }
+}
+
+/// Stops the host agent; an earlier incarnation that failed makes the whole
+/// run's host agent status fail.
+fn stop_host_agents(con: &mut Console) -> Result<Option<i32>> {
+    let mut rc = None;
+    if let Some(mut h) = con.host_agent.take() {
+        rc = h.stop(Signal::SIGINT, Duration::from_secs(30))?.code();
+    }
+    if let Some(bad) = con.host_agent_rcs.iter().find(|rc| **rc != Some(0)) {
+        rc = Some(bad.unwrap_or(-1));
+    }
+    Ok(rc)
+}
+
+/// Copies QEMU's console to `serial.log` (and the terminal with `echo`) and
+/// sends each line, then the end of the console, to the run.
+fn serial_reader(
+    qemu: &mut Guarded,
+    serial_path: PathBuf,
+    echo: bool,
+) -> Result<(mpsc::Receiver<Event>, JoinHandle<Result<()>>)> {
+    let (tx, rx) = mpsc::channel();
+    let stdout = qemu.take_stdout().context("QEMU stdout")?;
+    let reader = std::thread::spawn(move || -> Result<()> {
+        let mut log = BufWriter::new(File::create(&serial_path)?);
+        let mut r = BufReader::new(stdout);
+        let mut buf = Vec::new();
+        loop {
+            buf.clear();
+            if r.read_until(b'\n', &mut buf)? == 0 {
+                break;
+            }
+            log.write_all(&buf)?;
+            log.flush()?;
+            let line = String::from_utf8_lossy(&buf).trim_end().to_string();
+            if echo {
+                println!("{line}");
+            }
+            if tx.send(Event::Line(Instant::now(), line)).is_err() {
+                break;
+            }
+        }
+        let _ = tx.send(Event::Eof);
+        Ok(())
+    });
+    Ok((rx, reader))
+}

@@ -5,7 +5,7 @@ use std::io::Write;
 
 use serde::Serialize;
 use viotrace_shared::record::HostElem;
-use viotrace_shared::stats::{render_waterfall, stages, Aggregator, TOTAL_STAGE};
+use viotrace_shared::stats::{render_waterfall, Aggregator};
 
 use crate::joined;
 
@@ -42,21 +42,18 @@ impl Sink {
         if let Some(j) = self.joined.as_mut() {
             j.host_elem(e);
         }
+        let b = viotrace_shared::join::host_breakdown(e);
         // In joined mode the end-to-end records carry these stages (source="joined"):
-        // deriving them a second time per element would double the exporter's cost.
+        // recording them per element too would double the exporter's cost.
         if let Some(m) = self.metrics.as_mut().filter(|_| self.joined.is_none()) {
-            let b = viotrace_shared::join::host_breakdown(e);
             let (q, op) = (Some(e.queue), e.op);
             m.record(
                 "host", &e.vm, &e.device, q, op, e.bytes, &b.stages, b.total_ns, true,
             );
         }
         let label = format!("{}/{}", e.vm, e.device);
-        let st = stages(&e.ts);
-        for (stage, ns) in &st {
-            self.interval.record(&label, stage, *ns);
-            self.total.record(&label, stage, *ns);
-        }
+        self.interval.record_breakdown(&label, &b);
+        self.total.record_breakdown(&label, &b);
         if self.json {
             let t = Tagged {
                 kind: "host_elem",
@@ -67,8 +64,7 @@ impl Sink {
             }
         }
         if let Some(th) = self.threshold_ns {
-            let total = st.iter().find(|(n, _)| n == TOTAL_STAGE).map_or(0, |x| x.1);
-            if total >= th {
+            if b.total_ns.is_some_and(|t| t >= 0 && t as u64 >= th) {
                 let header = format!(
                     "slow element: vm={} disk={} q{} head={} {} sector={} bytes={} backend={:?} merge_id={} status={} at {}",
                     e.vm,

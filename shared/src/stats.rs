@@ -1,11 +1,10 @@
 //! Latency aggregation and rendering shared by the agents.
 //!
 //! [`Aggregator`] keeps one HDR histogram per `(label, stage)` — a label is
-//! typically a disk (`vda`) or a VM/device, a stage any name (`bio_queue→rq_issue`).
-//! Stage names are free-form, so the same code serves guest points, host points
-//! and joined records. [`stages`] derives stages from a [`Points`] set: one per
-//! pair of time-consecutive present points, plus `total`. [`render_waterfall`]
-//! draws one record's points on a time line.
+//! typically a disk (`vda`) or a VM/device, a stage one of the names of
+//! [`crate::stages`] (the only place stages are named and derived), so the
+//! agents' own tables and the joined table use one vocabulary, plus
+//! [`TOTAL_STAGE`]. [`render_waterfall`] draws one record's points on a time line.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -13,13 +12,14 @@ use std::fmt::Write as _;
 use hdrhistogram::Histogram;
 
 use crate::record::{Point, Points};
+use crate::stages::{Breakdown, DEVICE_STAGE, STAGE_NAMES};
 
 /// Highest value a histogram tracks exactly (1 hour in ns); larger values saturate.
 const HIST_HIGH_NS: u64 = 3_600_000_000_000;
 /// Two significant digits: 1 % precision at ~40 KiB per histogram.
 const HIST_SIGFIG: u8 = 2;
 
-/// Name of the stage spanning the first to the last point of a record.
+/// Name of the whole request's duration (first to last anchor, see [`crate::stages`]).
 pub const TOTAL_STAGE: &str = "total";
 
 /// Latency distribution of one stage.
@@ -72,15 +72,7 @@ pub struct Summary {
 #[derive(Clone, Debug, Default)]
 struct LabelStats {
     stages: Vec<(String, StageHist)>,
-    /// `(from, to)` point-id pair → 1 + index in `stages` (0 = not yet), the
-    /// last slot for the total: lets [`Aggregator::record_points`] find a
-    /// stage without building its name or hashing.
-    pairs: Vec<u16>,
 }
-
-/// Point ids are below this (see `Point`); pairs beyond it use the slow path.
-const PAIR_IDS: usize = 64;
-const TOTAL_SLOT: usize = PAIR_IDS * PAIR_IDS;
 
 impl LabelStats {
     fn stage_mut(&mut self, stage: &str) -> &mut StageHist {
@@ -118,53 +110,22 @@ impl Aggregator {
         self.label_mut(label).stage_mut(stage).record(ns);
     }
 
-    /// Records every stage of a record's points (see [`stages`]) under `label`.
-    /// Same result as recording each of [`stages`], without per-record allocation
-    /// once a stage has been seen.
+    /// Records the stages of a record's points (see [`crate::stages::derive`])
+    /// and its total under `label`.
     pub fn record_points(&mut self, label: &str, points: &Points) {
-        let mut buf = [(Point::SyscallEnter, 0u64); MAX_POINTS];
-        let v = sorted_points(points, &mut buf);
-        if v.len() < 2 {
-            return;
-        }
-        let strip = same_prefix(v);
+        self.record_breakdown(label, &crate::stages::derive(points));
+    }
+
+    /// Records a derived breakdown's stages (a negative cross-clock stage counts
+    /// as 0) and total under `label`.
+    pub fn record_breakdown(&mut self, label: &str, bd: &Breakdown) {
         let ls = self.label_mut(label);
-        if ls.pairs.is_empty() {
-            ls.pairs = vec![0; TOTAL_SLOT + 1];
+        for (name, ns) in bd.stages.iter() {
+            ls.stage_mut(name).record(ns.max(0) as u64);
         }
-        let mut add = |key: Option<(Point, Point)>, ns: u64| {
-            let slot = match key {
-                Some((a, b)) if (a as usize) < PAIR_IDS && (b as usize) < PAIR_IDS => {
-                    a as usize * PAIR_IDS + b as usize
-                }
-                Some(_) => usize::MAX,
-                None => TOTAL_SLOT,
-            };
-            let known = ls.pairs.get(slot).copied().unwrap_or(0);
-            let i = if known != 0 {
-                usize::from(known - 1)
-            } else {
-                let name = match key {
-                    Some((a, b)) => format!("{}→{}", short(a, strip), short(b, strip)),
-                    None => TOTAL_STAGE.to_owned(),
-                };
-                ls.stage_mut(&name);
-                let i = ls
-                    .stages
-                    .iter()
-                    .position(|(s, _)| *s == name)
-                    .expect("created above");
-                if let (Some(p), Ok(v)) = (ls.pairs.get_mut(slot), u16::try_from(i + 1)) {
-                    *p = v;
-                }
-                i
-            };
-            ls.stages[i].1.record(ns);
-        };
-        for w in v.windows(2) {
-            add(Some((w[0].0, w[1].0)), w[1].1 - w[0].1);
+        if let Some(t) = bd.total_ns {
+            ls.stage_mut(TOTAL_STAGE).record(t.max(0) as u64);
         }
-        add(None, v[v.len() - 1].1 - v[0].1);
     }
 
     pub fn is_empty(&self) -> bool {
@@ -256,84 +217,23 @@ impl Aggregator {
     }
 }
 
-/// Path position of a stage for table order: `a→b` stages by their points'
-/// path order, other names after them (first-seen order), the total last.
-fn stage_rank(name: &str) -> (u8, u8, u8) {
-    let point = |n: &str| {
-        Point::from_name(n)
-            .or_else(|| Point::from_name(&format!("g.{n}")))
-            .or_else(|| Point::from_name(&format!("h.{n}")))
-            .and_then(|p| Point::ALL.iter().position(|&q| q == p))
-            .and_then(|i| u8::try_from(i).ok())
-    };
+/// Path position of a stage for table order: the partition's stages in path
+/// order (a merged `a+b` at `a`, `device` at `kick_to_pop`), other names after
+/// them (first-seen order), the total last.
+fn stage_rank(name: &str) -> (u8, usize) {
     if name == TOTAL_STAGE {
-        return (2, 0, 0);
+        return (2, 0);
     }
-    match name.split_once('→').map(|(a, b)| (point(a), point(b))) {
-        Some((Some(a), Some(b))) => (0, a, b),
-        _ => (1, 0, 0),
-    }
-}
-
-/// Short name of a point for stage names: `g.rq_issue` → `rq_issue` when `strip`.
-fn short(p: Point, strip: bool) -> &'static str {
-    let n = p.name();
-    if strip {
-        n.split_once('.').map_or(n, |(_, s)| s)
+    let first = name.split('+').next().unwrap_or(name);
+    let first = if first == DEVICE_STAGE {
+        "kick_to_pop"
     } else {
-        n
-    }
-}
-
-/// Stages of a record: one per pair of time-consecutive present points
-/// (`a→b`, ns between them), then [`TOTAL_STAGE`] (first to last) when there
-/// are at least two points. Point prefixes (`g.`/`h.`) are dropped when all
-/// points share one. Points are ordered by time, ties by path order.
-pub fn stages(points: &Points) -> Vec<(String, u64)> {
-    let mut buf = [(Point::SyscallEnter, 0u64); MAX_POINTS];
-    let v = sorted_points(points, &mut buf);
-    if v.len() < 2 {
-        return Vec::new();
-    }
-    let strip = same_prefix(v);
-    let mut out: Vec<(String, u64)> = v
-        .windows(2)
-        .map(|w| {
-            (
-                format!("{}→{}", short(w[0].0, strip), short(w[1].0, strip)),
-                w[1].1 - w[0].1,
-            )
-        })
-        .collect();
-    out.push((TOTAL_STAGE.to_owned(), v[v.len() - 1].1 - v[0].1));
-    out
-}
-
-/// At most this many points of a record are considered (there are fewer points).
-const MAX_POINTS: usize = 64;
-
-/// The present points sorted by time (ties: path order), in `buf`.
-fn sorted_points<'a>(
-    points: &Points,
-    buf: &'a mut [(Point, u64); MAX_POINTS],
-) -> &'a [(Point, u64)] {
-    let mut n = 0;
-    for e in points.iter().take(MAX_POINTS) {
-        buf[n] = e;
-        n += 1;
-    }
-    let v = &mut buf[..n];
-    v.sort_unstable_by_key(|&(p, t)| (t, p));
-    v
-}
-
-/// Whether all points share one prefix (`g.`/`h.`), which stage names then drop.
-fn same_prefix(v: &[(Point, u64)]) -> bool {
-    let prefix = |p: Point| {
-        let n = p.name().as_bytes();
-        &n[..n.iter().position(|&c| c == b'.').unwrap_or(n.len())]
+        first
     };
-    v.iter().all(|&(p, _)| prefix(p) == prefix(v[0].0))
+    match STAGE_NAMES.iter().position(|s| *s == first) {
+        Some(i) => (0, i),
+        None => (1, 0),
+    }
 }
 
 /// Formats ns with a unit fit for latencies (`850ns`, `12.3us`, `4.56ms`, `1.20s`).
@@ -403,26 +303,35 @@ mod tests {
     }
 
     #[test]
-    fn stages_follow_time_order_and_strip_common_prefix() {
+    fn record_points_uses_the_partition_names() {
         let p = pts(&[
             (Point::RqIssue, 300),
             (Point::QueueRq, 250),
             (Point::BioQueue, 100),
+            (Point::Kick, 400),
+            (Point::Irq, 900),
             (Point::RqComplete, 1300),
         ]);
-        let s = stages(&p);
-        assert_eq!(
-            s,
-            vec![
-                ("bio_queue→queue_rq".to_string(), 150),
-                ("queue_rq→rq_issue".to_string(), 50),
-                ("rq_issue→rq_complete".to_string(), 1000),
-                ("total".to_string(), 1200),
-            ]
-        );
-        let mixed = pts(&[(Point::Kick, 10), (Point::HostPop, 30)]);
-        assert_eq!(stages(&mixed)[0].0, "g.kick→h.pop");
-        assert!(stages(&pts(&[(Point::Kick, 10)])).is_empty());
+        let mut a = Aggregator::new();
+        a.record_points("vda", &p);
+        let got: Vec<(String, u64)> = a
+            .summaries()
+            .into_iter()
+            .map(|(_, st, s)| (st, s.max_ns))
+            .collect();
+        let want = [
+            ("guest_queue", 200),
+            ("guest_driver", 100),
+            ("device", 500),
+            ("guest_complete", 400),
+            ("total", 1200),
+        ];
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        for ((g, gns), (w, wns)) in got.iter().zip(want) {
+            assert_eq!(g, w);
+            // HDR histograms keep 2 significant digits.
+            assert!(gns.abs_diff(wns) * 100 <= wns, "{g}: {gns} vs {wns}");
+        }
     }
 
     #[test]
@@ -455,13 +364,15 @@ mod tests {
     fn table_rows_follow_path_order_with_total_last() {
         let mut a = Aggregator::new();
         a.record("vda", "total", 9);
-        a.record("vda", "rq_issue→rq_complete", 5);
+        a.record("vda", "guest_complete", 5);
         a.record("vda", "custom", 1);
-        a.record("vda", "syscall_enter→bio_queue", 2);
+        a.record("vda", "device", 3);
+        a.record("vda", "guest_queue+guest_driver", 2);
         let t = a.render_table("t");
         let pos = |s: &str| t.find(s).unwrap();
-        assert!(pos("syscall_enter→bio_queue") < pos("rq_issue→rq_complete"));
-        assert!(pos("rq_issue→rq_complete") < pos("custom"));
+        assert!(pos("guest_queue+guest_driver") < pos("device"));
+        assert!(pos("device") < pos("guest_complete"));
+        assert!(pos("guest_complete") < pos("custom"));
         assert!(pos("custom") < pos("total"));
     }
 
@@ -469,29 +380,11 @@ mod tests {
     fn record_points_feeds_stages_and_total() {
         let mut a = Aggregator::new();
         a.record_points(
-            "vda",
-            &pts(&[(Point::RqIssue, 10), (Point::RqComplete, 40)]),
+            "h",
+            &pts(&[(Point::HostSubmit, 10), (Point::HostIoComplete, 40)]),
         );
-        assert_eq!(a.get("vda", "rq_issue→rq_complete").unwrap().count, 1);
-        assert_eq!(a.get("vda", "total").unwrap().max_ns, 30);
-    }
-
-    #[test]
-    fn record_points_matches_stages() {
-        let recs = [
-            pts(&[(Point::BioQueue, 5), (Point::RqIssue, 9), (Point::Irq, 20)]),
-            pts(&[(Point::BioQueue, 1), (Point::RqIssue, 4), (Point::Irq, 30)]),
-            pts(&[(Point::Kick, 1), (Point::HostPop, 7)]),
-        ];
-        let (mut a, mut b) = (Aggregator::new(), Aggregator::new());
-        for r in &recs {
-            a.record_points("x", r);
-            for (st, ns) in stages(r) {
-                b.record("x", &st, ns);
-            }
-        }
-        assert_eq!(a.summaries(), b.summaries());
-        assert_eq!(a.get("x", "total").unwrap().count, 3);
+        assert_eq!(a.get("h", "host_io").unwrap().count, 1);
+        assert_eq!(a.get("h", "total").unwrap().max_ns, 30);
     }
 
     #[test]

@@ -1,0 +1,248 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* Limits, per-element and per-I/O state, maps, helpers, virtqueues and their notifier eventfds (included by viotrace_host.bpf.c, in this order). */
+#pragma once
+
+#define MAX_ELEMS 16384
+#define MAX_SG 1024      /* iovecs summed per direction (VIRTQUEUE_MAX_SIZE) */
+#define SG_CHUNK 16      /* iovecs read at once */
+#define MAX_CHAIN 32     /* VIRTIO_BLK_MAX_MERGE_REQS */
+#define MAX_PENDING 256
+#define MAX_IOCBS 128   /* iocbs looked at per io_submit */  /* pushed elements waiting for a notification, per queue */
+#define VIRTIO_BLK_OUTHDR 16
+#define RB_SIZE (4 << 20)
+#define RB_WAKE_BYTES (RB_SIZE / 4)
+
+struct tg_ptr {
+	__u32 tgid;
+	__u32 pad;
+	__u64 ptr;
+};
+
+struct vq_state {
+	__u64 dev;
+	__u64 last_kick;
+	__u64 push_seq;  /* next sequence number for a pushed element */
+	__u64 flush_seq; /* first pushed element not yet emitted */
+	__u16 queue;
+	__u16 pad;
+	__s32 kick_fd; /* host notifier rfd seen at registration */
+};
+
+struct fd_key {
+	__u32 tgid;
+	__s32 fd;
+};
+
+struct fd_val {
+	__u64 vq;
+	__u32 kind; /* FD_KICK or FD_IRQ */
+	__u32 pad;
+};
+
+#define FD_KICK 1
+#define FD_IRQ 2
+
+struct pushed_key {
+	__u32 tgid;
+	__u32 pad;
+	__u64 vq;
+	__u64 seq;
+};
+
+struct io_state {
+	__u64 ts[HP_NR]; /* only the host I/O points are used */
+	__u64 buf;
+	__u32 refs;
+	__u32 pad; /* 1: tracked from its syscall (QL_NO_SUBMIT), not from blk_aio_* */
+};
+
+struct tid_io {
+	__u32 tgid;
+	__u32 pad;
+	__u64 merge_id;
+};
+
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 256);
+	__type(key, __u32); /* tgid */
+	__type(value, struct qemu_layout);
+} qemu_procs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct tg_ptr); /* VirtQueue * */
+	__type(value, struct vq_state);
+} vqs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32); /* tid */
+	__type(value, __u64); /* VirtQueue * */
+} pop_arg SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, struct tg_ptr); /* VirtQueueElement * == VirtIOBlockReq * */
+	__type(value, struct host_rec);
+} elems SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, struct pushed_key);
+	__type(value, struct host_rec);
+} pushed SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, struct tg_ptr); /* ptr = merge id */
+	__type(value, struct io_state);
+} ios SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, struct tg_ptr); /* ptr = first data buffer (0: flush) */
+	__type(value, __u64);       /* merge id */
+} io_by_buf SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32); /* tid inside a matched I/O syscall */
+	__type(value, struct tid_io);
+} tid_ios SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, __u64); /* struct request * */
+	__type(value, struct tid_io);
+} rq_ios SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, __u64); /* io_uring user_data (LuringAIOCB *) */
+	__type(value, struct tid_io);
+} uring_ios SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 8192);
+	__type(key, struct fd_key);
+	__type(value, struct fd_val);
+} notifier_fds SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, ST_NR);
+	__type(key, __u32);
+	__type(value, __u64);
+} stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, RB_SIZE);
+} events SEC(".maps");
+
+/* scratch for building a record (too big for the stack together with loops) */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct host_rec);
+} scratch SEC(".maps");
+
+__u64 next_merge_id = 0;
+
+static __always_inline void stat_inc(__u32 idx)
+{
+	__u64 *v = bpf_map_lookup_elem(&stats, &idx);
+	if (v)
+		__sync_fetch_and_add(v, 1);
+}
+
+static __always_inline struct qemu_layout *this_proc(__u32 *tgid)
+{
+	*tgid = bpf_get_current_pid_tgid() >> 32;
+	return bpf_map_lookup_elem(&qemu_procs, tgid);
+}
+
+static __always_inline __u64 read_u64(__u64 addr)
+{
+	__u64 v = 0;
+	bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+	return v;
+}
+
+static __always_inline __u32 read_u32(__u64 addr)
+{
+	__u32 v = 0;
+	bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+	return v;
+}
+
+static __always_inline void emit(struct host_rec *r)
+{
+	/* No wakeup per record (the agent polls every 100 ms): a wakeup costs the
+	 * traced QEMU thread an irq_work; wake the agent early only when the ring
+	 * fills up. */
+	__u64 fl = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) > RB_WAKE_BYTES ? BPF_RB_FORCE_WAKEUP
+										 : BPF_RB_NO_WAKEUP;
+	if (bpf_ringbuf_output(&events, r, sizeof(*r), fl)) {
+		stat_inc(ST_RINGBUF_DROP);
+		return;
+	}
+	stat_inc(ST_RECORDS);
+}
+
+/* ---- virtqueues and their notifier eventfds ---- */
+
+static __always_inline void fd_register(__u32 tgid, __s32 fd, __u64 vq, __u32 kind)
+{
+	if (fd < 0)
+		return;
+	struct fd_key k = { .tgid = tgid, .fd = fd };
+	struct fd_val v = { .vq = vq, .kind = kind };
+	bpf_map_update_elem(&notifier_fds, &k, &v, BPF_ANY);
+}
+
+static __always_inline __s32 read_fd(__u64 addr)
+{
+	__s32 fd = -1;
+	if (bpf_probe_read_user(&fd, sizeof(fd), (void *)addr))
+		return -1;
+	return fd;
+}
+
+/* Finds or registers a virtio-blk VirtQueue (and its notifier fds). */
+static __always_inline struct vq_state *vq_get(struct qemu_layout *l, __u32 tgid, __u64 vq, __u64 dev)
+{
+	struct tg_ptr k = { .tgid = tgid, .ptr = vq };
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &k);
+	if (st || !vq)
+		return st;
+	struct vq_state n = { .dev = dev, .kick_fd = -1 };
+	__u16 qi = 0xffff;
+	bpf_probe_read_user(&qi, sizeof(qi), (void *)(vq + l->vq_queue_index));
+	if (qi >= 1024) { /* VIRTIO_QUEUE_MAX */
+		stat_inc(ST_BAD_QUEUE_INDEX);
+		qi = 0xffff;
+	}
+	n.queue = qi;
+	if (l->flags & QL_HAVE_NOTIFIER) {
+		n.kick_fd = read_fd(vq + l->vq_host_notifier_rfd);
+		fd_register(tgid, n.kick_fd, vq, FD_KICK);
+		fd_register(tgid, read_fd(vq + l->vq_guest_notifier_wfd), vq, FD_IRQ);
+	}
+	bpf_map_update_elem(&vqs, &k, &n, BPF_NOEXIST);
+	return bpf_map_lookup_elem(&vqs, &k);
+}
+

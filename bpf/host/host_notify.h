@@ -1,0 +1,54 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* QEMU's notifications: the guest and host notifier eventfds (h.irq, h.notify), virtio_notify (included by viotrace_host.bpf.c, in this order). */
+#pragma once
+
+/* QEMU writes the guest notifier eventfd of a queue (event_notifier_set from
+ * virtio_notify_irqfd): the guest interrupt, h.irq. */
+SEC("tracepoint/syscalls/sys_enter_write")
+int irq_write(struct trace_event_raw_sys_enter *ctx)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
+		return 0;
+	struct fd_key k = { .tgid = tgid, .fd = (__s32)ctx->args[0] };
+	struct fd_val *v = bpf_map_lookup_elem(&notifier_fds, &k);
+	if (!v || v->kind != FD_IRQ)
+		return 0;
+	flush_vq(tgid, v->vq);
+	return 0;
+}
+
+/* QEMU reads a queue's host notifier eventfd (event_notifier_test_and_clear)
+ * before it handles the guest's kick: h.notify. */
+SEC("tracepoint/syscalls/sys_enter_read")
+int kick_read(struct trace_event_raw_sys_enter *ctx)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
+		return 0;
+	struct fd_key k = { .tgid = tgid, .fd = (__s32)ctx->args[0] };
+	struct fd_val *v = bpf_map_lookup_elem(&notifier_fds, &k);
+	if (!v || v->kind != FD_KICK)
+		return 0;
+	struct tg_ptr vk = { .tgid = tgid, .ptr = v->vq };
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
+	if (st) {
+		st->last_kick = bpf_ktime_get_ns();
+		stat_inc(ST_KICKS);
+	}
+	return 0;
+}
+
+/* virtio_notify(vdev, vq): the non-dataplane path (early boot, ioeventfd=off)
+ * raises the interrupt synchronously without an eventfd. */
+SEC("uprobe")
+int BPF_KPROBE(notify_direct, void *vdev, void *vq)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l || !(l->flags & QL_HAVE_NOTIFIER))
+		return 0;
+	flush_vq(tgid, (__u64)vq);
+	return 0;
+}
+

@@ -1,0 +1,509 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/* QEMU uprobes: pop, elements from VirtIOBlockReq, backend submit, push and the flush of a queue's pushed elements (included by viotrace_host.bpf.c, in this order). */
+#pragma once
+
+/* ---- QEMU uprobes ---- */
+
+/* --pop only: registers the queue before its first element is popped. */
+SEC("uprobe")
+int BPF_KPROBE(handle_vq, void *s, void *vq)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l)
+		return 0;
+	struct vq_state *st = vq_get(l, tgid, (__u64)vq, (__u64)s);
+	if (st && !(l->flags & QL_HAVE_NOTIFIER))
+		st->last_kick = bpf_ktime_get_ns();
+	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(pop_enter, void *vq)
+{
+	__u32 tgid;
+	if (!this_proc(&tgid))
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 v = (__u64)vq;
+	bpf_map_update_elem(&pop_arg, &tid, &v, BPF_ANY);
+	return 0;
+}
+
+struct sg_chunk {
+	__u64 v[SG_CHUNK * 4]; /* struct iovec: iov_base, iov_len; twice SG_CHUNK so that
+				  the masked read size below is in bounds */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct sg_chunk);
+} sg_buf SEC(".maps");
+
+/* Total length of a QEMU scatter list (n struct iovec at sg), read SG_CHUNK at a
+ * time: a 64 KiB request from scattered guest pages has 17+ in-iovecs. A global
+ * function, verified once. */
+__noinline __u32 sg_bytes(__u64 sg, __u32 n)
+{
+	__u32 z = 0;
+	struct sg_chunk *b = bpf_map_lookup_elem(&sg_buf, &z);
+	__u32 total = 0;
+	if (!b)
+		return 0;
+	if (n > MAX_SG)
+		n = MAX_SG;
+	for (__u32 base = 0; base < MAX_SG; base += SG_CHUNK) {
+		if (base >= n)
+			break;
+		__u32 k = n - base;
+		if (k > SG_CHUNK)
+			k = SG_CHUNK;
+		__u64 sz = (__u64)k * 16; /* ≤ 256; the mask below is for the verifier, after */
+		asm volatile("" : "+r"(sz)); /* a barrier that keeps clang from dropping it */
+		sz &= 0x1ff;
+		if (bpf_probe_read_user(b->v, sz, (void *)(sg + (__u64)base * 16)))
+			break;
+		for (__u32 i = 0; i < SG_CHUNK; i++) {
+			if (i >= k)
+				break;
+			total += (__u32)b->v[i * 2 + 1];
+		}
+	}
+	return total;
+}
+
+/* The fields every record gets from the element itself (VirtIOBlockReq). */
+static __always_inline void rec_init(struct host_rec *r, struct qemu_layout *l, __u32 tgid,
+				     __u64 e, __u64 vq, struct vq_state *st)
+{
+	__builtin_memset(r, 0, sizeof(*r));
+	r->ts[HP_NOTIFY] = st->last_kick;
+	r->tgid = tgid;
+	r->vq = vq;
+	r->dev = st->dev;
+	r->queue = st->queue;
+	r->head = (__u16)read_u32(e + l->elem_index);
+}
+
+/* An element popped from a queue (h.pop, sizes from its scatter lists). */
+static __always_inline int pop_done(struct qemu_layout *l, __u32 tgid, __u64 vq, __u64 e)
+{
+	struct tg_ptr vk = { .tgid = tgid, .ptr = vq };
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
+	if (!st) {
+		stat_inc(ST_POP_OTHER);
+		return 0;
+	}
+	__u32 z = 0;
+	struct host_rec *r = bpf_map_lookup_elem(&scratch, &z);
+	if (!r)
+		return 0;
+	rec_init(r, l, tgid, e, vq, st);
+	r->ts[HP_POP] = bpf_ktime_get_ns();
+	__u32 out_num = read_u32(e + l->elem_out_num);
+	__u32 in_num = read_u32(e + l->elem_in_num);
+	__u64 out_sg = read_u64(e + l->elem_out_sg);
+	__u64 in_sg = read_u64(e + l->elem_in_sg);
+	struct {
+		__u32 type;
+		__u32 ioprio;
+		__u64 sector;
+	} hdr = {};
+	__u64 hdr_addr = out_num ? read_u64(out_sg) : 0;
+	if (!hdr_addr || bpf_probe_read_user(&hdr, sizeof(hdr), (void *)hdr_addr)) {
+		stat_inc(ST_HDR_FAULT);
+		r->flags |= HR_HDR_FAULT;
+	}
+	r->type = hdr.type;
+	r->sector = hdr.sector;
+	__u32 out_b = sg_bytes(out_sg, out_num);
+	__u32 in_b = sg_bytes(in_sg, in_num);
+	out_b = out_b > VIRTIO_BLK_OUTHDR ? out_b - VIRTIO_BLK_OUTHDR : 0;
+	in_b = in_b > 1 ? in_b - 1 : 0; /* status byte */
+	r->bytes = out_b + in_b;
+	r->flags |= HR_HAVE_BYTES;
+	struct tg_ptr ek = { .tgid = tgid, .ptr = e };
+	if (bpf_map_update_elem(&elems, &ek, r, BPF_ANY))
+		stat_inc(ST_ELEMS_FULL);
+	return 0;
+}
+
+
+SEC("uretprobe")
+int BPF_KRETPROBE(pop_ret, void *ret)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l)
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 *vqp = bpf_map_lookup_elem(&pop_arg, &tid);
+	if (!vqp)
+		return 0;
+	__u64 vq = *vqp;
+	bpf_map_delete_elem(&pop_arg, &tid);
+	if (!ret)
+		return 0;
+	return pop_done(l, tgid, vq, (__u64)ret);
+}
+
+/* The same from QEMU's trace point (USDT qemu:virtqueue_pop, dtrace-backend builds
+ * such as Fedora's and RHEL's): one trap per element instead of two. */
+SEC("usdt")
+int BPF_USDT(usdt_pop, void *vq, void *elem, unsigned int in_num, unsigned int out_num)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l || !elem)
+		return 0;
+	return pop_done(l, tgid, (__u64)vq, (__u64)elem);
+}
+
+/*
+ * Element state from a VirtIOBlockReq seen for the first time at submit or push
+ * (default mode: no virtqueue_pop probe). The header comes from the request's
+ * own copy (req->out). Returns the tracked state or NULL.
+ */
+static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u32 tgid, __u64 req,
+						      int create_vq, int at_push)
+{
+	struct tg_ptr ek = { .tgid = tgid, .ptr = req };
+	struct host_rec *r = bpf_map_lookup_elem(&elems, &ek);
+	if (r)
+		return r;
+	__u64 vq = read_u64(req + l->req_vq);
+	struct vq_state *st;
+	if (create_vq) {
+		/* blk_aio_* serve every device model: a VirtIOBlockReq's queue belongs
+		 * to the request's device (vq->vdev == req->dev). */
+		__u64 dev = read_u64(req + l->req_dev);
+		/* Counted for the runtime check at submit only: every virtio device
+		 * pushes through virtqueue_push, other block devices rarely use blk_aio_*. */
+		if (!vq || !dev || read_u64(vq + l->vq_vdev) != dev) {
+			if (!at_push)
+				__sync_fetch_and_add(&l->vdev_bad, 1);
+			return NULL;
+		}
+		if (!at_push)
+			__sync_fetch_and_add(&l->vdev_ok, 1);
+		st = vq_get(l, tgid, vq, dev);
+	} else {
+		struct tg_ptr vk = { .tgid = tgid, .ptr = vq };
+		st = bpf_map_lookup_elem(&vqs, &vk);
+	}
+	if (!st)
+		return NULL;
+	__u32 z = 0;
+	r = bpf_map_lookup_elem(&scratch, &z);
+	if (!r)
+		return NULL;
+	rec_init(r, l, tgid, req, vq, st);
+	struct {
+		__u32 type;
+		__u32 ioprio;
+		__u64 sector;
+	} hdr = {};
+	if (bpf_probe_read_user(&hdr, sizeof(hdr), (void *)(req + l->req_out))) {
+		stat_inc(ST_HDR_FAULT);
+		r->flags |= HR_HDR_FAULT;
+	}
+	r->type = hdr.type;
+	r->sector = hdr.sector;
+	if (at_push) {
+		/* no blk_aio_* probe (LTO): the sizes from the element's scatter lists,
+		 * restored by QEMU before the push */
+		__u32 out_b = sg_bytes(read_u64(req + l->elem_out_sg), read_u32(req + l->elem_out_num));
+		__u32 in_b = sg_bytes(read_u64(req + l->elem_in_sg), read_u32(req + l->elem_in_num));
+		out_b = out_b > VIRTIO_BLK_OUTHDR ? out_b - VIRTIO_BLK_OUTHDR : 0;
+		in_b = in_b > 1 ? in_b - 1 : 0;
+		r->bytes = out_b + in_b;
+		r->flags |= HR_HAVE_BYTES;
+	}
+	if (bpf_map_update_elem(&elems, &ek, r, BPF_ANY)) {
+		stat_inc(ST_ELEMS_FULL);
+		return NULL;
+	}
+	return bpf_map_lookup_elem(&elems, &ek);
+}
+
+struct chain_ctx {
+	struct qemu_layout *l;
+	__u32 tgid;
+	__u32 n;
+	__u8 merged;
+	__u8 follow;
+	__u16 pad;
+	__u32 pad2;
+	__u64 req;
+	__u64 id;
+	__u64 now;
+	__u64 other_bytes; /* data bytes of all but the first request */
+};
+
+static long chain_one(__u64 i, void *data)
+{
+	struct chain_ctx *c = data;
+	struct qemu_layout *l = c->l;
+	if (!l)
+		return 1;
+	struct host_rec *r = elem_from_req(l, c->tgid, c->req, 1, 0);
+	if (r) {
+		r->ts[HP_SUBMIT] = c->now;
+		r->merge_id = c->id;
+		if (c->merged)
+			r->flags |= HR_MERGED;
+		if (i > 0) {
+			/* a merged-in request keeps its own qiov */
+			__u32 b = (__u32)read_u64(c->req + l->req_qiov_size);
+			c->other_bytes += b;
+			if (!(r->flags & HR_HAVE_BYTES)) {
+				r->bytes = b;
+				r->flags |= HR_HAVE_BYTES;
+			}
+		}
+		c->n++;
+	}
+	if (!c->follow)
+		return 1;
+	c->req = read_u64(c->req + l->req_mr_next);
+	return c->req ? 0 : 1;
+}
+
+/*
+ * A backend request for opaque (the first VirtIOBlockReq of a possibly merged
+ * chain). size: bytes of the backend request (merged qiov), or -1 when the
+ * request has no data (flush) or its size is the given range (discard).
+ */
+static __always_inline int on_submit(void *opaque_p, __u64 buf, int has_buf, __s64 size)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l)
+		return 0;
+	__u64 opaque = (__u64)opaque_p;
+	/* Only virtio-blk requests: the request's vq must be a virtio-blk queue we
+	 * know, or its dev the VirtIOBlock of one (first request of a device). */
+	struct host_rec *first = elem_from_req(l, tgid, opaque, 1, 0);
+	if (!first)
+		return 0;
+	struct chain_ctx c = {
+		.l = l,
+		.tgid = tgid,
+		.follow = (l->flags & QL_HAVE_MR_NEXT) ? 1 : 0,
+		.req = opaque,
+		.now = bpf_ktime_get_ns(),
+	};
+	c.id = __sync_fetch_and_add(&next_merge_id, 1) + 1;
+	if (c.follow && read_u64(opaque + l->req_mr_next))
+		c.merged = 1;
+	bpf_loop(MAX_CHAIN, chain_one, &c, 0);
+	if (c.req && c.follow)
+		stat_inc(ST_CHAIN_LONG);
+	struct tg_ptr ek = { .tgid = tgid, .ptr = opaque };
+	first = bpf_map_lookup_elem(&elems, &ek);
+	if (first && !(first->flags & HR_HAVE_BYTES)) {
+		__u64 b = size >= 0 ? (__u64)size : 0;
+		first->bytes = b > c.other_bytes ? (__u32)(b - c.other_bytes) : 0;
+		first->flags |= HR_HAVE_BYTES;
+	}
+	if (c.merged) {
+		__u32 idx = ST_SUBMIT_MERGED;
+		__u64 *v = bpf_map_lookup_elem(&stats, &idx);
+		if (v)
+			__sync_fetch_and_add(v, c.n);
+	}
+	struct io_state io = { .refs = c.n, .buf = buf };
+	struct tg_ptr ik = { .tgid = tgid, .ptr = c.id };
+	if (bpf_map_update_elem(&ios, &ik, &io, BPF_ANY)) {
+		stat_inc(ST_IOS_FULL);
+		return 0;
+	}
+	if (has_buf) {
+		struct tg_ptr bk = { .tgid = tgid, .ptr = buf };
+		bpf_map_update_elem(&io_by_buf, &bk, &c.id, BPF_ANY);
+	}
+	return 0;
+}
+
+SEC("uprobe")
+int BPF_KPROBE(submit_rw, void *blk, __s64 offset, void *qiov, int flags, void *cb, void *opaque)
+{
+	__u64 q = (__u64)qiov;
+	__u64 iov = read_u64(q); /* QEMUIOVector.iov */
+	__u64 buf = iov ? read_u64(iov) : 0;
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l)
+		return 0;
+	__s64 size = (__s64)read_u64(q + l->qiov_size);
+	return on_submit(opaque, buf, 1, size);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(submit_flush, void *blk, void *cb, void *opaque)
+{
+	return on_submit(opaque, 0, 1, -1);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(submit_discard, void *blk, __s64 offset, __s64 bytes, void *cb, void *opaque)
+{
+	return on_submit(opaque, 0, 0, bytes);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(submit_wzeroes, void *blk, __s64 offset, __s64 bytes, int flags, void *cb, void *opaque)
+{
+	return on_submit(opaque, 0, 0, bytes);
+}
+
+static __always_inline void io_release(__u32 tgid, __u64 id, struct host_rec *r)
+{
+	struct tg_ptr ik = { .tgid = tgid, .ptr = id };
+	struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
+	if (!io)
+		return;
+	r->ts[HP_IO_ISSUE] = io->ts[HP_IO_ISSUE];
+	r->ts[HP_DISK_ISSUE] = io->ts[HP_DISK_ISSUE];
+	r->ts[HP_DISK_COMPLETE] = io->ts[HP_DISK_COMPLETE];
+	r->ts[HP_IO_COMPLETE] = io->ts[HP_IO_COMPLETE];
+	if (io->refs > 1) {
+		io->refs--;
+		return;
+	}
+	struct tg_ptr bk = { .tgid = tgid, .ptr = io->buf };
+	__u64 *cur = bpf_map_lookup_elem(&io_by_buf, &bk);
+	if (cur && *cur == id)
+		bpf_map_delete_elem(&io_by_buf, &bk);
+	bpf_map_delete_elem(&ios, &ik);
+}
+
+SEC("uprobe")
+int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
+{
+	__u32 tgid;
+	struct qemu_layout *l = this_proc(&tgid);
+	if (!l)
+		return 0;
+	struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
+	int at_push = (l->flags & QL_NO_SUBMIT) ? 1 : 0;
+	if (!st && !at_push)
+		return 0; /* not a virtio-blk queue (yet) */
+	struct tg_ptr ek = { .tgid = tgid, .ptr = (__u64)elem };
+	/* without blk_aio_* probes the element is first seen here (its queue too) */
+	struct host_rec *r = elem_from_req(l, tgid, (__u64)elem, at_push, at_push);
+	if (!r) {
+		if (st)
+			stat_inc(ST_PUSH_UNKNOWN);
+		return 0;
+	}
+	if (!st) {
+		st = bpf_map_lookup_elem(&vqs, &vk);
+		if (!st)
+			return 0;
+	}
+	r->ts[HP_PUSH] = bpf_ktime_get_ns();
+	r->in_len = len;
+	/* A kick's requests are all taken before the queue's next completion on this
+	 * thread: later requests did not come from that kick (e.g. an iothread that
+	 * polls the ring instead of reading the eventfd) and get no h.notify. */
+	st->last_kick = 0;
+	if (l->flags & QL_HAVE_REQ_IN) {
+		__u64 in = read_u64((__u64)elem + l->req_in);
+		if (in && !bpf_probe_read_user(&r->status, 1, (void *)in))
+			r->has_status = 1;
+	}
+	if (at_push && !r->merge_id) {
+		/* fallback: the host I/O whose first buffer is the element's first data
+		 * buffer (reads: in_sg[0]; writes: after the 16-byte header in out_sg) */
+		__u64 buf = 0;
+		if (r->type == 0) {
+			buf = read_u64(read_u64((__u64)elem + l->elem_in_sg));
+		} else if (r->type == 1) {
+			__u64 sg = read_u64((__u64)elem + l->elem_out_sg);
+			__u64 len0 = read_u64(sg + 8);
+			buf = len0 > VIRTIO_BLK_OUTHDR ? read_u64(sg) + VIRTIO_BLK_OUTHDR
+						       : read_u64(sg + 16);
+		}
+		struct tg_ptr bk = { .tgid = tgid, .ptr = buf };
+		__u64 *mid = bpf_map_lookup_elem(&io_by_buf, &bk);
+		if (mid && (buf || r->type == 4))
+			r->merge_id = *mid;
+	}
+	if (r->merge_id)
+		io_release(tgid, r->merge_id, r);
+
+	if (!(l->flags & QL_HAVE_NOTIFIER)) {
+		emit(r);
+		bpf_map_delete_elem(&elems, &ek);
+		return 0;
+	}
+	/* notifier fds change when the guest resets the device: follow them */
+	__s32 kfd = read_fd((__u64)vq + l->vq_host_notifier_rfd);
+	if (kfd != st->kick_fd) {
+		st->kick_fd = kfd;
+		fd_register(tgid, kfd, (__u64)vq, FD_KICK);
+		fd_register(tgid, read_fd((__u64)vq + l->vq_guest_notifier_wfd), (__u64)vq, FD_IRQ);
+	}
+	struct pushed_key pk = { .tgid = tgid, .vq = (__u64)vq, .seq = st->push_seq };
+	if (bpf_map_update_elem(&pushed, &pk, r, BPF_ANY)) {
+		stat_inc(ST_PUSHED_FULL);
+		emit(r);
+		bpf_map_delete_elem(&elems, &ek);
+		return 0;
+	}
+	st->push_seq++;
+	bpf_map_delete_elem(&elems, &ek);
+	if (st->push_seq - st->flush_seq > MAX_PENDING) {
+		/* notifications suppressed for too long: emit the oldest without h.irq */
+		pk.seq = st->flush_seq;
+		struct host_rec *old = bpf_map_lookup_elem(&pushed, &pk);
+		if (old) {
+			old->flags |= HR_IRQ_EVICTED;
+			emit(old);
+			bpf_map_delete_elem(&pushed, &pk);
+		}
+		st->flush_seq++;
+		stat_inc(ST_PENDING_EVICT);
+	}
+	return 0;
+}
+
+struct flush_ctx {
+	__u32 tgid;
+	__u64 vq;
+	__u64 seq;
+	__u64 now;
+};
+
+static long flush_one(__u64 i, void *data)
+{
+	struct flush_ctx *c = data;
+	struct pushed_key pk = { .tgid = c->tgid, .vq = c->vq, .seq = c->seq + i };
+	struct host_rec *r = bpf_map_lookup_elem(&pushed, &pk);
+	if (r) {
+		r->ts[HP_IRQ] = c->now;
+		emit(r);
+		bpf_map_delete_elem(&pushed, &pk);
+	}
+	return 0;
+}
+
+static __always_inline void flush_vq(__u32 tgid, __u64 vq)
+{
+	struct tg_ptr vk = { .tgid = tgid, .ptr = vq };
+	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
+	if (!st)
+		return;
+	stat_inc(ST_IRQ);
+	__u64 n = st->push_seq - st->flush_seq;
+	if (n > MAX_PENDING)
+		n = MAX_PENDING;
+	struct flush_ctx c = { .tgid = tgid, .vq = vq, .seq = st->flush_seq, .now = bpf_ktime_get_ns() };
+	st->flush_seq += n;
+	bpf_loop(n, flush_one, &c, 0);
+}
+

@@ -79,26 +79,34 @@ struct host_rec {
 #define HR_MERGED 4       /* part of a multi-request backend I/O */
 #define HR_HAVE_BYTES 8   /* bytes is set */
 
-/* Counters in the stats array map. */
+/*
+ * Counters in the stats array map: X(enum id, name in the agent's stats line,
+ * description). host-agent/build.rs generates the Rust names from this table.
+ */
+#define VH_STATS(X)                                                                                      \
+	X(ST_RINGBUF_DROP, "ringbuf_drops", record lost: ring buffer full)                                \
+	X(ST_ELEMS_FULL, "elems_map_full", element not tracked: elems map full)                           \
+	X(ST_IOS_FULL, "ios_map_full", backend I/O not tracked: ios map full)                             \
+	X(ST_PUSHED_FULL, "pushed_map_full", pushed element lost: pushed map full)                        \
+	X(ST_PENDING_EVICT, "irq_wait_evicted", emitted without h.irq: too many pushed elements waiting)  \
+	X(ST_BAD_QUEUE_INDEX, "bad_queue_index", VirtQueue.queue_index out of range (layout mismatch?))   \
+	X(ST_HDR_FAULT, "header_faults", request header unreadable)                                       \
+	X(ST_POP_OTHER, "pop_other_device", virtqueue_pop on a non virtio-blk queue (ignored))            \
+	X(ST_PUSH_UNKNOWN, "push_unknown_elem", virtqueue_push of an element we did not see popped)       \
+	X(ST_SUBMIT_MERGED, "merged_elems", elements that were merged into a multi-request backend I/O)   \
+	X(ST_IO_MATCHED, "host_io_matched", host I/O syscalls/SQEs matched to a backend I/O)              \
+	X(ST_DISK_MATCHED, "host_disk_matched", host block requests matched)                              \
+	X(ST_IRQ, "guest_notifications", guest notifications seen)                                        \
+	X(ST_RECORDS, "records_emitted", records emitted)                                                 \
+	X(ST_PROC_EXIT, "qemu_exits", traced QEMU processes that exited)                                  \
+	X(ST_CHAIN_LONG, "merge_chain_too_long", merge chain longer than the walk limit)                  \
+	X(ST_KICKS, "guest_kicks", guest kicks handled (host notifier reads))
+
+#define VH_STAT_ENUM(id, name, desc) id,
 enum {
-	ST_RINGBUF_DROP = 0, /* record lost: ring buffer full */
-	ST_ELEMS_FULL,       /* element not tracked: elems map full */
-	ST_IOS_FULL,         /* backend I/O not tracked: ios map full */
-	ST_PUSHED_FULL,      /* pushed element lost: pushed map full */
-	ST_PENDING_EVICT,    /* emitted without h.irq: too many pushed elements waiting */
-	ST_BAD_QUEUE_INDEX,  /* VirtQueue.queue_index out of range (layout mismatch?) */
-	ST_HDR_FAULT,        /* request header unreadable */
-	ST_POP_OTHER,        /* virtqueue_pop on a non virtio-blk queue (ignored) */
-	ST_PUSH_UNKNOWN,     /* virtqueue_push of an element we did not see popped */
-	ST_SUBMIT_MERGED,    /* elements that were merged into a multi-request backend I/O */
-	ST_IO_MATCHED,       /* host I/O syscalls/SQEs matched to a backend I/O */
-	ST_DISK_MATCHED,     /* host block requests matched */
-	ST_IRQ,              /* guest notifications seen */
-	ST_RECORDS,          /* records emitted */
-	ST_PROC_EXIT,        /* traced QEMU processes that exited */
-	ST_CHAIN_LONG,       /* merge chain longer than the walk limit */
-	ST_KICKS,            /* guest kicks handled (host notifier reads) */
+	VH_STATS(VH_STAT_ENUM)
 	ST_NR,
 };
+#undef VH_STAT_ENUM
 
 #endif

@@ -1,14 +1,14 @@
 //! Where decoded records go: JSON lines, per-stage tables, slow-I/O waterfalls.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::io::{self, BufWriter, Stdout, Write};
 use std::time::Duration;
 
-use serde::Serialize;
 use viotrace_shared::clock::monotonic_ns;
+use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::proto::{Counter, GuestStats};
-use viotrace_shared::record::{GuestIo, GuestRq, Point, Points};
-use viotrace_shared::stats::{render_waterfall, Aggregator, Summary};
+use viotrace_shared::record::{GuestIo, GuestRq, Point, Points, StageSummary, Stats};
+use viotrace_shared::stats::{render_waterfall, Aggregator};
 use viotrace_shared::transport::GuestSender;
 
 use crate::raw::{Decoder, Record};
@@ -24,8 +24,7 @@ pub struct Sink {
     mode: String,
     blind: Vec<String>,
     blind_points: Vec<&'static str>,
-    out: BufWriter<Stdout>,
-    scratch: Vec<u8>,
+    out: JsonLines<BufWriter<Stdout>>,
     decoder: Decoder,
     interval: Aggregator,
     total: Aggregator,
@@ -40,30 +39,13 @@ pub struct Sink {
     uplink: Option<GuestSender>,
 }
 
-/// Writes `{"kind":K, ...fields of v}` and a newline into `out`, using `buf`
-/// as scratch space (no allocation per record once warmed up).
-fn write_json_line<T: Serialize, W: Write>(
-    out: &mut W,
-    buf: &mut Vec<u8>,
-    kind: &str,
-    v: &T,
-) -> io::Result<()> {
-    buf.clear();
-    serde_json::to_writer(&mut *buf, v)?;
-    let rest = buf.strip_prefix(b"{").unwrap_or(buf);
-    write!(out, "{{\"kind\":\"{kind}\"")?;
-    if rest != b"}" {
-        out.write_all(b",")?;
-    }
-    out.write_all(rest)?;
-    out.write_all(b"\n")
-}
-
 #[cfg(test)]
-fn json_line<T: Serialize>(kind: &str, v: &T) -> Option<String> {
-    let mut out = Vec::new();
-    write_json_line(&mut out, &mut Vec::new(), kind, v).ok()?;
-    String::from_utf8(out).ok().map(|s| s.trim_end().to_owned())
+fn json_line<T: viotrace_shared::jsonl::Kind>(v: &T) -> Option<String> {
+    let mut w = JsonLines::new(Vec::new());
+    w.write(v).ok()?;
+    String::from_utf8(std::mem::take(w.get_mut()))
+        .ok()
+        .map(|s| s.trim_end().to_owned())
 }
 
 fn first_last(p: &Points) -> Option<u64> {
@@ -124,31 +106,6 @@ fn io_header(io: &GuestIo) -> String {
     h
 }
 
-#[derive(Serialize)]
-struct StageLine<'a> {
-    label: &'a str,
-    stage: &'a str,
-    #[serde(flatten)]
-    summary: Summary,
-}
-
-#[derive(Serialize)]
-struct StatsLine<'a> {
-    #[serde(rename = "final")]
-    is_final: bool,
-    mode: &'a str,
-    elapsed_ns: u64,
-    guest_rq: u64,
-    guest_io: u64,
-    decode_errors: u64,
-    counters: BTreeMap<&'a str, u64>,
-    /// What this run could not see, and why.
-    blind: &'a [String],
-    /// Points no record of this run carries (the mode cannot see them on this kernel).
-    blind_points: &'a [&'static str],
-    stages: Vec<StageLine<'a>>,
-}
-
 impl Sink {
     pub fn new(
         json: bool,
@@ -165,8 +122,7 @@ impl Sink {
             mode,
             blind,
             blind_points,
-            out: BufWriter::with_capacity(64 * 1024, io::stdout()),
-            scratch: Vec::with_capacity(1024),
+            out: JsonLines::new(BufWriter::with_capacity(64 * 1024, io::stdout())),
             decoder: Decoder::new(),
             interval: Aggregator::new(),
             total: Aggregator::new(),
@@ -183,7 +139,7 @@ impl Sink {
         if self.json {
             let _ = io::stderr().write_all(s.as_bytes());
         } else {
-            let _ = self.out.write_all(s.as_bytes());
+            let _ = self.out.get_mut().write_all(s.as_bytes());
         }
     }
 
@@ -212,7 +168,7 @@ impl Sink {
             u.send_rq(r.clone());
         }
         if self.json {
-            let _ = write_json_line(&mut self.out, &mut self.scratch, "guest_rq", r);
+            let _ = self.out.write(r);
         }
         self.interval.record_points(&r.disk, &r.ts);
         if let Some(th) = self.threshold_ns {
@@ -235,7 +191,7 @@ impl Sink {
             u.send_io(io.clone());
         }
         if self.json {
-            let _ = write_json_line(&mut self.out, &mut self.scratch, "guest_io", io);
+            let _ = self.out.write(io);
         }
         let (Some(a), Some(b)) = (
             io.ts.get(Point::SyscallEnter),
@@ -357,27 +313,29 @@ impl Sink {
         t += &format!(" decode_errors={}\n", self.decode_errors);
         self.human(&t);
         if self.json {
-            let summaries = self.total.summaries();
-            let line = StatsLine {
-                is_final: true,
-                mode: &self.mode,
-                elapsed_ns: elapsed.as_nanos().min(u128::from(u64::MAX)) as u64,
-                guest_rq: self.rqs,
-                guest_io: self.ios,
-                decode_errors: self.decode_errors,
-                counters: counters.iter().copied().collect(),
-                blind: &self.blind,
-                blind_points: &self.blind_points,
-                stages: summaries
-                    .iter()
-                    .map(|(l, s, summary)| StageLine {
-                        label: l,
-                        stage: s,
-                        summary: *summary,
+            let line = Stats {
+                is_final: Some(true),
+                mode: Some(self.mode.clone()),
+                elapsed_ns: Some(elapsed.as_nanos().min(u128::from(u64::MAX)) as u64),
+                guest_rq: Some(self.rqs),
+                guest_io: Some(self.ios),
+                decode_errors: Some(self.decode_errors),
+                counters: Some(counters.iter().map(|(k, v)| (k.to_string(), *v)).collect()),
+                blind: Some(self.blind.clone()),
+                blind_points: Some(self.blind_points.iter().map(|p| p.to_string()).collect()),
+                stages: self
+                    .total
+                    .summaries()
+                    .into_iter()
+                    .map(|(label, stage, summary)| StageSummary {
+                        label,
+                        stage,
+                        summary,
                     })
                     .collect(),
+                ..Stats::default()
             };
-            let _ = write_json_line(&mut self.out, &mut self.scratch, "stats", &line);
+            let _ = self.out.write(&line);
         }
         self.flush();
     }
@@ -411,7 +369,7 @@ mod tests {
             error: 0,
             ts,
         };
-        let l = json_line("guest_rq", &r).unwrap();
+        let l = json_line(&r).unwrap();
         assert!(
             l.starts_with("{\"kind\":\"guest_rq\",\"disk\":\"vda\""),
             "{l}"

@@ -8,7 +8,6 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::mem::MaybeUninit;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -16,8 +15,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use libbpf_rs::{OpenObject, RingBuffer, RingBufferBuilder};
+use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::metrics::otlp::Otlp;
 use viotrace_shared::metrics::{Metrics, Recorder};
+use viotrace_shared::record::{StageSummary, Stats};
 use viotrace_shared::stats::Aggregator;
 
 use crate::bpf::types::host_rec;
@@ -69,7 +70,7 @@ impl<'obj> App<'obj> {
                 .map(|d| d.as_nanos().min(u128::from(u64::MAX)) as u64),
             interval: Aggregator::new(),
             total: Aggregator::new(),
-            out: std::io::BufWriter::new(std::io::stdout()),
+            out: JsonLines::new(std::io::BufWriter::new(std::io::stdout())),
             records: 0,
             joined: None,
             metrics: None,
@@ -413,26 +414,24 @@ impl<'obj> App<'obj> {
         line.push('\n');
         s.human(&line);
         if s.json {
-            let mut m = serde_json::Map::new();
-            m.insert("kind".into(), "stats".into());
-            m.insert("records".into(), s.records.into());
-            m.insert("unattributed".into(), unattributed.into());
-            for (k, v) in stats {
-                m.insert(k.clone(), (*v).into());
-            }
-            let summ: Vec<serde_json::Value> = s
-                .total
-                .summaries()
-                .into_iter()
-                .map(|(label, stage, sm)| {
-                    serde_json::json!({"label": label, "stage": stage, "count": sm.count,
-                        "mean_ns": sm.mean_ns, "p50_ns": sm.p50_ns, "p99_ns": sm.p99_ns, "max_ns": sm.max_ns})
-                })
-                .collect();
-            m.insert("stages".into(), summ.into());
-            m.insert("transport".into(), transport.into());
-            let _ = serde_json::to_writer(&mut s.out, &serde_json::Value::Object(m));
-            let _ = s.out.write_all(b"\n");
+            let mut line = Stats {
+                stages: s
+                    .total
+                    .summaries()
+                    .into_iter()
+                    .map(|(label, stage, summary)| StageSummary {
+                        label,
+                        stage,
+                        summary,
+                    })
+                    .collect(),
+                transport: Some(transport),
+                ..Stats::default()
+            };
+            line.values.insert("records".into(), s.records);
+            line.values.insert("unattributed".into(), unattributed);
+            line.values.extend(stats.iter().cloned());
+            let _ = s.out.write(&line);
         }
         s.out.flush().context("writing stdout")
     }

@@ -13,8 +13,9 @@ use viotrace_shared::cause::Verdicts;
 use viotrace_shared::chrome::{ChromeTrace, MAX_LANES};
 use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::join::{JoinConfig, JoinEngine, JoinStats};
+use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::proto::GuestRecord;
-use viotrace_shared::record::{HostElem, JoinedIo, Record};
+use viotrace_shared::record::{HostElem, JoinedIo};
 use viotrace_shared::stats::{fmt_ns, render_waterfall, Aggregator, TOTAL_STAGE};
 use viotrace_shared::transport::host::{
     self, ClockSample, EventKind, Inbox, Listen, Origin, Server, TokenBucket, VmAccount,
@@ -95,7 +96,7 @@ pub struct Joined {
     vms: HashMap<String, VmOut>,
     max_vm_rate: f64,
     engine: JoinEngine,
-    out: Box<dyn Write>,
+    out: JsonLines<Box<dyn Write>>,
     buf: Vec<JoinedIo>,
     pub interval: Aggregator,
     pub total: Aggregator,
@@ -174,7 +175,7 @@ impl Joined {
             vms: HashMap::new(),
             max_vm_rate,
             engine: JoinEngine::new(JoinConfig::default()),
-            out,
+            out: JsonLines::new(out),
             buf: Vec::new(),
             interval: Aggregator::new(),
             total: Aggregator::new(),
@@ -400,10 +401,7 @@ impl Joined {
             if let Some((_, c, err @ None)) = self.chrome.as_mut() {
                 *err = c.add(&j).err();
             }
-            let rec = Record::Io(j);
-            if serde_json::to_writer(&mut self.out, &rec).is_ok() {
-                let _ = self.out.write_all(b"\n");
-            }
+            let _ = self.out.write(&j);
         }
     }
 
@@ -438,6 +436,7 @@ impl Joined {
             ("join_evicted_lost".to_string(), s.evicted),
             ("clock_conflicts".to_string(), s.clock_conflicts),
         ];
+        v.push(("joined_write_errors".to_string(), self.out.errors));
         if let Some(vd) = &self.verdicts {
             v.push(("slow_with_cause".to_string(), vd.flagged));
             v.push(("cause_classes_refused".to_string(), vd.classes_refused()));

@@ -3,18 +3,11 @@
 
 use std::io::Write;
 
-use serde::Serialize;
+use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::record::HostElem;
 use viotrace_shared::stats::{render_waterfall, Aggregator};
 
 use crate::joined;
-
-#[derive(Serialize)]
-struct Tagged<'a, T: Serialize> {
-    kind: &'static str,
-    #[serde(flatten)]
-    rec: &'a T,
-}
 
 /// Where the records go, and the aggregates built from them.
 pub struct Sink {
@@ -22,7 +15,7 @@ pub struct Sink {
     pub threshold_ns: Option<u64>,
     pub interval: Aggregator,
     pub total: Aggregator,
-    pub out: std::io::BufWriter<std::io::Stdout>,
+    pub out: JsonLines<std::io::BufWriter<std::io::Stdout>>,
     pub records: u64,
     pub joined: Option<joined::Joined>,
     pub metrics: Option<viotrace_shared::metrics::Recorder>,
@@ -33,7 +26,7 @@ impl Sink {
         if self.json {
             eprint!("{s}");
         } else {
-            let _ = self.out.write_all(s.as_bytes());
+            let _ = self.out.get_mut().write_all(s.as_bytes());
         }
     }
 
@@ -55,13 +48,7 @@ impl Sink {
         self.interval.record_breakdown(&label, &b);
         self.total.record_breakdown(&label, &b);
         if self.json {
-            let t = Tagged {
-                kind: "host_elem",
-                rec: e,
-            };
-            if serde_json::to_writer(&mut self.out, &t).is_ok() {
-                let _ = self.out.write_all(b"\n");
-            }
+            let _ = self.out.write(e);
         }
         if let Some(th) = self.threshold_ns {
             if b.total_ns.is_some_and(|t| t >= 0 && t as u64 >= th) {

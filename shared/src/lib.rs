@@ -5,6 +5,7 @@ pub mod cause;
 pub mod chrome;
 pub mod clock;
 pub mod join;
+pub mod jsonl;
 pub mod metrics;
 pub mod proto;
 pub mod record;

@@ -457,7 +457,52 @@ pub struct JoinedIo {
     pub cause: Option<Box<crate::cause::Cause>>,
 }
 
-/// Any JSON-lines record, tagged with `"kind"`.
+/// One stage's summary in a stats line (`label`: the disk or VM/device).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageSummary {
+    pub label: String,
+    pub stage: String,
+    #[serde(flatten)]
+    pub summary: crate::stats::Summary,
+}
+
+/// An agent's `"kind":"stats"` line (at exit). The guest agent's has `final`,
+/// `mode`, its record counts, its BPF `counters` and what it could not see; the
+/// host agent's has its counters at the top level (`values`) and, in joined
+/// mode, one `transport` account per VM. Both have the per-stage summaries.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    #[serde(rename = "final", default, skip_serializing_if = "Option::is_none")]
+    pub is_final: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elapsed_ns: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_rq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_io: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_errors: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counters: Option<std::collections::BTreeMap<String, u64>>,
+    /// What the run could not see, and why (guest agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blind: Option<Vec<String>>,
+    /// Points no record of the run carries (guest agent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blind_points: Option<Vec<String>>,
+    #[serde(default)]
+    pub stages: Vec<StageSummary>,
+    /// Per-VM delivery accounts (host agent, joined mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<Vec<serde_json::Value>>,
+    /// Counters at the top level of the line (host agent).
+    #[serde(flatten)]
+    pub values: std::collections::BTreeMap<String, u64>,
+}
+
+/// Any JSON-lines record, tagged with `"kind"` (written by [`crate::jsonl::JsonLines`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Record {
@@ -465,6 +510,7 @@ pub enum Record {
     GuestIo(GuestIo),
     HostElem(HostElem),
     Io(JoinedIo),
+    Stats(Stats),
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ mod config;
 pub mod metrics;
 mod proc;
 mod qmp;
+pub mod records;
 mod result;
 mod run;
 pub mod vm;

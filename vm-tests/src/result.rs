@@ -50,6 +50,11 @@ impl RunResult {
         read_jsonl(&self.path(name))
     }
 
+    /// An output file of the agents as typed records.
+    pub fn records(&self, name: &str) -> Result<crate::records::Records> {
+        crate::records::Records::read(&self.path(name))
+    }
+
     pub fn workload_log(&self) -> String {
         fs::read_to_string(self.path("workload.log")).unwrap_or_default()
     }

@@ -18,12 +18,33 @@ use serde_json::Value;
 use viotrace_shared::metrics::otlp::prost::Message;
 use viotrace_shared::metrics::otlp::proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use viotrace_shared::metrics::otlp::proto::tonic::trace::v1::Span;
+use viotrace_shared::record::{ClockDomain, JoinedIo, Points};
 use viotrace_shared::walltime::{self, WallTime};
 use viotrace_vm_tests::{assets, Agents, VmConfig};
 
 mod common;
-use common::checks::{check_joined, check_transport};
+use common::checks::{check_run_joined, check_transport};
 use common::{lab, out_dir, run_agents, KNOWN_IO};
+
+/// How many joined records have each stage (and a total): what the per-stage
+/// histogram counts must be.
+fn stage_counts(ios: &[&JoinedIo]) -> BTreeMap<String, f64> {
+    let mut want: BTreeMap<String, f64> = BTreeMap::new();
+    for j in ios.iter().filter(|j| j.joined) {
+        for (stage, _) in j.stages.iter() {
+            *want.entry(stage.to_string()).or_default() += 1.0;
+        }
+        if j.total_ns.is_some() {
+            *want.entry("total".into()).or_default() += 1.0;
+        }
+    }
+    want
+}
+
+/// A record's descriptor head as the span attribute shows it.
+fn head(j: &JoinedIo) -> String {
+    j.head.map_or_else(String::new, |h| h.to_string())
+}
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -176,18 +197,10 @@ fn prometheus_scrapes_the_host_agent_and_records_carry_wall_clock_time() {
     assert!(hlog.contains("Prometheus metrics on http://"), "{hlog}");
 
     // Per-stage counts of the joined records, as Prometheus stored them.
-    let joined = r.jsonl("joined.jsonl").unwrap();
-    check_joined(&r.jsonl("guest.jsonl").unwrap(), &joined, 0.999);
+    let joined = r.records("joined.jsonl").unwrap();
+    check_run_joined(&r, 0.999);
     check_transport(&r, "vt-fleet-prometheus");
-    let mut want: BTreeMap<String, f64> = BTreeMap::new();
-    for j in joined.iter().filter(|j| j["joined"] == true) {
-        for (stage, _) in j["stages"].as_object().unwrap() {
-            *want.entry(stage.clone()).or_default() += 1.0;
-        }
-        if j["total_ns"].is_i64() {
-            *want.entry("total".into()).or_default() += 1.0;
-        }
-    }
+    let want = stage_counts(&joined.ios());
     assert!(
         want.get("host_io").copied().unwrap_or(0.0) >= 650.0,
         "{want:?}"
@@ -207,25 +220,15 @@ fn prometheus_scrapes_the_host_agent_and_records_carry_wall_clock_time() {
     assert_eq!(inf, want.values().sum::<f64>());
 
     // Every counter of the host agent's final stats line is exposed.
-    let host = r.jsonl("host.jsonl").unwrap();
-    let stats = host
-        .iter()
-        .rev()
-        .find(|v| v["kind"] == "stats")
-        .expect("stats line");
+    let host = r.records("host.jsonl").unwrap();
+    let stats = host.stats().expect("stats line");
     let exposed: Vec<String> = prom
         .query(r#"last_over_time(viotrace_agent_events_total{agent="viotrace-host"}[10m])"#)
         .into_iter()
         .map(|(l, _)| l["name"].clone())
         .collect();
-    let counters: Vec<&String> = stats
-        .as_object()
-        .unwrap()
-        .iter()
-        .filter(|(_, v)| v.is_u64())
-        .map(|(k, _)| k)
-        .collect();
-    assert!(counters.len() >= 20, "{stats}");
+    let counters: Vec<&String> = stats.values.keys().collect();
+    assert!(counters.len() >= 20, "{stats:?}");
     let missing: Vec<&&String> = counters.iter().filter(|k| !exposed.contains(k)).collect();
     assert!(
         missing.is_empty(),
@@ -234,45 +237,36 @@ fn prometheus_scrapes_the_host_agent_and_records_carry_wall_clock_time() {
     let lost =
         prom.query(r#"last_over_time(viotrace_agent_events_total{name="lost_in_transit"}[10m])"#);
     assert_eq!(lost.len(), 1);
-    assert_eq!(lost[0].1, stats["lost_in_transit"].as_f64().unwrap());
+    assert_eq!(lost[0].1, stats.values["lost_in_transit"] as f64);
 
     // Wall-clock time: every joined and host record has one, inside the run, and
     // equal to its first point mapped with this host's own clock offset.
     let (offset, unc) = walltime::measure_offset();
     let mut checked = 0;
-    for rec in joined
-        .iter()
-        .chain(host.iter().filter(|v| v["kind"] == "host_elem"))
-    {
-        if rec["ts_domain"] == "guest" {
-            continue;
-        }
-        let t = WallTime::parse(
-            rec["time"]
-                .as_str()
-                .unwrap_or_else(|| panic!("no time: {rec}")),
-        )
-        .unwrap();
+    let mut check = |time: Option<WallTime>, ts: &Points, rec: &dyn std::fmt::Debug| {
+        let t = time.unwrap_or_else(|| panic!("no time: {rec:?}"));
         assert!(
             t.unix_ns() >= before - 1_000_000_000 && t.unix_ns() <= after,
-            "{t} outside the run ({rec})"
+            "{t} outside the run ({rec:?})"
         );
-        let first = rec["ts"]
-            .as_object()
-            .unwrap()
-            .values()
-            .filter_map(Value::as_u64)
-            .min()
-            .unwrap();
+        let first = ts.iter().map(|(_, t)| t).min().unwrap();
         let mine = first as i64 + offset;
         // Both mappings are sub-µs reads of the same two clocks; 1 ms covers a clock step.
         let slack = unc as i64 + 1_000_000;
         assert!(
             (t.unix_ns() - mine).abs() <= slack,
-            "time {t} vs this host's mapping {} (±{slack} ns): {rec}",
+            "time {t} vs this host's mapping {} (±{slack} ns): {rec:?}",
             WallTime(mine)
         );
         checked += 1;
+    };
+    for j in joined.ios() {
+        if j.ts_domain != ClockDomain::Guest {
+            check(j.time, &j.ts, j);
+        }
+    }
+    for e in host.host_elems() {
+        check(e.time, &e.ts, e);
     }
     assert!(checked >= 1300, "{checked} records with time");
 }
@@ -352,26 +346,22 @@ fn otlp_metrics_read_back_from_prometheus_and_traces_decode() {
     );
     let hlog = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
     assert_eq!(r.host_agent_rc, Some(0), "host agent:\n{hlog}");
-    let joined = r.jsonl("joined.jsonl").unwrap();
-    let host = r.jsonl("host.jsonl").unwrap();
-    let stats = host
-        .iter()
-        .rev()
-        .find(|v| v["kind"] == "stats")
-        .expect("stats line");
-    assert_eq!(stats["otlp_export_errors"], 0, "{stats}");
-    assert_eq!(stats["otlp_traces_dropped_queue_full"], 0, "{stats}");
+    let joined = r.records("joined.jsonl").unwrap();
+    let host = r.records("host.jsonl").unwrap();
+    let stats = host.stats().expect("stats line");
+    assert_eq!(
+        stats.values.get("otlp_export_errors"),
+        Some(&0),
+        "{stats:?}"
+    );
+    assert_eq!(
+        stats.values.get("otlp_traces_dropped_queue_full"),
+        Some(&0),
+        "{stats:?}"
+    );
 
     // Metrics: the final push equals the joined records' per-stage counts.
-    let mut want: BTreeMap<String, f64> = BTreeMap::new();
-    for j in joined.iter().filter(|j| j["joined"] == true) {
-        for (stage, _) in j["stages"].as_object().unwrap() {
-            *want.entry(stage.clone()).or_default() += 1.0;
-        }
-        if j["total_ns"].is_i64() {
-            *want.entry("total".into()).or_default() += 1.0;
-        }
-    }
+    let want = stage_counts(&joined.ios());
     assert!(
         want.get("host_io").copied().unwrap_or(0.0) >= 650.0,
         "{want:?}"
@@ -400,12 +390,13 @@ fn otlp_metrics_read_back_from_prometheus_and_traces_decode() {
         r#"last_over_time({__name__=~"viotrace_agent_events(_total)?",name="lost_in_transit"}[10m])"#,
     );
     assert_eq!(lost.len(), 1, "{lost:?} (metric names: {names:?})");
-    assert_eq!(lost[0].1, stats["lost_in_transit"].as_f64().unwrap());
+    assert_eq!(lost[0].1, stats.values["lost_in_transit"] as f64);
 
     // Traces: one root span per slow joined I/O, a child per stage in path order.
-    let slow: Vec<&Value> = joined
+    let ios = joined.ios();
+    let slow: Vec<&&JoinedIo> = ios
         .iter()
-        .filter(|j| j["joined"] == true && j["total_ns"].as_i64().is_some_and(|t| t >= 2_000_000))
+        .filter(|j| j.joined && j.total_ns.is_some_and(|t| t >= 2_000_000))
         .collect();
     assert!(!slow.is_empty(), "no I/O above 2 ms under TCG?");
     let spans = spans.lock().unwrap().clone();
@@ -416,7 +407,7 @@ fn otlp_metrics_read_back_from_prometheus_and_traces_decode() {
     assert_eq!(roots.len(), slow.len(), "one trace per slow I/O");
     let mut want_keys: Vec<(String, String)> = slow
         .iter()
-        .map(|j| (j["sector"].to_string(), j["head"].to_string()))
+        .map(|j| (j.sector.to_string(), head(j)))
         .collect();
     let mut got_keys: Vec<(String, String)> = roots
         .iter()
@@ -433,30 +424,21 @@ fn otlp_metrics_read_back_from_prometheus_and_traces_decode() {
         let j = slow
             .iter()
             .find(|j| {
-                Some(j["sector"].to_string()) == attr(root, "sector")
-                    && Some(j["head"].to_string()) == attr(root, "head")
+                Some(j.sector.to_string()) == attr(root, "sector")
+                    && Some(head(j)) == attr(root, "head")
             })
             .unwrap();
-        // serde_json sorts the record's keys: compare as sets (path order is unit-tested).
+        // Compared as sets (path order is unit-tested).
         let mut names: Vec<&str> = kids.iter().map(|s| s.name.as_str()).collect();
         names.sort();
-        let stages: Vec<&str> = j["stages"]
-            .as_object()
-            .unwrap()
-            .keys()
-            .map(String::as_str)
-            .collect();
+        let mut stages: Vec<&str> = j.stages.iter().map(|(n, _)| n).collect();
+        stages.sort();
         assert_eq!(names, stages, "children of {root:?}");
         assert_eq!(
             root.end_time_unix_nano - root.start_time_unix_nano,
-            j["total_ns"].as_u64().unwrap()
+            j.total_ns.unwrap() as u64
         );
-        assert_eq!(
-            root.start_time_unix_nano as i64,
-            WallTime::parse(j["time"].as_str().unwrap())
-                .unwrap()
-                .unix_ns()
-        );
+        assert_eq!(root.start_time_unix_nano as i64, j.time.unwrap().unix_ns());
         for k in [
             "vm", "disk", "queue", "pid", "comm", "inode", "backend", "op", "bytes",
         ] {

@@ -1,7 +1,6 @@
 //! End-to-end tests of the guest agent (issue 3) in real guests.
 
-use serde_json::Value;
-use viotrace_shared::record::Point;
+use viotrace_shared::record::{GuestRq, Op, Point, Points, Stats};
 use viotrace_vm_tests::assets::GuestKernel;
 use viotrace_vm_tests::{Agents, RunResult, VmConfig, VsockMode};
 
@@ -14,8 +13,18 @@ fn run_guest(name: &str, cfg: VmConfig, workload: &str) -> RunResult {
     r
 }
 
-fn kind<'a>(recs: &'a [Value], kind: &str) -> Vec<&'a Value> {
-    recs.iter().filter(|v| v["kind"] == kind).collect()
+/// The guest's block requests, all disks.
+fn guest_rqs(r: &RunResult) -> Vec<GuestRq> {
+    let recs = r.records("guest.jsonl").expect("guest.jsonl");
+    recs.guest_rqs().into_iter().cloned().collect()
+}
+
+/// The guest's block requests on vdb.
+fn vdb_rqs(r: &RunResult) -> Vec<GuestRq> {
+    guest_rqs(r)
+        .into_iter()
+        .filter(|v| v.disk == "vdb")
+        .collect()
 }
 
 fn guest_log(r: &RunResult) -> String {
@@ -23,16 +32,10 @@ fn guest_log(r: &RunResult) -> String {
 }
 
 /// Points present in a record, in path order, must carry non-decreasing times.
-fn assert_points_in_order(rec: &Value) {
-    let ts = rec["ts"].as_object().expect("ts object");
+fn assert_points_in_order(ts: &Points, rec: &dyn std::fmt::Debug) {
     let mut seen: Vec<(Point, u64)> = ts
         .iter()
-        .map(|(k, v)| {
-            let p = Point::from_name(k).unwrap_or_else(|| panic!("unknown point {k} in {rec}"));
-            let t = v.as_u64().expect("ns");
-            assert!(t > 0, "zero timestamp for {k}: {rec}");
-            (p, t)
-        })
+        .inspect(|(p, t)| assert!(*t > 0, "zero timestamp for {p}: {rec:?}"))
         .collect();
     seen.sort();
     for w in seen.windows(2) {
@@ -42,7 +45,7 @@ fn assert_points_in_order(rec: &Value) {
         }
         assert!(
             w[0].1 <= w[1].1,
-            "{} ({}) after {} ({}) in {rec}",
+            "{} ({}) after {} ({}) in {rec:?}",
             w[0].0,
             w[0].1,
             w[1].0,
@@ -52,25 +55,17 @@ fn assert_points_in_order(rec: &Value) {
 }
 
 /// Checks the KNOWN_IO records on vdb; returns them.
-fn check_known_io(r: &RunResult, with_virtio: bool) -> Vec<Value> {
+fn check_known_io(r: &RunResult, with_virtio: bool) -> Vec<GuestRq> {
     check_io(r, with_virtio, &known_io_shape())
 }
 
 /// Checks the vdb records against `shape` ((op, bytes) → count); returns them.
-fn check_io(r: &RunResult, with_virtio: bool, shape: &Shape) -> Vec<Value> {
-    let recs = r.jsonl("guest.jsonl").expect("guest.jsonl");
-    let rqs: Vec<Value> = kind(&recs, "guest_rq")
-        .into_iter()
-        .filter(|v| v["disk"] == "vdb")
-        .cloned()
-        .collect();
+fn check_io(r: &RunResult, with_virtio: bool, shape: &Shape) -> Vec<GuestRq> {
+    let rqs = vdb_rqs(r);
     let mut by_shape = Shape::new();
     for v in &rqs {
         *by_shape
-            .entry((
-                v["op"].as_str().unwrap_or("?").to_string(),
-                v["bytes"].as_u64().unwrap_or(0),
-            ))
+            .entry((v.op.name().to_string(), u64::from(v.bytes)))
             .or_default() += 1;
     }
     assert_eq!(
@@ -81,35 +76,34 @@ fn check_io(r: &RunResult, with_virtio: bool, shape: &Shape) -> Vec<Value> {
     );
     let mut dd_sectors: Vec<u64> = Vec::new();
     for v in &rqs {
-        let sector = v["sector"].as_u64().expect("sector");
-        let bytes = v["bytes"].as_u64().unwrap();
-        assert!(
-            v["pid"].as_u64().unwrap() > 0 && v["tid"].as_u64().unwrap() > 0,
-            "{v}"
-        );
-        let comm = v["comm"].as_str().unwrap();
-        if bytes == 4096 {
-            assert_eq!(comm, "fio", "{v}");
-            assert!(sector % 8 == 0 && sector * 512 < 32 << 20, "{v}");
+        let sector = v.sector;
+        assert!(v.pid > 0 && v.tid > 0, "{v:?}");
+        if v.bytes == 4096 {
+            assert_eq!(v.comm, "fio", "{v:?}");
+            assert!(sector % 8 == 0 && sector * 512 < 32 << 20, "{v:?}");
         } else {
-            assert_eq!(comm, "dd", "{v}");
+            assert_eq!(v.comm, "dd", "{v:?}");
             dd_sectors.push(sector);
         }
         if with_virtio {
-            let head = v["head"]
-                .as_u64()
-                .unwrap_or_else(|| panic!("head missing: {v}"));
-            assert!(head < 256, "head {head} outside the 256-entry queue: {v}");
-            assert_eq!(v["queue"].as_u64(), Some(0), "{v}");
-            for p in ["g.rq_issue", "g.vq_add", "g.kick", "g.irq", "g.rq_complete"] {
-                assert!(v["ts"][p].is_u64(), "{p} missing in {v}");
+            let head = v.head.unwrap_or_else(|| panic!("head missing: {v:?}"));
+            assert!(head < 256, "head {head} outside the 256-entry queue: {v:?}");
+            assert_eq!(v.queue, Some(0), "{v:?}");
+            for p in [
+                Point::RqIssue,
+                Point::VqAdd,
+                Point::Kick,
+                Point::Irq,
+                Point::RqComplete,
+            ] {
+                assert!(v.ts.get(p).is_some(), "{p} missing in {v:?}");
             }
         }
         assert!(
-            v["ts"]["g.rq_issue"].is_u64() && v["ts"]["g.rq_complete"].is_u64(),
-            "{v}"
+            v.ts.get(Point::RqIssue).is_some() && v.ts.get(Point::RqComplete).is_some(),
+            "{v:?}"
         );
-        assert_points_in_order(v);
+        assert_points_in_order(&v.ts, v);
     }
     dd_sectors.sort();
     assert_eq!(
@@ -132,14 +126,11 @@ fn fentry_mode_sees_every_request_down_to_the_virtqueue() {
     );
     let rqs = check_known_io(&r, true);
     // Syscall-level records: each direct I/O syscall caused exactly one vdb request.
-    let recs = r.jsonl("guest.jsonl").unwrap();
-    let ios: Vec<&Value> = kind(&recs, "guest_io")
+    let recs = r.records("guest.jsonl").unwrap();
+    let ios: Vec<_> = recs
+        .guest_ios()
         .into_iter()
-        .filter(|v| {
-            v["requests"]
-                .as_array()
-                .is_some_and(|a| a.iter().any(|q| q["disk"] == "vdb"))
-        })
+        .filter(|v| v.requests.iter().any(|q| q.disk == "vdb"))
         .collect();
     assert_eq!(
         ios.len(),
@@ -147,8 +138,10 @@ fn fentry_mode_sees_every_request_down_to_the_virtqueue() {
         "guest_io records that caused vdb requests"
     );
     for io in ios {
-        assert_eq!(io["requests"].as_array().unwrap().len(), 1, "{io}");
-        assert!(io["ts"]["g.syscall_enter"].is_u64() && io["ts"]["g.syscall_exit"].is_u64());
+        assert_eq!(io.requests.len(), 1, "{io:?}");
+        assert!(
+            io.ts.get(Point::SyscallEnter).is_some() && io.ts.get(Point::SyscallExit).is_some()
+        );
     }
     // The agent is honest about what it sees.
     assert!(
@@ -184,10 +177,10 @@ fn tracepoint_mode_degrades_to_block_layer_points() {
     let rqs = check_known_io(&r, false);
     for v in &rqs {
         assert!(
-            v["ts"].get("g.vq_add").is_none(),
-            "tracepoint mode cannot see vq_add: {v}"
+            v.ts.get(Point::VqAdd).is_none(),
+            "tracepoint mode cannot see vq_add: {v:?}"
         );
-        assert!(v["ts"].get("g.kick").is_none(), "{v}");
+        assert!(v.ts.get(Point::Kick).is_none(), "{v:?}");
     }
     let log = guest_log(&r);
     assert!(
@@ -212,20 +205,16 @@ fn check_two_queues(name: &str, kernel: GuestKernel) -> RunResult {
         },
         wl,
     );
-    let recs = r.jsonl("guest.jsonl").unwrap();
-    let rqs: Vec<&Value> = kind(&recs, "guest_rq")
-        .into_iter()
-        .filter(|v| v["disk"] == "vdb")
-        .collect();
+    let rqs = vdb_rqs(&r);
     assert_eq!(rqs.len(), 400, "2 jobs x 200 reads");
     let mut queues = std::collections::BTreeSet::new();
     for v in &rqs {
-        assert_eq!(v["op"], "read");
-        assert_eq!(v["bytes"], 4096);
-        let head = v["head"].as_u64().expect("head");
+        assert_eq!(v.op, Op::Read);
+        assert_eq!(v.bytes, 4096);
+        let head = v.head.expect("head");
         assert!(head < 256);
-        queues.insert(v["queue"].as_u64().expect("queue"));
-        assert_points_in_order(v);
+        queues.insert(v.queue.expect("queue"));
+        assert_points_in_order(&v.ts, v);
     }
     assert_eq!(
         queues.into_iter().collect::<Vec<_>>(),
@@ -251,10 +240,9 @@ fn filters_keep_exactly_the_selected_pid_comm_cgroup_and_disk() {
         },
         KNOWN_IO,
     );
-    let recs = r.jsonl("guest.jsonl").unwrap();
-    let rqs = kind(&recs, "guest_rq");
+    let rqs = guest_rqs(&r);
     assert_eq!(rqs.len(), 50, "only dd's 50 reads");
-    assert!(rqs.iter().all(|v| v["comm"] == "dd"));
+    assert!(rqs.iter().all(|v| v.comm == "dd"));
 
     // disk: I/O on vda (ext4) and vdb; only vdb is kept.
     let wl = "set -e\n\
@@ -268,10 +256,9 @@ fn filters_keep_exactly_the_selected_pid_comm_cgroup_and_disk() {
         },
         wl,
     );
-    let recs = r.jsonl("guest.jsonl").unwrap();
-    let rqs = kind(&recs, "guest_rq");
+    let rqs = guest_rqs(&r);
     assert_eq!(rqs.len(), 30, "only vdb's 30 reads");
-    assert!(rqs.iter().all(|v| v["disk"] == "vdb"));
+    assert!(rqs.iter().all(|v| v.disk == "vdb"));
 
     // cgroup and pid: three readers on distinct sector ranges; one inside cgroup `sel`, one
     // whose pid is given, one neither.
@@ -302,11 +289,7 @@ fn filters_keep_exactly_the_selected_pid_comm_cgroup_and_disk() {
             },
             wl,
         );
-        let recs = r.jsonl("guest.jsonl").unwrap();
-        let mut sectors: Vec<u64> = kind(&recs, "guest_rq")
-            .iter()
-            .map(|v| v["sector"].as_u64().unwrap())
-            .collect();
+        let mut sectors: Vec<u64> = guest_rqs(&r).iter().map(|v| v.sector).collect();
         sectors.sort();
         let want: Vec<u64> = (0..count).map(|i| (first + i) * 8).collect();
         assert_eq!(
@@ -329,11 +312,10 @@ fn buffered_write_then_fsync_is_attributed_to_the_file_inode() {
         .and_then(|l| l.split_whitespace().next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("inode not in workload log: {log}"));
-    let recs = r.jsonl("guest.jsonl").unwrap();
-    let bytes: u64 = kind(&recs, "guest_rq")
+    let bytes: u64 = guest_rqs(&r)
         .iter()
-        .filter(|v| v["disk"] == "vda" && v["op"] == "write" && v["inode"] == inode)
-        .map(|v| v["bytes"].as_u64().unwrap())
+        .filter(|v| v.disk == "vda" && v.op == Op::Write && v.inode == inode)
+        .map(|v| u64::from(v.bytes))
         .sum();
     assert_eq!(
         bytes,
@@ -366,11 +348,10 @@ const TRACEPOINT_BLIND: &[&str] = &[
 ];
 
 /// The final stats line of guest.jsonl.
-fn final_stats(r: &RunResult) -> Value {
-    let recs = r.jsonl("guest.jsonl").expect("guest.jsonl");
-    kind(&recs, "stats")
-        .into_iter()
-        .rfind(|v| v["final"] == true)
+fn final_stats(r: &RunResult) -> Stats {
+    let recs = r.records("guest.jsonl").expect("guest.jsonl");
+    recs.stats()
+        .filter(|s| s.is_final == Some(true))
         .cloned()
         .unwrap_or_else(|| panic!("no final stats line; log:\n{}", guest_log(r)))
 }
@@ -403,21 +384,22 @@ fn check_kernel_mode(
         &wl,
     );
     let stats = final_stats(&r);
-    assert_eq!(stats["mode"], want_mode, "{}", guest_log(&r));
-    let reported: Vec<&str> = stats["blind_points"]
-        .as_array()
+    assert_eq!(stats.mode.as_deref(), Some(want_mode), "{}", guest_log(&r));
+    let reported: Vec<&str> = stats
+        .blind_points
+        .as_ref()
         .expect("blind_points")
         .iter()
-        .map(|v| v.as_str().unwrap())
+        .map(String::as_str)
         .collect();
     assert_eq!(reported, blind, "blind points on {}", r.kernel_release);
     let rqs = check_io(&r, blind.is_empty() && exact, &shape);
     // Kprobe hits and program runs the kernel skipped (counted where it can tell: 6.7+ and
     // 5.12+) bound the records that may lack a point; elsewhere 1 %.
-    let c = &stats["counters"];
-    let lost = c["kprobe_hits_lost"]
-        .as_u64()
-        .zip(c["bpf_runs_lost"].as_u64())
+    let c = stats.counters.clone().unwrap_or_default();
+    let lost = c
+        .get("kprobe_hits_lost")
+        .zip(c.get("bpf_runs_lost"))
         .map(|(a, b)| a + b);
     let need = match (exact, lost) {
         (true, _) => rqs.len(),
@@ -426,17 +408,14 @@ fn check_kernel_mode(
     };
     // Every point not reported blind is in every record (g.rq_insert only where the
     // kernel's blk-mq inserts; 6.12+ issues directly), no reported one in any.
-    for p in Point::ALL
-        .iter()
-        .map(|p| p.name())
-        .filter(|p| p.starts_with("g."))
-    {
-        let n = rqs.iter().filter(|v| v["ts"].get(p).is_some()).count();
+    for &pt in Point::ALL.iter().filter(|p| p.name().starts_with("g.")) {
+        let p = pt.name();
+        let n = rqs.iter().filter(|v| v.ts.get(pt).is_some()).count();
         if blind.contains(&p) {
             assert_eq!(n, 0, "{p} reported blind but seen");
         } else if !matches!(p, "g.rq_insert" | "g.syscall_exit") {
             // Syscall tracepoint runs the kernel skipped are counted (bpf_runs_lost, 7.x).
-            let runs_lost = c["bpf_runs_lost"].as_u64().unwrap_or(0) as usize;
+            let runs_lost = c.get("bpf_runs_lost").copied().unwrap_or(0) as usize;
             let need = if p.starts_with("g.syscall") {
                 need.min(rqs.len().saturating_sub(runs_lost))
             } else {
@@ -446,23 +425,23 @@ fn check_kernel_mode(
         }
     }
     if blind.is_empty() {
-        let heads = rqs.iter().filter(|v| v["head"].is_u64()).count();
+        let heads = rqs.iter().filter(|v| v.head.is_some()).count();
         assert!(heads >= need, "descriptor head in {heads} of {}", rqs.len());
     }
     // io_uring: each submission names its file offset (the tracepoint generation of this kernel).
-    let recs = r.jsonl("guest.jsonl").unwrap();
-    let uring: Vec<&Value> = kind(&recs, "guest_io")
+    let recs = r.records("guest.jsonl").unwrap();
+    let uring: Vec<_> = recs
+        .guest_ios()
         .into_iter()
-        .filter(|v| v["syscall"] == "io_uring_enter" && v["requests"].as_array().is_some())
+        .filter(|v| v.syscall == "io_uring_enter")
         .collect();
     assert_eq!(uring.len(), 20, "io_uring_enter records with requests");
     for v in uring {
-        let req = &v["requests"][0];
-        assert_eq!(v["bytes"], 4096, "{v}");
+        assert_eq!(v.bytes, 4096, "{v:?}");
         assert_eq!(
-            v["file_offset"].as_u64(),
-            req["sector"].as_u64().map(|s| s * 512),
-            "io_uring file offset = request sector × 512: {v}"
+            v.file_offset,
+            v.requests.first().map(|q| q.sector * 512),
+            "io_uring file offset = request sector × 512: {v:?}"
         );
     }
     r
@@ -561,20 +540,25 @@ fn kernel_7_kprobe_mode_sees_everything() {
     );
     // 7.x tells how many kprobe hits it skipped: the agent reports it as a loss counter.
     let stats = final_stats(&r);
-    assert!(stats["counters"]["kprobe_hits_lost"].is_u64(), "{stats}");
+    assert!(
+        stats
+            .counters
+            .as_ref()
+            .is_some_and(|c| c.contains_key("kprobe_hits_lost")),
+        "{stats:?}"
+    );
 }
 
 /// 7.x: virtio_queue_rqs(struct rq_list *), read through bpf_get_func_arg in fentry mode.
 #[test]
 fn kernel_7_two_queues_use_the_batched_submit_path() {
     let r = check_two_queues("guest-7-2q", GuestKernel::V7);
-    let recs = r.jsonl("guest.jsonl").unwrap();
-    let queued = kind(&recs, "guest_rq")
-        .into_iter()
-        .filter(|v| v["disk"] == "vdb" && v["ts"]["g.queue_rq"].is_u64())
+    let queued = vdb_rqs(&r)
+        .iter()
+        .filter(|v| v.ts.get(Point::QueueRq).is_some())
         .count();
     assert_eq!(queued, 400, "g.queue_rq on every request");
-    assert_eq!(final_stats(&r)["mode"], "fentry");
+    assert_eq!(final_stats(&r).mode.as_deref(), Some("fentry"));
 }
 
 /// On 5.10 (no module BTF) the descriptor head is read at an assumed vring_virtqueue offset;
@@ -599,37 +583,27 @@ fn kernel_5_10_descriptor_heads_equal_qemus() {
         wl,
     );
     assert_eq!(r.guest_agent_rc, Some(0));
-    let guest = r.jsonl("guest.jsonl").unwrap();
-    let host = r.jsonl("host.jsonl").unwrap();
-    let key = |v: &Value| {
-        (
-            v["op"].as_str().unwrap_or("?").to_string(),
-            v["sector"].as_u64().unwrap_or(u64::MAX),
-            v["bytes"].as_u64().unwrap_or(0),
-        )
-    };
-    let mut qemu: std::collections::HashMap<_, Vec<(u64, u64)>> = Default::default();
-    for v in kind(&host, "host_elem")
+    let host = r.records("host.jsonl").unwrap();
+    let mut qemu: std::collections::HashMap<(Op, u64, u32), Vec<(u16, u16)>> = Default::default();
+    for v in host
+        .host_elems()
         .into_iter()
-        .filter(|v| v["device"] == "vextra")
+        .filter(|v| v.device == "vextra")
     {
-        qemu.entry(key(v))
+        qemu.entry((v.op, v.sector, v.bytes))
             .or_default()
-            .push((v["queue"].as_u64().unwrap(), v["head"].as_u64().unwrap()));
+            .push((v.queue, v.head));
     }
-    let rqs: Vec<&Value> = kind(&guest, "guest_rq")
-        .into_iter()
-        .filter(|v| v["disk"] == "vdb")
-        .collect();
+    let rqs = vdb_rqs(&r);
     assert_eq!(rqs.len(), 500, "300 reads + 200 writes");
     let mut heads = std::collections::BTreeSet::new();
     for v in &rqs {
-        let qh = (v["queue"].as_u64().unwrap(), v["head"].as_u64().unwrap());
+        let qh = (v.queue.expect("queue"), v.head.expect("head"));
         heads.insert(qh.1);
         let seen = qemu
-            .get(&key(v))
-            .unwrap_or_else(|| panic!("QEMU never saw {v}"));
-        assert!(seen.contains(&qh), "guest {qh:?}, QEMU {seen:?}: {v}");
+            .get(&(v.op, v.sector, v.bytes))
+            .unwrap_or_else(|| panic!("QEMU never saw {v:?}"));
+        assert!(seen.contains(&qh), "guest {qh:?}, QEMU {seen:?}: {v:?}");
     }
     assert!(
         heads.len() >= 8,

@@ -2,9 +2,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use serde_json::Value;
+use viotrace_shared::record::{Backend, HostElem, Op, Point};
 use viotrace_vm_tests::assets::QemuBuild;
-use viotrace_vm_tests::{read_jsonl, Agents, Aio, DiskFormat, HostAttach, RunResult, VmConfig};
+use viotrace_vm_tests::records::Records;
+use viotrace_vm_tests::{Agents, Aio, DiskFormat, HostAttach, RunResult, VmConfig};
 
 mod common;
 use common::checks::{elems, known_io_device};
@@ -23,32 +24,32 @@ fn run_host(name: &str, cfg: VmConfig, workload: &str) -> RunResult {
     r
 }
 
-fn check_known_io(r: &RunResult, backend: &str) {
+fn check_known_io(r: &RunResult, backend: Backend) {
     let all = elems(r);
     let recs = known_io_device(&all);
     let mut dd = Vec::new();
     for v in &recs {
-        assert_eq!(v["backend"], backend, "{v}");
-        assert_eq!(v["queue"], 0, "{v}");
-        assert!(v["head"].as_u64().expect("head") < 256, "{v}");
-        assert!(v["qemu_pid"].as_u64() == Some(u64::from(r.qemu_pid)), "{v}");
-        let sector = v["sector"].as_u64().unwrap();
-        if v["bytes"] == 65536 {
+        assert_eq!(v.backend, backend, "{v:?}");
+        assert_eq!(v.queue, 0, "{v:?}");
+        assert!(v.head < 256, "{v:?}");
+        assert_eq!(v.qemu_pid, r.qemu_pid, "{v:?}");
+        let sector = v.sector;
+        if v.bytes == 65536 {
             dd.push(sector);
         } else {
-            assert!(sector % 8 == 0 && sector * 512 < 32 << 20, "{v}");
+            assert!(sector % 8 == 0 && sector * 512 < 32 << 20, "{v:?}");
         }
         // h.pop needs the optional virtqueue_pop uprobe (--pop); h.notify is the kick handling.
-        let pop = v["ts"]["h.pop"]
-            .as_u64()
-            .or(v["ts"]["h.notify"].as_u64())
-            .unwrap_or_else(|| panic!("h.pop or h.notify: {v}"));
-        let push = v["ts"]["h.push"]
-            .as_u64()
-            .unwrap_or_else(|| panic!("h.push: {v}"));
-        assert!(pop > 0 && pop <= push, "{v}");
-        for (k, t) in v["ts"].as_object().unwrap() {
-            assert!(k.starts_with("h.") && t.as_u64().unwrap() > 0, "{v}");
+        let pop =
+            v.ts.get(Point::HostPop)
+                .or(v.ts.get(Point::HostNotify))
+                .unwrap_or_else(|| panic!("h.pop or h.notify: {v:?}"));
+        let push =
+            v.ts.get(Point::HostPush)
+                .unwrap_or_else(|| panic!("h.push: {v:?}"));
+        assert!(pop > 0 && pop <= push, "{v:?}");
+        for (k, t) in v.ts.iter() {
+            assert!(k.name().starts_with("h.") && t > 0, "{v:?}");
         }
     }
     dd.sort();
@@ -58,7 +59,7 @@ fn check_known_io(r: &RunResult, backend: &str) {
 #[test]
 fn threads_backend_one_record_per_element() {
     let r = run_host("host-threads", VmConfig::default(), KNOWN_IO);
-    check_known_io(&r, "threads");
+    check_known_io(&r, Backend::Threads);
 }
 
 #[test]
@@ -71,7 +72,7 @@ fn native_aio_backend() {
         },
         KNOWN_IO,
     );
-    check_known_io(&r, "native");
+    check_known_io(&r, Backend::Native);
 }
 
 #[test]
@@ -84,7 +85,7 @@ fn io_uring_backend() {
         },
         KNOWN_IO,
     );
-    check_known_io(&r, "io_uring");
+    check_known_io(&r, Backend::IoUring);
 }
 
 #[test]
@@ -97,7 +98,7 @@ fn qcow2_image() {
         },
         KNOWN_IO,
     );
-    check_known_io(&r, "threads");
+    check_known_io(&r, Backend::Threads);
 }
 
 #[test]
@@ -109,9 +110,9 @@ fn merged_sequential_writes_share_a_merge_id() {
         --iodepth=16 --iodepth_batch_submit=16 --size=4M --output=/dev/null\n";
     let r = run_host("host-merge", VmConfig::default(), wl);
     let all = elems(&r);
-    let writes: Vec<&Value> = all
+    let writes: Vec<&HostElem> = all
         .iter()
-        .filter(|v| v["op"] == "write" && v["bytes"] == 4096)
+        .filter(|v| v.op == Op::Write && v.bytes == 4096)
         .collect();
     assert!(
         writes.len() >= 1024,
@@ -120,10 +121,7 @@ fn merged_sequential_writes_share_a_merge_id() {
     );
     let mut groups: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
     for v in &writes {
-        groups
-            .entry(v["merge_id"].as_u64().expect("merge_id"))
-            .or_default()
-            .push(v["sector"].as_u64().unwrap());
+        groups.entry(v.merge_id).or_default().push(v.sector);
     }
     let merged: Vec<&Vec<u64>> = groups.values().filter(|g| g.len() > 1).collect();
     assert!(
@@ -153,7 +151,7 @@ fn agent_started_before_qemu_discovers_it() {
         },
         &wl,
     );
-    check_known_io(&r, "threads");
+    check_known_io(&r, Backend::Threads);
 }
 
 #[test]
@@ -175,8 +173,8 @@ fn agent_attaches_to_a_running_vm_without_disturbing_it() {
     let all = elems(&r);
     let reads: BTreeSet<u64> = all
         .iter()
-        .filter(|v| v["op"] == "read" && v["bytes"] == 4096)
-        .filter_map(|v| v["sector"].as_u64())
+        .filter(|v| v.op == Op::Read && v.bytes == 4096)
+        .map(|v| v.sector)
         .filter(|s| (80_000..80_800).contains(s))
         .collect();
     assert_eq!(
@@ -211,12 +209,8 @@ fn corrupted_layout_is_refused_naming_the_field() {
         "{log}"
     );
     assert!(log.contains("(layout refused)"), "{log}");
-    let recs: Vec<Value> = r
-        .jsonl("host.jsonl")
-        .expect("host.jsonl")
-        .into_iter()
-        .filter(|v| v["kind"] == "host_elem")
-        .collect();
+    let host = r.records("host.jsonl").expect("host.jsonl");
+    let recs = host.host_elems();
     assert!(
         recs.is_empty(),
         "no record of a refused layout: {:?}",
@@ -227,15 +221,10 @@ fn corrupted_layout_is_refused_naming_the_field() {
         log.contains("records of the refused layout dropped"),
         "{log}"
     );
-    let stats = r.jsonl("host.jsonl").expect("host.jsonl");
-    let last = stats
-        .iter()
-        .rev()
-        .find(|v| v["kind"] == "stats")
-        .expect("stats");
+    let last = host.stats().expect("stats");
     assert!(
-        last["refused_layout_records_dropped"].as_u64() >= Some(1),
-        "{last}"
+        last.values.get("refused_layout_records_dropped") >= Some(&1),
+        "{last:?}"
     );
     // The agent ran on to the end of the workload and stopped cleanly (run_host
     // checks its exit status).
@@ -265,11 +254,10 @@ fn corrupted_request_queue_offset_is_refused() {
     );
     assert!(log.contains("(layout refused)"), "{log}");
     let n = r
-        .jsonl("host.jsonl")
+        .records("host.jsonl")
         .expect("host.jsonl")
-        .into_iter()
-        .filter(|v| v["kind"] == "host_elem")
-        .count();
+        .host_elems()
+        .len();
     assert_eq!(n, 0);
 }
 
@@ -291,19 +279,21 @@ fn fallback_without_blk_aio_call_sites_keeps_records_complete() {
     );
     let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
     assert!(log.contains("fallback: blk_aio_preadv/pwritev"), "{log}");
-    check_known_io(&r, "threads");
+    check_known_io(&r, Backend::Threads);
     let all = elems(&r);
     let recs = known_io_device(&all);
     for v in &recs {
         assert!(
-            v["ts"]["h.submit"].is_null(),
-            "no h.submit in fallback: {v}"
+            v.ts.get(Point::HostSubmit).is_none(),
+            "no h.submit in fallback: {v:?}"
         );
     }
     // Host I/O found by the element's data buffer (psync and dd: no merging).
     let with_io = recs
         .iter()
-        .filter(|v| v["ts"]["h.io_issue"].is_u64() && v["ts"]["h.io_complete"].is_u64())
+        .filter(|v| {
+            v.ts.get(Point::HostIoIssue).is_some() && v.ts.get(Point::HostIoComplete).is_some()
+        })
         .count();
     assert_eq!(with_io, recs.len(), "every element has its host I/O");
 }
@@ -320,16 +310,16 @@ fn pop_probe_gives_h_pop() {
         },
         KNOWN_IO,
     );
-    check_known_io(&r, "threads");
+    check_known_io(&r, Backend::Threads);
     let all = elems(&r);
     for v in known_io_device(&all) {
-        let pop = v["ts"]["h.pop"]
-            .as_u64()
-            .unwrap_or_else(|| panic!("h.pop: {v}"));
-        let submit = v["ts"]["h.submit"]
-            .as_u64()
-            .unwrap_or_else(|| panic!("h.submit: {v}"));
-        assert!(pop <= submit, "{v}");
+        let pop =
+            v.ts.get(Point::HostPop)
+                .unwrap_or_else(|| panic!("h.pop: {v:?}"));
+        let submit =
+            v.ts.get(Point::HostSubmit)
+                .unwrap_or_else(|| panic!("h.submit: {v:?}"));
+        assert!(pop <= submit, "{v:?}");
     }
 }
 
@@ -361,16 +351,16 @@ fn qemu_10_0_exact_records() {
     assert!(line.contains("layout of QEMU 10.0-10.1"), "{line}");
     assert!(line.contains("VirtIOBlock.blk"), "{line}");
     assert!(!line.contains("not confirmed"), "{line}");
-    check_known_io(&r, "io_uring");
+    check_known_io(&r, Backend::IoUring);
     let all = elems(&r);
     let recs = known_io_device(&all);
     let with_io = recs
         .iter()
-        .filter(|v| v["ts"]["h.io_issue"].is_u64())
+        .filter(|v| v.ts.get(Point::HostIoIssue).is_some())
         .count();
     assert_eq!(with_io, recs.len(), "io_uring SQEs matched on 10.0");
     for v in &recs {
-        assert_eq!(v["device"], "vextra", "{v}");
+        assert_eq!(v.device, "vextra", "{v:?}");
     }
 }
 
@@ -400,11 +390,11 @@ fn qemu_11_from_its_root_exact_records() {
     assert!(line.contains("NOT known for this version"), "{line}");
     let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
     assert!(!log.contains("REFUSED"), "{log}");
-    check_known_io(&r, "threads");
+    check_known_io(&r, Backend::Threads);
     // The device label comes through VirtIOBlock.blk → BlockBackend.name.
     let all = elems(&r);
     for v in known_io_device(&all) {
-        assert_eq!(v["device"], "vextra", "{v}");
+        assert_eq!(v.device, "vextra", "{v:?}");
     }
 }
 
@@ -452,19 +442,13 @@ fn refused_vm_does_not_stop_the_other() {
             && refused[0].contains("VirtIOBlockReq.out looks wrong"),
         "{log}"
     );
-    let recs: Vec<Value> = read_jsonl(&dir.join("host.jsonl"))
-        .unwrap()
-        .into_iter()
-        .filter(|v| v["kind"] == "host_elem")
-        .collect();
-    let of = |pid: u32| {
-        recs.iter()
-            .filter(move |v| v["qemu_pid"].as_u64() == Some(u64::from(pid)))
-    };
+    let host = Records::read(&dir.join("host.jsonl")).unwrap();
+    let recs = host.host_elems();
+    let of = |pid: u32| recs.iter().filter(move |v| v.qemu_pid == pid);
     assert_eq!(of(ra.qemu_pid).count(), 0, "no record of the refused VM");
     let b_fio = of(rb.qemu_pid)
-        .filter(|v| v["device"] == "vextra")
-        .filter(|v| (32 * 2048..40 * 2048).contains(&v["sector"].as_u64().unwrap_or(0)))
+        .filter(|v| v.device == "vextra")
+        .filter(|v| (32 * 2048..40 * 2048).contains(&v.sector))
         .count();
     assert_eq!(b_fio, 400, "VM b: all 400 fio requests traced\n{log}");
 }

@@ -11,12 +11,22 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::Value;
-use viotrace_vm_tests::{attack, read_jsonl, Agents, VmConfig};
+use viotrace_shared::record::{GuestRq, JoinedIo};
+use viotrace_vm_tests::records::Records;
+use viotrace_vm_tests::{attack, Agents, VmConfig};
 
 mod common;
 use common::checks::check_joined;
 use common::{host, lab, lab_lock, out_dir};
+
+/// The guest's requests on the test disk (vdb).
+fn vdb_requests(guest: &Records) -> Vec<&GuestRq> {
+    guest
+        .guest_rqs()
+        .into_iter()
+        .filter(|g| g.disk == "vdb")
+        .collect()
+}
 
 /// Resident memory of a process in KiB.
 fn rss_kib(pid: u32) -> Option<u64> {
@@ -119,22 +129,16 @@ fn a_hostile_guest_cannot_hurt_the_host_agent_or_another_vm() {
     assert_eq!(rb.workload_rc, 0);
 
     // The victim: every request joined, stages causal, nothing of the attacker.
-    let joined = read_jsonl(&dir.join("joined.jsonl")).unwrap();
-    let mut per_vm: BTreeMap<String, Vec<Value>> = BTreeMap::new();
-    for j in joined {
-        let vm = j["vm"].as_str().unwrap_or("?").to_string();
-        per_vm.entry(vm).or_default().push(j);
+    let joined = Records::read(&dir.join("joined.jsonl")).unwrap();
+    let mut per_vm: BTreeMap<String, Vec<&JoinedIo>> = BTreeMap::new();
+    for j in joined.ios() {
+        per_vm.entry(j.vm.clone()).or_default().push(j);
     }
     let mine = per_vm.remove("vt-hostile-b").unwrap_or_default();
-    let guest: Vec<Value> = rb
-        .jsonl("guest.jsonl")
-        .unwrap()
-        .into_iter()
-        .filter(|v| v["kind"] != "guest_rq" || v["disk"] == "vdb")
-        .collect();
-    check_joined(&guest, &mine, 0.999);
+    let guest = rb.records("guest.jsonl").unwrap();
+    check_joined(&vdb_requests(&guest), &mine, 0.999);
     assert!(
-        mine.iter().all(|j| j["comm"] != "attacker"),
+        mine.iter().all(|j| j.comm.as_deref() != Some("attacker")),
         "an attacker record reached VM b"
     );
     assert!(
@@ -149,7 +153,7 @@ fn a_hostile_guest_cannot_hurt_the_host_agent_or_another_vm() {
         host::account(&dir, "vt-hostile-a"),
         host::account(&dir, "vt-hostile-b"),
     );
-    assert_eq!(last["ringbuf_drops"].as_u64(), Some(0), "{last}");
+    assert_eq!(last.values.get("ringbuf_drops"), Some(&0), "{last:?}");
     eprintln!("transport a: {a}\ntransport b: {b}");
     assert_eq!(b["balanced"], true, "{b}");
     assert_eq!(b["lost_in_transit"], 0, "{b}");
@@ -216,17 +220,9 @@ fn faults_between_the_vsock_backend_and_the_host_agent_lose_nothing() {
         faults,
         "every fault was applied"
     );
-    let guest: Vec<Value> = r
-        .jsonl("guest.jsonl")
-        .unwrap()
-        .into_iter()
-        .filter(|v| v["kind"] != "guest_rq" || v["disk"] == "vdb")
-        .collect();
-    check_joined(
-        &guest,
-        &read_jsonl(&dir.join("joined.jsonl")).unwrap(),
-        0.999,
-    );
+    let guest = r.records("guest.jsonl").unwrap();
+    let joined = Records::read(&dir.join("joined.jsonl")).unwrap();
+    check_joined(&vdb_requests(&guest), &joined.ios(), 0.999);
     let a = host::account(&dir, "vt-faults");
     eprintln!("transport: {a}");
     assert_eq!(a["balanced"], true, "{a}");

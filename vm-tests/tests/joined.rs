@@ -3,10 +3,11 @@
 use std::collections::BTreeSet;
 
 use serde_json::Value;
-use viotrace_vm_tests::{assets, read_jsonl, Agents, RunResult, VmConfig};
+use viotrace_vm_tests::records::Records;
+use viotrace_vm_tests::{assets, Agents, RunResult, VmConfig};
 
 mod common;
-use common::checks::{check_joined, check_transport};
+use common::checks::{check_run_joined, check_transport};
 use common::run_agents;
 
 /// Random and sequential reads and writes on vdb (raw) and buffered writes + fsync on /data.
@@ -42,8 +43,8 @@ fn mixed_workload_one_queue_is_joined() {
         },
         MIXED,
     );
-    let joined = r.jsonl("joined.jsonl").unwrap();
-    check_joined(&r.jsonl("guest.jsonl").unwrap(), &joined, 0.999);
+    let joined = r.records("joined.jsonl").unwrap();
+    check_run_joined(&r, 0.999);
     check_transport(&r, "vt-joined-1q");
 
     // The Perfetto / chrome://tracing export: one process for the VM, a track per
@@ -65,7 +66,7 @@ fn mixed_workload_one_queue_is_joined() {
         "track per queue: {names:?}"
     );
     let slices: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
-    let n_joined = joined.iter().filter(|j| j["joined"] == true).count();
+    let n_joined = joined.ios().iter().filter(|j| j.joined).count();
     let requests = slices.iter().filter(|e| e["cat"] == "io").count();
     assert!(
         requests >= n_joined,
@@ -90,21 +91,23 @@ fn mixed_workload_two_queues_is_joined() {
         },
         MIXED,
     );
-    let joined = r.jsonl("joined.jsonl").unwrap();
-    check_joined(&r.jsonl("guest.jsonl").unwrap(), &joined, 0.999);
+    check_run_joined(&r, 0.999);
     check_transport(&r, "vt-joined-2q");
-    let queues: BTreeSet<u64> = joined
+    let joined = r.records("joined.jsonl").unwrap();
+    let queues: BTreeSet<u16> = joined
+        .ios()
         .iter()
-        .filter(|j| j["joined"] == true && j["disk"] == "vdb")
-        .filter_map(|j| j["queue"].as_u64())
+        .filter(|j| j.joined && j.disk.as_deref() == Some("vdb"))
+        .filter_map(|j| j.queue)
         .collect();
     assert_eq!(queues.into_iter().collect::<Vec<_>>(), vec![0, 1]);
 }
 
-fn sectors_in(recs: &[Value], lo: u64, hi: u64) -> usize {
-    recs.iter()
-        .filter(|j| j["joined"] == true && j["disk"] == "vdb" && j["bytes"] == 4096)
-        .filter(|j| j["sector"].as_u64().is_some_and(|s| (lo..hi).contains(&s)))
+fn sectors_in(recs: &Records, lo: u64, hi: u64) -> usize {
+    recs.ios()
+        .iter()
+        .filter(|j| j.joined && j.disk.as_deref() == Some("vdb") && j.bytes == 4096)
+        .filter(|j| (lo..hi).contains(&j.sector))
         .count()
 }
 
@@ -137,9 +140,9 @@ fn restarting_either_agent_mid_run_recovers() {
         phase(16)
     );
     let r = run_both("joined-restart", VmConfig::default(), &wl);
-    let first = r.jsonl("joined.jsonl").unwrap();
+    let first = r.records("joined.jsonl").unwrap();
     let second = r
-        .jsonl("joined.1.jsonl")
+        .records("joined.1.jsonl")
         .expect("the restarted host agent's joined output");
     let mib = 2048u64; // sectors per MiB
     assert_eq!(sectors_in(&first, 0, 8 * mib), 200, "phase 1 joined");
@@ -155,12 +158,8 @@ fn restarting_either_agent_mid_run_recovers() {
     );
     // Losses are counted, not silent: every agent reports its counters.
     for f in ["host.jsonl", "host.1.jsonl"] {
-        let stats = read_jsonl(&r.path(f)).unwrap();
-        let last = stats
-            .iter()
-            .rev()
-            .find(|v| v["kind"] == "stats")
-            .expect("stats line");
+        let recs = r.records(f).unwrap();
+        let last = recs.stats().expect("stats line");
         for k in [
             "joined",
             "unmatched_guest",
@@ -170,7 +169,10 @@ fn restarting_either_agent_mid_run_recovers() {
             "lost_in_transit",
             "guest_dropped_full",
         ] {
-            assert!(last[k].is_u64(), "{f}: counter {k} missing in {last}");
+            assert!(
+                last.values.contains_key(k),
+                "{f}: counter {k} missing in {last:?}"
+            );
         }
     }
     let g2 = std::fs::read_to_string(r.path("guest.2.log")).unwrap_or_default();

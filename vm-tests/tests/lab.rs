@@ -3,7 +3,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use viotrace_vm_tests::{vm::read_jsonl, Agents, Lab, VmConfig};
+use viotrace_vm_tests::{Agents, Lab, VmConfig};
 
 mod common;
 use common::{lab, lab_lock, out_dir, qemu_processes_named};
@@ -183,7 +183,7 @@ fn agents_none_leaves_no_agent_outputs() {
     assert_eq!(r.workload_rc, 0);
     assert!(!r.path("guest.jsonl").exists());
     assert!(!r.path("host.jsonl").exists());
-    assert!(read_jsonl(&r.path("nonexistent.jsonl")).is_err());
+    assert!(r.records("nonexistent.jsonl").is_err());
     let _: &Lab = lab();
 }
 

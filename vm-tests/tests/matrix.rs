@@ -7,7 +7,7 @@ use viotrace_vm_tests::assets::{GuestKernel, QemuBuild};
 use viotrace_vm_tests::{Agents, VmConfig};
 
 mod common;
-use common::checks::{check_joined, check_transport, elems, known_io_device};
+use common::checks::{check_run_joined, check_transport, elems, known_io_device};
 use common::{run_agents, KNOWN_IO};
 
 fn cell(name: &str, guest_kernel: GuestKernel, qemu: QemuBuild) {
@@ -25,17 +25,14 @@ fn cell(name: &str, guest_kernel: GuestKernel, qemu: QemuBuild) {
     let glog = std::fs::read_to_string(r.path("guest.log")).unwrap_or_default();
     assert_eq!(r.host_agent_rc, Some(0), "host agent:\n{hlog}");
     assert_eq!(r.guest_agent_rc, Some(0), "guest agent:\n{glog}");
-    let guest = r.jsonl("guest.jsonl").expect("guest.jsonl");
-    let joined = r.jsonl("joined.jsonl").expect("joined.jsonl");
-    check_joined(&guest, &joined, 1.0);
+    check_run_joined(&r, 1.0);
     // Every record the guest produced was delivered: 0 counted losses, on both sides.
     check_transport(&r, &format!("vt-{name}"));
     // The host agent saw exactly the workload's elements on vdb.
     let all = elems(&r);
     let vdb = known_io_device(&all);
     assert!(
-        vdb.iter()
-            .all(|v| v["qemu_pid"].as_u64() == Some(u64::from(r.qemu_pid))),
+        vdb.iter().all(|e| e.qemu_pid == r.qemu_pid),
         "host elements of another QEMU"
     );
 }

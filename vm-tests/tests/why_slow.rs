@@ -7,7 +7,8 @@
 //!   before the host system call: the verdict must be `qemu_queue`.
 //! - The same workload without throttling: almost nothing is flagged.
 
-use serde_json::Value;
+use viotrace_shared::cause::CauseKind;
+use viotrace_shared::record::{JoinedIo, Op};
 use viotrace_vm_tests::{Agents, VmConfig};
 
 mod common;
@@ -27,7 +28,7 @@ done
 sleep 2
 ";
 
-fn run(name: &str, qemu_args: Vec<String>) -> (Vec<Value>, String) {
+fn run(name: &str, qemu_args: Vec<String>) -> (Vec<JoinedIo>, String) {
     let r = run_agents(
         name,
         Agents::Both,
@@ -41,19 +42,24 @@ fn run(name: &str, qemu_args: Vec<String>) -> (Vec<Value>, String) {
     let hlog = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
     assert_eq!(r.host_agent_rc, Some(0), "host agent:\n{hlog}");
     assert_eq!(r.guest_agent_rc, Some(0), "guest agent");
-    let vdb: Vec<Value> = r
-        .jsonl("joined.jsonl")
-        .expect("joined.jsonl")
+    let joined = r.records("joined.jsonl").expect("joined.jsonl");
+    let vdb: Vec<JoinedIo> = joined
+        .ios()
         .into_iter()
-        .filter(|j| j["joined"] == true && j["disk"] == "vdb" && j["op"] == "read")
+        .filter(|j| j.joined && j.disk.as_deref() == Some("vdb") && j.op == Op::Read)
+        .cloned()
         .collect();
     assert!(vdb.len() >= 200, "too few joined vdb reads: {}", vdb.len());
     (vdb, hlog)
 }
 
-fn slow(recs: &[Value]) -> Vec<&Value> {
+fn kind(j: &JoinedIo) -> Option<CauseKind> {
+    j.cause.as_ref().map(|c| c.kind)
+}
+
+fn slow(recs: &[JoinedIo]) -> Vec<&JoinedIo> {
     recs.iter()
-        .filter(|j| j["total_ns"].as_i64().unwrap_or(0) >= THRESHOLD_NS as i64)
+        .filter(|j| j.total_ns.unwrap_or(0) >= THRESHOLD_NS as i64)
         .collect()
 }
 
@@ -66,9 +72,9 @@ fn qemu_throttling_is_named_as_the_cause_and_a_clean_run_is_not_flagged() {
     let slow = slow(&rec);
     let named = slow
         .iter()
-        .filter(|j| j["cause"]["kind"] == "qemu_queue")
+        .filter(|j| kind(j) == Some(CauseKind::QemuQueue))
         .count();
-    let kinds: Vec<&Value> = slow.iter().map(|j| &j["cause"]["kind"]).collect();
+    let kinds: Vec<Option<CauseKind>> = slow.iter().map(|j| kind(j)).collect();
     eprintln!(
         "throttled: {} reads, {} above 5 ms, {named} named qemu_queue; causes {kinds:?}",
         rec.len(),
@@ -86,22 +92,18 @@ fn qemu_throttling_is_named_as_the_cause_and_a_clean_run_is_not_flagged() {
     );
     let example = slow
         .iter()
-        .find(|j| j["cause"]["kind"] == "qemu_queue")
+        .find(|j| kind(j) == Some(CauseKind::QemuQueue))
         .unwrap();
-    assert_eq!(example["cause"]["stage"], "host_io.queue", "{example}");
-    assert!(
-        example["cause"]["evidence"]
-            .as_str()
-            .is_some_and(|e| e.contains("over its baseline")),
-        "{example}"
-    );
+    let cause = example.cause.as_ref().unwrap();
+    assert_eq!(cause.stage, "host_io.queue", "{example:?}");
+    assert!(cause.evidence.contains("over its baseline"), "{example:?}");
     assert!(
         hlog.contains("viotrace why-slow") && hlog.contains("cause: qemu_queue"),
         "host log has neither the causes table nor a waterfall verdict:\n{hlog}"
     );
 
     let (clean, _) = run("why-clean", Vec::new());
-    let flagged = clean.iter().filter(|j| j["cause"].is_object()).count();
+    let flagged = clean.iter().filter(|j| j.cause.is_some()).count();
     eprintln!("clean: {} reads, {flagged} flagged", clean.len());
     assert!(
         flagged * 20 < clean.len(),

@@ -4,55 +4,54 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use serde_json::Value;
+use viotrace_shared::record::{ClockDomain, GuestRq, HostElem, JoinedIo, Op, Point};
+use viotrace_vm_tests::records::Records;
 use viotrace_vm_tests::RunResult;
 
 use super::{known_io_shape, Shape};
 
-pub fn rec_key(v: &Value) -> (String, String, u64, u64) {
+/// A request's identity across the boundary: (disk, op, sector, bytes).
+pub type Key = (String, Op, u64, u32);
+
+pub fn guest_key(g: &GuestRq) -> Key {
+    (g.disk.clone(), g.op, g.sector, g.bytes)
+}
+
+pub fn joined_key(j: &JoinedIo) -> Key {
     (
-        v["disk"].as_str().unwrap_or("?").to_string(),
-        v["op"].as_str().unwrap_or("?").to_string(),
-        v["sector"].as_u64().unwrap_or(u64::MAX),
-        v["bytes"].as_u64().unwrap_or(0),
+        j.disk.clone().unwrap_or_else(|| "?".into()),
+        j.op,
+        j.sector,
+        j.bytes,
     )
 }
 
 /// Checks the joined records against the guest's own: coverage, stages, consistency.
-pub fn check_joined(guest: &[Value], joined: &[Value], min_ratio: f64) {
-    let guest_rqs: Vec<&Value> = guest.iter().filter(|v| v["kind"] == "guest_rq").collect();
-    assert!(
-        guest_rqs.len() > 500,
-        "too few guest requests: {}",
-        guest_rqs.len()
-    );
-    let mut joined_keys: HashMap<(String, String, u64, u64), usize> = HashMap::new();
+pub fn check_joined(guest: &[&GuestRq], joined: &[&JoinedIo], min_ratio: f64) {
+    assert!(guest.len() > 500, "too few guest requests: {}", guest.len());
+    let mut joined_keys: HashMap<Key, usize> = HashMap::new();
     let mut n_joined = 0;
     for j in joined {
-        assert_eq!(j["kind"], "io", "{j}");
-        if j["joined"] != true {
-            assert!(j["reason"].is_string(), "unmatched without a reason: {j}");
+        if !j.joined {
+            assert!(j.reason.is_some(), "unmatched without a reason: {j:?}");
             continue;
         }
         n_joined += 1;
-        *joined_keys.entry(rec_key(j)).or_default() += 1;
+        *joined_keys.entry(joined_key(j)).or_default() += 1;
         // Both sides are there, in one clock domain.
-        assert_eq!(j["ts_domain"], "host", "{j}");
-        let ts = j["ts"].as_object().unwrap();
-        assert!(ts.keys().any(|k| k.starts_with("g.")) && ts.keys().any(|k| k.starts_with("h.")));
-        let unc = j["clock_uncertainty_ns"].as_i64().expect("uncertainty");
-        let stages = j["stages"].as_object().expect("stages");
+        assert_eq!(j.ts_domain, ClockDomain::Host, "{j:?}");
+        let names: Vec<&str> = j.ts.iter().map(|(p, _)| p.name()).collect();
+        assert!(
+            names.iter().any(|k| k.starts_with("g.")) && names.iter().any(|k| k.starts_with("h.")),
+            "{j:?}"
+        );
+        let unc = j.clock_uncertainty_ns.expect("uncertainty") as i64;
         let mut sum = 0i64;
-        for (name, ns) in stages {
-            let ns = ns.as_i64().unwrap();
-            assert!(ns >= -unc, "stage {name} = {ns} < -{unc}: {j}");
+        for (name, ns) in j.stages.iter() {
+            assert!(ns >= -unc, "stage {name} = {ns} < -{unc}: {j:?}");
             sum += ns;
         }
-        assert_eq!(
-            Some(sum),
-            j["total_ns"].as_i64(),
-            "stages add up to total: {j}"
-        );
+        assert_eq!(Some(sum), j.total_ns, "stages add up to total: {j:?}");
         for s in [
             "guest_queue",
             "kick_to_pop",
@@ -61,75 +60,79 @@ pub fn check_joined(guest: &[Value], joined: &[Value], min_ratio: f64) {
             "guest_complete",
         ] {
             // Flushes made by the flush machinery have no bio of their own.
-            if s == "guest_queue" && !ts.contains_key("g.bio_queue") {
+            if s == "guest_queue" && j.ts.get(Point::BioQueue).is_none() {
                 continue;
             }
             assert!(
-                stages
-                    .keys()
-                    .any(|k| k == s || k.split('+').any(|p| p == s)),
-                "stage {s} missing: {j}"
+                j.stages
+                    .iter()
+                    .any(|(k, _)| k == s || k.split('+').any(|p| p == s)),
+                "stage {s} missing: {j:?}"
             );
         }
     }
     // Every guest request (op, sector, bytes on its disk) has its joined record.
     let mut missing = 0usize;
-    for g in &guest_rqs {
-        match joined_keys.get_mut(&rec_key(g)) {
+    for g in guest {
+        match joined_keys.get_mut(&guest_key(g)) {
             Some(n) if *n > 0 => *n -= 1,
             _ => missing += 1,
         }
     }
-    let ratio = 1.0 - missing as f64 / guest_rqs.len() as f64;
+    let ratio = 1.0 - missing as f64 / guest.len() as f64;
     assert!(
         ratio >= min_ratio,
         "only {:.4} of {} guest requests joined ({missing} missing, {n_joined} joined records)",
         ratio,
-        guest_rqs.len()
+        guest.len()
     );
+}
+
+/// [`check_joined`] over a run's `guest.jsonl` and `joined.jsonl`.
+pub fn check_run_joined(r: &RunResult, min_ratio: f64) {
+    let guest = r.records("guest.jsonl").expect("guest.jsonl");
+    let joined = r.records("joined.jsonl").expect("joined.jsonl");
+    check_joined(&guest.guest_rqs(), &joined.ios(), min_ratio);
 }
 
 /// Host records of the workload window (the host also sees the guest's boot-time I/O,
 /// such as the partition scan of each disk).
-pub fn elems(r: &RunResult) -> Vec<Value> {
+pub fn elems(r: &RunResult) -> Vec<HostElem> {
     assert!(r.workload_start_ns > 0 && r.workload_end_ns >= r.workload_start_ns);
-    r.jsonl("host.jsonl")
-        .expect("host.jsonl")
+    let host: Records = r.records("host.jsonl").expect("host.jsonl");
+    host.host_elems()
         .into_iter()
-        .filter(|v| v["kind"] == "host_elem")
-        .filter(|v| {
-            let first = v["ts"]
-                .as_object()
-                .and_then(|m| m.values().filter_map(|t| t.as_u64()).min())
-                .unwrap_or(0);
-            first >= r.workload_start_ns
-        })
+        .filter(|e| e.ts.iter().map(|(_, t)| t).min().unwrap_or(0) >= r.workload_start_ns)
+        .cloned()
         .collect()
 }
 
-pub fn shape(recs: &[&Value]) -> Shape {
+/// Requests by (op, bytes).
+pub fn shape(recs: impl IntoIterator<Item = (Op, u32)>) -> Shape {
     let mut m = BTreeMap::new();
-    for v in recs {
-        *m.entry((
-            v["op"].as_str().unwrap_or("?").to_string(),
-            v["bytes"].as_u64().unwrap_or(0),
-        ))
-        .or_default() += 1;
+    for (op, bytes) in recs {
+        *m.entry((op.name().to_string(), u64::from(bytes)))
+            .or_default() += 1;
     }
     m
 }
 
+/// The elements' shape.
+pub fn elem_shape(recs: &[&HostElem]) -> Shape {
+    shape(recs.iter().map(|e| (e.op, e.bytes)))
+}
+
 /// The vdb device's records: the device whose records carry the known workload.
-pub fn known_io_device(all: &[Value]) -> Vec<&Value> {
-    let mut by_dev: BTreeMap<String, Vec<&Value>> = BTreeMap::new();
-    for v in all {
-        by_dev
-            .entry(v["device"].as_str().unwrap_or("?").to_string())
-            .or_default()
-            .push(v);
+pub fn known_io_device(all: &[HostElem]) -> Vec<&HostElem> {
+    let mut by_dev: BTreeMap<String, Vec<&HostElem>> = BTreeMap::new();
+    for e in all {
+        by_dev.entry(e.device.clone()).or_default().push(e);
     }
     let expect = known_io_shape();
-    let shapes: Vec<(String, Shape)> = by_dev.iter().map(|(d, v)| (d.clone(), shape(v))).collect();
+    let shapes: Vec<(String, Shape)> = by_dev
+        .iter()
+        .map(|(d, v)| (d.clone(), elem_shape(v)))
+        .collect();
     let Some((dev, _)) = shapes.iter().find(|(_, s)| *s == expect) else {
         panic!(
             "no device carries exactly the known I/O; per device (op, bytes) counts: {shapes:?}"
@@ -142,16 +145,13 @@ pub fn known_io_device(all: &[Value]) -> Vec<&Value> {
 /// produced was delivered (none lost, refused or left unacknowledged), and the host
 /// agent's per-VM account balances. Returns the number of records delivered.
 pub fn check_transport(r: &RunResult, vm: &str) -> u64 {
-    let host = r.jsonl("host.jsonl").expect("host.jsonl");
-    let last = host
-        .iter()
-        .rev()
-        .find(|v| v["kind"] == "stats")
-        .expect("host stats line");
-    let acct = last["transport"]
-        .as_array()
+    let host = r.records("host.jsonl").expect("host.jsonl");
+    let last = host.stats().expect("host stats line");
+    let acct = last
+        .transport
+        .as_ref()
         .and_then(|a| a.iter().find(|a| a["vm"] == vm))
-        .unwrap_or_else(|| panic!("no transport account for {vm}: {last}"));
+        .unwrap_or_else(|| panic!("no transport account for {vm}: {last:?}"));
     assert_eq!(acct["balanced"], true, "{acct}");
     for k in ["lost_in_transit", "in_flight", "guest_dropped_full"] {
         assert_eq!(acct[k], 0, "{k} in {acct}");

@@ -6,7 +6,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use viotrace_vm_tests::{assets, read_jsonl};
+use viotrace_shared::record::Stats;
+use viotrace_vm_tests::assets;
+use viotrace_vm_tests::records::Records;
 
 /// Starts the host agent with `--json --ready-file`, the extra `args` and `env`,
 /// output in `dir` (host.jsonl, host.log), and waits until its probes are attached.
@@ -48,21 +50,20 @@ pub fn stop(host: &mut Child) -> (ExitStatus, Duration) {
 }
 
 /// The agent's final stats line.
-pub fn final_stats(dir: &Path) -> Value {
-    read_jsonl(&dir.join("host.jsonl"))
+pub fn final_stats(dir: &Path) -> Stats {
+    Records::read(&dir.join("host.jsonl"))
         .unwrap()
-        .into_iter()
-        .rev()
-        .find(|v| v["kind"] == "stats")
+        .stats()
         .expect("host stats line")
+        .clone()
 }
 
 /// One VM's transport account in the final stats line.
 pub fn account(dir: &Path, vm: &str) -> Value {
     let last = final_stats(dir);
-    last["transport"]
-        .as_array()
+    last.transport
+        .as_ref()
         .and_then(|a| a.iter().find(|a| a["vm"] == vm))
-        .unwrap_or_else(|| panic!("no transport account for {vm}: {last}"))
+        .unwrap_or_else(|| panic!("no transport account for {vm}: {last:?}"))
         .clone()
 }

@@ -26,6 +26,22 @@ fn main() {
         rs += &format!("    {n:?},\n");
     }
     rs += "];\n";
+    // Point slots and record kinds of the C enums: the decoder maps slots to
+    // points by name, so the C ids are kept in one place only.
+    let points = enum_entries(&h, "vt_point", "P_");
+    assert!(!points.is_empty(), "enum vt_point not found in {TABLES}");
+    rs += "/// `enum vt_point`: (slot in `ts[]`, point name).\n";
+    rs += &format!(
+        "pub const C_POINTS: [(usize, &str); {}] = [\n",
+        points.len()
+    );
+    for (name, v) in &points {
+        rs += &format!("    ({v}, \"g.{}\"),\n", name.to_lowercase());
+    }
+    rs += "];\n";
+    for (name, v) in enum_entries(&h, "vt_kind", "K_") {
+        rs += &format!("/// `K_{name}` of `enum vt_kind`.\npub const K_{name}: u32 = {v};\n");
+    }
     std::fs::write(
         PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR")).join("guest_stats.rs"),
         rs,
@@ -42,6 +58,31 @@ fn stat_names(h: &str) -> Vec<String> {
         .filter_map(|l| {
             let q = l.split_once('"')?.1;
             Some(q.split_once('"')?.0.to_string())
+        })
+        .collect()
+}
+
+/// `PREFIX<NAME> = <n>` entries of `enum <name> { … }` (without the `_NR` count).
+fn enum_entries(h: &str, name: &str, prefix: &str) -> Vec<(String, u32)> {
+    let Some(start) = h.find(&format!("enum {name} {{")) else {
+        return Vec::new();
+    };
+    let body = &h[start..];
+    let body = &body[..body.find("};").unwrap_or(body.len())];
+    body.lines()
+        .filter_map(|l| l.trim().strip_prefix(prefix))
+        .filter_map(|l| {
+            let (n, rest) = l.split_once('=')?;
+            // `P_KICK = 6,` or `P_QUEUE_RQ = 3,\t\t/* comment */`
+            let v: u32 = rest
+                .split(',')
+                .next()?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()?;
+            let n = n.trim();
+            (n != "NR").then(|| (n.to_string(), v))
         })
         .collect()
 }

@@ -8,8 +8,6 @@ use viotrace_shared::record::{GuestIo, GuestRq, Op, Point, Points, RqRef};
 
 use crate::bpf::types::{vt_io_event, vt_rq_event};
 
-pub const K_RQ: u32 = 1;
-pub const K_IO: u32 = 2;
 /// `sizeof(struct vt_rq_event)`.
 pub const RQ_SIZE: usize = std::mem::size_of::<vt_rq_event>();
 /// `sizeof(struct vt_io_event)`.
@@ -116,14 +114,33 @@ pub enum Record {
 }
 
 /// Decodes records; remembers `dev_t → disk name` to name syscall references.
-#[derive(Default)]
 pub struct Decoder {
     disks: HashMap<u32, String>,
+    /// The point of each `ts[]` slot of a request record (from `C_POINTS`).
+    slots: Vec<Option<Point>>,
+}
+
+/// The point of each slot of the C side's `ts[]` array, matched by name.
+fn point_slots() -> Vec<Option<Point>> {
+    let mut v = vec![None; C_POINTS.iter().map(|e| e.0 + 1).max().unwrap_or(0)];
+    for &(slot, name) in &C_POINTS {
+        v[slot] = Point::from_name(name);
+    }
+    v
+}
+
+impl Default for Decoder {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Decoder {
     pub fn new() -> Self {
-        Self::default()
+        Decoder {
+            disks: HashMap::new(),
+            slots: point_slots(),
+        }
     }
 
     /// Names a kernel dev_t (`major << 20 | minor`): known from earlier request
@@ -161,9 +178,9 @@ impl Decoder {
     fn decode_rq(&mut self, b: &[u8]) -> Result<GuestRq, DecodeError> {
         let r: vt_rq_event = cast(b)?;
         let mut ts = Points::new();
-        for (i, &t) in r.ts.iter().enumerate() {
-            if let Some(p) = Point::from_id(i as u8) {
-                ts.set_nonzero(p, t);
+        for (slot, &t) in r.ts.iter().enumerate() {
+            if let Some(Some(p)) = self.slots.get(slot) {
+                ts.set_nonzero(*p, t);
             }
         }
         let disk = cstr(&r.disk);
@@ -228,6 +245,18 @@ impl Decoder {
 mod tests {
     use super::*;
 
+    #[test]
+    fn every_c_point_slot_names_a_guest_point() {
+        let slots = point_slots();
+        assert_eq!(slots.iter().flatten().count(), C_POINTS.len());
+        let guest_points = Point::ALL
+            .iter()
+            .filter(|p| p.name().starts_with("g."))
+            .count();
+        assert_eq!(C_POINTS.len(), guest_points, "{C_POINTS:?}");
+        assert_eq!((K_RQ, K_IO), (1, 2));
+    }
+
     fn put(b: &mut [u8], o: usize, v: &[u8]) {
         b[o..o + v.len()].copy_from_slice(v);
     }
@@ -236,7 +265,10 @@ mod tests {
         let mut b = vec![0u8; RQ_SIZE];
         put(&mut b, 0, &K_RQ.to_ne_bytes());
         put(&mut b, 4, &((253u32 << 20) | 16).to_ne_bytes());
-        let ts_off = |p: Point| 8 + 8 * p as usize;
+        let ts_off = |p: Point| {
+            let slot = C_POINTS.iter().find(|e| e.1 == p.name()).expect("C slot").0;
+            8 + 8 * slot
+        };
         put(&mut b, ts_off(Point::BioQueue), &1000u64.to_ne_bytes());
         put(&mut b, ts_off(Point::RqIssue), &2000u64.to_ne_bytes());
         put(&mut b, ts_off(Point::VqAdd), &2100u64.to_ne_bytes());

@@ -7,6 +7,7 @@ pub mod clock;
 pub mod join;
 pub mod jsonl;
 pub mod metrics;
+pub mod points;
 pub mod proto;
 pub mod record;
 pub mod stages;

@@ -1,0 +1,205 @@
+//! Named points on an I/O's path and a record's set of them.
+//!
+//! Timestamps are kept per named *point*. In JSON (human-readable formats) a
+//! [`Points`] set is an object `{"g.rq_issue": 123, ...}` holding only the points
+//! that were seen; in binary formats (postcard, the wire protocol) it is a compact
+//! sequence of `(point id, ns)` pairs. A point that was not seen is absent, never 0.
+
+use std::fmt;
+
+use serde::de::{self, MapAccess, SeqAccess, Visitor};
+use serde::ser::{SerializeMap, SerializeSeq};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+macro_rules! points {
+    ($($var:ident = $id:literal => $name:literal : $doc:literal,)*) => {
+        /// A named point on the I/O path. Names are stable (they are the JSON keys).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        #[repr(u8)]
+        pub enum Point { $( #[doc = $doc] $var = $id, )* }
+
+        impl Point {
+            /// All points, in path order.
+            pub const ALL: &'static [Point] = &[$(Point::$var,)*];
+
+            /// The stable name of this point (`g.*` guest, `h.*` host).
+            pub const fn name(self) -> &'static str {
+                match self { $(Point::$var => $name,)* }
+            }
+
+            /// Looks a point up by its stable name.
+            pub fn from_name(name: &str) -> Option<Point> {
+                match name { $($name => Some(Point::$var),)* _ => None }
+            }
+
+            /// Looks a point up by its numeric wire id.
+            pub fn from_id(id: u8) -> Option<Point> {
+                match id { $($id => Some(Point::$var),)* _ => None }
+            }
+        }
+    };
+}
+
+points! {
+    SyscallEnter = 0 => "g.syscall_enter": "Guest: the syscall (read/write/fsync/io_submit/io_uring_enter…) was entered.",
+    BioQueue = 1 => "g.bio_queue": "Guest: the first bio of the request entered the block layer (block_bio_queue).",
+    RqInsert = 2 => "g.rq_insert": "Guest: the request was inserted into the I/O scheduler / dispatch list.",
+    QueueRq = 3 => "g.queue_rq": "Guest: virtio-blk's queue_rq / queue_rqs took the request (it then starts it: g.rq_issue).",
+    RqIssue = 4 => "g.rq_issue": "Guest: the request was started and handed to the driver (block_rq_issue, from inside queue_rq).",
+    VqAdd = 5 => "g.vq_add": "Guest: the descriptor chain was added to the virtqueue (virtqueue_add_sgs).",
+    Kick = 6 => "g.kick": "Guest: the driver kicked the device (virtqueue_notify) after adding the request.",
+    Irq = 7 => "g.irq": "Guest: the virtqueue interrupt that completed the request (vring_interrupt).",
+    DriverComplete = 8 => "g.driver_complete": "Guest: virtio-blk completed the request (virtblk_done / blk_mq_complete_request).",
+    RqComplete = 9 => "g.rq_complete": "Guest: the block layer completed the request (block_rq_complete).",
+    BioComplete = 10 => "g.bio_complete": "Guest: the last bio of the request completed (bio_endio).",
+    SyscallExit = 11 => "g.syscall_exit": "Guest: the syscall returned.",
+    HostNotify = 32 => "h.notify": "Host: QEMU started handling the guest's kick for the queue (virtio_blk_handle_vq).",
+    HostPop = 33 => "h.pop": "Host: QEMU popped the element from the virtqueue (virtqueue_pop returned).",
+    HostSubmit = 34 => "h.submit": "Host: QEMU submitted the (possibly merged) request to its block backend.",
+    HostIoIssue = 35 => "h.io_issue": "Host: the host kernel I/O started (pread/pwrite, io_submit, io_uring submit).",
+    HostDiskIssue = 36 => "h.disk_issue": "Host: the host block layer issued the I/O to a host disk (block_rq_issue).",
+    HostDiskComplete = 37 => "h.disk_complete": "Host: the host disk completed the I/O (block_rq_complete).",
+    HostIoComplete = 38 => "h.io_complete": "Host: the host kernel I/O finished (syscall return, io_getevents, io_uring CQE).",
+    HostCompleteCb = 39 => "h.complete_cb": "Host: QEMU's completion callback for the element ran.",
+    HostPush = 40 => "h.push": "Host: QEMU pushed the element to the used ring (virtqueue_push / virtqueue_fill).",
+    HostIrq = 41 => "h.irq": "Host: QEMU notified the guest (irqfd / MSI-X write) for the used element.",
+}
+
+impl fmt::Display for Point {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A set of timestamps (ns) keyed by [`Point`]. Unset points are absent.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Points {
+    // Small and sorted by point id; a record holds at most a dozen points.
+    entries: Vec<(Point, u64)>,
+}
+
+impl Points {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets (or replaces) a point.
+    pub fn set(&mut self, p: Point, ns: u64) {
+        match self.entries.binary_search_by_key(&p, |e| e.0) {
+            Ok(i) => self.entries[i].1 = ns,
+            Err(i) => self.entries.insert(i, (p, ns)),
+        }
+    }
+
+    /// Sets a point when `ns` is non-zero (BPF uses 0 for "not seen").
+    pub fn set_nonzero(&mut self, p: Point, ns: u64) {
+        if ns != 0 {
+            self.set(p, ns);
+        }
+    }
+
+    pub fn get(&self, p: Point) -> Option<u64> {
+        self.entries
+            .binary_search_by_key(&p, |e| e.0)
+            .ok()
+            .map(|i| self.entries[i].1)
+    }
+
+    pub fn remove(&mut self, p: Point) -> Option<u64> {
+        self.entries
+            .binary_search_by_key(&p, |e| e.0)
+            .ok()
+            .map(|i| self.entries.remove(i).1)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Iterates over the present points in path order.
+    pub fn iter(&self) -> impl Iterator<Item = (Point, u64)> + '_ {
+        self.entries.iter().copied()
+    }
+
+    /// Adds `delta` ns (possibly negative) to every point, saturating at 0.
+    pub fn shift(&mut self, delta: i64) {
+        for e in &mut self.entries {
+            e.1 = e.1.saturating_add_signed(delta);
+        }
+    }
+}
+
+impl fmt::Debug for Points {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(self.entries.iter().map(|(p, t)| (p.name(), t)))
+            .finish()
+    }
+}
+
+impl FromIterator<(Point, u64)> for Points {
+    fn from_iter<I: IntoIterator<Item = (Point, u64)>>(iter: I) -> Self {
+        let mut p = Points::new();
+        for (k, v) in iter {
+            p.set(k, v);
+        }
+        p
+    }
+}
+
+impl Serialize for Points {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            let mut m = s.serialize_map(Some(self.entries.len()))?;
+            for (p, t) in &self.entries {
+                m.serialize_entry(p.name(), t)?;
+            }
+            m.end()
+        } else {
+            let mut q = s.serialize_seq(Some(self.entries.len()))?;
+            for (p, t) in &self.entries {
+                q.serialize_element(&(*p as u8, *t))?;
+            }
+            q.end()
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Points {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Points;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a map of point name to ns, or a sequence of (point id, ns)")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Points, A::Error> {
+                let mut p = Points::new();
+                while let Some((k, v)) = a.next_entry::<String, u64>()? {
+                    let pt = Point::from_name(&k)
+                        .ok_or_else(|| de::Error::custom(format!("unknown point {k:?}")))?;
+                    p.set(pt, v);
+                }
+                Ok(p)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Points, A::Error> {
+                let mut p = Points::new();
+                while let Some((id, v)) = a.next_element::<(u8, u64)>()? {
+                    let pt = Point::from_id(id)
+                        .ok_or_else(|| de::Error::custom(format!("unknown point id {id}")))?;
+                    p.set(pt, v);
+                }
+                Ok(p)
+            }
+        }
+        if d.is_human_readable() {
+            d.deserialize_map(V)
+        } else {
+            d.deserialize_seq(V)
+        }
+    }
+}

@@ -374,7 +374,10 @@ impl<'obj> App<'obj> {
             ));
             self.sink.human(&t);
             stats.extend(j.counters());
-            // The final metrics publication below still reports the join's counters.
+            // The final metrics publication below still reports the join's counters;
+            // its slow-I/O trace sender is closed first, or the OTLP exporter's
+            // finish would wait for it.
+            j.otlp = None;
             self.sink.joined = Some(j);
         }
         if self.otlp.is_some() {

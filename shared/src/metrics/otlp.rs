@@ -98,10 +98,17 @@ impl OtlpStats {
     }
 }
 
+/// What the exporter thread is sent: a slow I/O, or the order to push what it
+/// has and stop (whatever [`SlowTraces`] handles are still alive).
+enum Msg {
+    Io(Box<JoinedIo>),
+    Stop,
+}
+
 /// Queues slow I/Os for the exporter thread.
 #[derive(Clone)]
 pub struct SlowTraces {
-    tx: Option<SyncSender<JoinedIo>>,
+    tx: Option<SyncSender<Msg>>,
     stats: Arc<OtlpStats>,
 }
 
@@ -109,7 +116,9 @@ impl SlowTraces {
     /// Queues one slow I/O for a trace (never blocks; a full queue drops and counts it).
     pub fn slow(&self, j: &JoinedIo) {
         let Some(tx) = &self.tx else { return };
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = tx.try_send(j.clone()) {
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
+            tx.try_send(Msg::Io(Box::new(j.clone())))
+        {
             self.stats
                 .traces_dropped_queue_full
                 .fetch_add(1, Ordering::Relaxed);
@@ -119,7 +128,7 @@ impl SlowTraces {
 
 /// The agent's side of the exporter.
 pub struct Otlp {
-    tx: Option<SyncSender<JoinedIo>>,
+    tx: Option<SyncSender<Msg>>,
     pub stats: Arc<OtlpStats>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -151,10 +160,13 @@ impl Otlp {
         }
     }
 
-    /// Exports what is queued and the final metrics, then stops (once every
-    /// [`SlowTraces`] handle is dropped).
+    /// Exports what is queued and the final metrics, then stops (live
+    /// [`SlowTraces`] handles do not hold it up; what they queue later is dropped
+    /// and counted).
     pub fn finish(&mut self) {
-        self.tx.take();
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(Msg::Stop);
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -167,7 +179,7 @@ impl Drop for Otlp {
     }
 }
 
-fn exporter(cfg: OtlpConfig, m: Arc<Metrics>, rx: Receiver<JoinedIo>, st: Arc<OtlpStats>) {
+fn exporter(cfg: OtlpConfig, m: Arc<Metrics>, rx: Receiver<Msg>, st: Arc<OtlpStats>) {
     let start_ns = crate::walltime::realtime_ns().max(0) as u64;
     let mut next = Instant::now() + cfg.interval;
     let mut spans: Vec<JoinedIo> = Vec::new();
@@ -175,15 +187,15 @@ fn exporter(cfg: OtlpConfig, m: Arc<Metrics>, rx: Receiver<JoinedIo>, st: Arc<Ot
     loop {
         let wait = next.saturating_duration_since(Instant::now());
         let done = match rx.recv_timeout(wait) {
-            Ok(j) => {
-                spans.push(j);
+            Ok(Msg::Io(j)) => {
+                spans.push(*j);
                 if spans.len() < BATCH && Instant::now() < next {
                     continue;
                 }
                 false
             }
+            Ok(Msg::Stop) | Err(RecvTimeoutError::Disconnected) => true,
             Err(RecvTimeoutError::Timeout) => false,
-            Err(RecvTimeoutError::Disconnected) => true,
         };
         if !spans.is_empty() {
             let n = spans.len() as u64;
@@ -512,6 +524,32 @@ pub fn post(url: &str, body: &[u8]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A live slow-I/O handle (the joined output still holds one at exit) must not
+    /// keep the exporter from stopping.
+    #[test]
+    fn finish_does_not_wait_for_live_trace_handles() {
+        // Nothing listens on port 1: the final push fails at once and is counted.
+        let cfg = OtlpConfig {
+            metrics_url: "http://127.0.0.1:1/v1/metrics".into(),
+            traces_url: "http://127.0.0.1:1/v1/traces".into(),
+            interval: Duration::from_secs(3600),
+            service: "test".into(),
+        };
+        let mut o = Otlp::start(cfg, Metrics::new("test")).unwrap();
+        let handle = o.traces();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            o.finish();
+            let _ = tx.send(o.stats.export_errors.load(Ordering::Relaxed));
+        });
+        let errors = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("finish returned while a SlowTraces handle lives");
+        assert!(errors >= 1, "the failed final push is counted");
+        t.join().unwrap();
+        drop(handle);
+    }
 
     #[test]
     fn urls() {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::proto::{Counter, GuestStats};
-use viotrace_shared::record::{GuestIo, GuestRq, Point, Points, StageSummary, Stats};
+use viotrace_shared::record::{GuestIo, GuestRq, Point, Points, Stats};
 use viotrace_shared::stats::{render_waterfall, Aggregator};
 use viotrace_shared::transport::GuestSender;
 
@@ -323,16 +323,7 @@ impl Sink {
                 counters: Some(counters.iter().map(|(k, v)| (k.to_string(), *v)).collect()),
                 blind: Some(self.blind.clone()),
                 blind_points: Some(self.blind_points.iter().map(|p| p.to_string()).collect()),
-                stages: self
-                    .total
-                    .summaries()
-                    .into_iter()
-                    .map(|(label, stage, summary)| StageSummary {
-                        label,
-                        stage,
-                        summary,
-                    })
-                    .collect(),
+                stages: self.total.summaries(),
                 ..Stats::default()
             };
             let _ = self.out.write(&line);

@@ -18,7 +18,7 @@ use libbpf_rs::{OpenObject, RingBuffer, RingBufferBuilder};
 use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::metrics::otlp::Otlp;
 use viotrace_shared::metrics::{Metrics, Recorder};
-use viotrace_shared::record::{StageSummary, Stats};
+use viotrace_shared::record::Stats;
 use viotrace_shared::stats::Aggregator;
 
 use crate::bpf::types::host_rec;
@@ -418,16 +418,7 @@ impl<'obj> App<'obj> {
         s.human(&line);
         if s.json {
             let mut line = Stats {
-                stages: s
-                    .total
-                    .summaries()
-                    .into_iter()
-                    .map(|(label, stage, summary)| StageSummary {
-                        label,
-                        stage,
-                        summary,
-                    })
-                    .collect(),
+                stages: s.total.summaries(),
                 transport: Some(transport),
                 ..Stats::default()
             };

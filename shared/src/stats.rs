@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 
 use hdrhistogram::Histogram;
 
-use crate::record::{Point, Points};
+use crate::record::{Point, Points, StageSummary};
 use crate::stages::{Breakdown, DEVICE_STAGE, STAGE_NAMES};
 
 /// Highest value a histogram tracks exactly (1 hour in ns); larger values saturate.
@@ -154,14 +154,16 @@ impl Aggregator {
         }
     }
 
-    /// `(label, stage, summary)` for every stage, labels sorted, stages in first-seen order.
-    pub fn summaries(&self) -> Vec<(String, String, Summary)> {
+    /// Every stage's summary, labels sorted, stages in first-seen order.
+    pub fn summaries(&self) -> Vec<StageSummary> {
         self.labels
             .iter()
             .flat_map(|(l, st)| {
-                st.stages
-                    .iter()
-                    .map(move |(s, h)| (l.clone(), s.clone(), h.summary()))
+                st.stages.iter().map(move |(s, h)| StageSummary {
+                    label: l.clone(),
+                    stage: s.clone(),
+                    summary: h.summary(),
+                })
             })
             .collect()
     }
@@ -317,7 +319,7 @@ mod tests {
         let got: Vec<(String, u64)> = a
             .summaries()
             .into_iter()
-            .map(|(_, st, s)| (st, s.max_ns))
+            .map(|s| (s.stage, s.summary.max_ns))
             .collect();
         let want = [
             ("guest_queue", 200),

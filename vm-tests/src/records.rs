@@ -1,10 +1,8 @@
 //! An agent's JSON-lines output read as typed [`Record`]s (the VM tests' view).
 
-use std::fs::File;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use viotrace_shared::record::{GuestIo, GuestRq, HostElem, JoinedIo, Record, Stats};
 
 /// The records of one output file, in order.
@@ -14,19 +12,7 @@ pub struct Records(pub Vec<Record>);
 impl Records {
     /// Reads `p`; a line that is not a record of a known kind is an error.
     pub fn read(p: &Path) -> Result<Records> {
-        let f = File::open(p).with_context(|| format!("open {}", p.display()))?;
-        let mut v = Vec::new();
-        for (i, line) in BufReader::new(f).lines().enumerate() {
-            let line = line?;
-            if line.trim().is_empty() {
-                continue;
-            }
-            v.push(
-                serde_json::from_str(&line)
-                    .with_context(|| format!("{}:{}: not a record", p.display(), i + 1))?,
-            );
-        }
-        Ok(Records(v))
+        crate::result::read_lines_as(p).map(Records)
     }
 
     pub fn guest_rqs(&self) -> Vec<&GuestRq> {

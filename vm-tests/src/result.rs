@@ -62,6 +62,11 @@ impl RunResult {
 
 /// Reads a JSON-lines file.
 pub fn read_jsonl(p: &Path) -> Result<Vec<serde_json::Value>> {
+    read_lines_as(p)
+}
+
+/// Reads a JSON-lines file as values of `T`, naming the line that is not one.
+pub fn read_lines_as<T: serde::de::DeserializeOwned>(p: &Path) -> Result<Vec<T>> {
     let f = File::open(p).with_context(|| format!("open {}", p.display()))?;
     let mut v = Vec::new();
     for (i, line) in BufReader::new(f).lines().enumerate() {
@@ -69,10 +74,14 @@ pub fn read_jsonl(p: &Path) -> Result<Vec<serde_json::Value>> {
         if line.trim().is_empty() {
             continue;
         }
-        v.push(
-            serde_json::from_str(&line)
-                .with_context(|| format!("{}:{}: bad JSON", p.display(), i + 1))?,
-        );
+        v.push(serde_json::from_str(&line).with_context(|| {
+            format!(
+                "{}:{}: not a {}",
+                p.display(),
+                i + 1,
+                std::any::type_name::<T>()
+            )
+        })?);
     }
     Ok(v)
 }

@@ -27,6 +27,20 @@ fn main() {
         rs += &format!("    {n:?},\n");
     }
     rs += "];\n";
+    // host_rec.ts slots, in the order of the HP_* enum (implicit values from 0).
+    let slots: Vec<String> = h
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("HP_"))
+        .map(|l| l.split([' ', ',', '=']).next().unwrap_or("").to_lowercase())
+        .take_while(|n| n != "nr")
+        .collect();
+    assert!(!slots.is_empty(), "no HP_* slots in {ABI}");
+    rs += "/// `host_rec.ts` slot → point name (the HP_* enum).\n";
+    rs += &format!("pub const TS_POINT_NAMES: [&str; {}] = [\n", slots.len());
+    for n in &slots {
+        rs += &format!("    \"h.{n}\",\n");
+    }
+    rs += "];\n";
     let flags = flag_defines(&h, &["QL_", "HR_"]);
     assert!(flags.len() >= 2, "no QL_*/HR_* flags in {ABI}");
     for (name, v) in flags {

@@ -15,19 +15,11 @@ use crate::bpf::{ViotraceHostSkel, ViotraceHostSkelBuilder};
 use crate::qemu::verify::{Bounds, Probation, Standing};
 use crate::qemu::{self, BinaryInfo, Layout, QemuProc};
 
-/// `host_rec.ts` index → point (bpf/host/viotrace_host.bpf.h HP_*).
-pub const TS_POINTS: [Point; 10] = [
-    Point::HostNotify,
-    Point::HostPop,
-    Point::HostSubmit,
-    Point::HostIoIssue,
-    Point::HostDiskIssue,
-    Point::HostDiskComplete,
-    Point::HostIoComplete,
-    Point::HostCompleteCb,
-    Point::HostPush,
-    Point::HostIrq,
-];
+/// `host_rec.ts` slot → point, matched by name from the generated `TS_POINT_NAMES`.
+fn ts_points() -> &'static [Option<Point>] {
+    static P: std::sync::OnceLock<Vec<Option<Point>>> = std::sync::OnceLock::new();
+    P.get_or_init(|| TS_POINT_NAMES.iter().map(|n| Point::from_name(n)).collect())
+}
 
 // Counter names (STAT_NAMES) and the QL_*/HR_* flags, generated from bpf/host/viotrace_host.bpf.h.
 include!(concat!(env!("OUT_DIR"), "/host_abi.rs"));
@@ -312,8 +304,10 @@ fn name_device(t: &Target, vdev: u64) -> (String, Backend) {
 
 fn make_elem(r: &host_rec, vm: &str, device: String, backend: Backend) -> HostElem {
     let mut ts = Points::new();
-    for (i, p) in TS_POINTS.iter().enumerate() {
-        ts.set_nonzero(*p, r.ts[i]);
+    for (p, &t) in ts_points().iter().zip(r.ts.iter()) {
+        if let Some(p) = p {
+            ts.set_nonzero(*p, t);
+        }
     }
     HostElem {
         time: viotrace_shared::walltime::of_points(&ts),
@@ -399,5 +393,13 @@ mod tests {
         assert!(parse_rec(&b[..100]).is_none());
         assert_eq!(STAT_NAMES[0], "ringbuf_drops");
         assert_eq!((QL_HAVE_NOTIFIER, HR_HAVE_BYTES), (1, 8));
+        // Every slot of host_rec.ts names a host point, and every host point has a slot.
+        assert_eq!(ts_points().len(), r.ts.len());
+        assert!(
+            ts_points().iter().all(Option::is_some),
+            "{TS_POINT_NAMES:?}"
+        );
+        let host_points = Point::ALL.iter().filter(|p| p.name().starts_with("h."));
+        assert_eq!(host_points.count(), ts_points().len());
     }
 }

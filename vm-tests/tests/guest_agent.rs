@@ -556,9 +556,22 @@ fn kernel_7_two_queues_use_the_batched_submit_path() {
     let queued = vdb_rqs(&r)
         .iter()
         .filter(|v| v.ts.get(Point::QueueRq).is_some())
-        .count();
-    assert_eq!(queued, 400, "g.queue_rq on every request");
-    assert_eq!(final_stats(&r).mode.as_deref(), Some("fentry"));
+        .count() as u64;
+    // The kernel skips a BPF program run that would nest in another on the same CPU
+    // (2 vCPUs, interrupts during the submit path): such a request lacks g.queue_rq,
+    // and the agent counts every skipped run. Every request has the point or is
+    // accounted for by that counter (a lab run: 387 + 13 skipped).
+    let stats = final_stats(&r);
+    let skipped = stats
+        .counters
+        .as_ref()
+        .and_then(|c| c.get("bpf_runs_lost").copied())
+        .unwrap_or(0);
+    assert!(
+        queued + skipped >= 400 && skipped <= 20,
+        "g.queue_rq on {queued} of 400 requests, {skipped} BPF runs skipped (counted)"
+    );
+    assert_eq!(stats.mode.as_deref(), Some("fentry"));
 }
 
 /// On 5.10 (no module BTF) the descriptor head is read at an assumed vring_virtqueue offset;

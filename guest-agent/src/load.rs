@@ -284,3 +284,49 @@ pub fn start_any(modes: &[Mode], facts: &Facts, f: &Filters) -> Result<Running> 
     }
     bail!("no attach mode works: {}", errors.join("; "))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probe::HOOKS;
+
+    /// The planner names programs by string (it is pure and unit-tested on the
+    /// facts of real kernels); this ties those names to the object itself: every
+    /// name it can enable exists, and every program of the object is either
+    /// always loaded or known to the planner as optional. Opening parses the
+    /// object only: no kernel is involved.
+    #[test]
+    fn the_planners_program_names_are_the_objects() {
+        let mut storage = MaybeUninit::uninit();
+        let open = ViotraceGuestSkelBuilder::default()
+            .open(&mut storage)
+            .expect("open the embedded BPF object");
+        let in_object: BTreeSet<String> = open
+            .open_object()
+            .progs()
+            .map(|p| p.name().to_string_lossy().into_owned())
+            .collect();
+        let planned: Vec<&str> = HOOKS
+            .iter()
+            .flat_map(|h| h.fentry.iter().chain(h.kprobe.iter()))
+            .chain(plan::OPTIONAL_TP_PROGS.iter())
+            .copied()
+            .collect();
+        for name in &planned {
+            assert!(
+                in_object.contains(*name),
+                "{name} is not a program of the object"
+            );
+        }
+        // Programs declared optional in C (`SEC("?…")`) are the planner's to enable.
+        for p in open.open_object().progs() {
+            let name = p.name().to_string_lossy().into_owned();
+            if !p.autoload() {
+                assert!(
+                    plan::is_optional(&name),
+                    "{name} is optional in C but unknown to the planner"
+                );
+            }
+        }
+    }
+}

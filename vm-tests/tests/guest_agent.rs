@@ -414,13 +414,11 @@ fn check_kernel_mode(
         if blind.contains(&p) {
             assert_eq!(n, 0, "{p} reported blind but seen");
         } else if !matches!(p, "g.rq_insert" | "g.syscall_exit") {
-            // Syscall tracepoint runs the kernel skipped are counted (bpf_runs_lost, 7.x).
+            // Program runs the kernel skipped (one would have nested in another on the
+            // same CPU) are counted (bpf_runs_lost, 7.x): a record may lack a point only
+            // if such a skipped run accounts for it (seen: 2 of 670 without g.bio_queue).
             let runs_lost = c.get("bpf_runs_lost").copied().unwrap_or(0) as usize;
-            let need = if p.starts_with("g.syscall") {
-                need.min(rqs.len().saturating_sub(runs_lost))
-            } else {
-                need
-            };
+            let need = need.min(rqs.len().saturating_sub(runs_lost));
             assert!(n >= need, "{p} in {n} of {} records", rqs.len());
         }
     }

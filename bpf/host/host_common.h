@@ -54,6 +54,12 @@ struct io_state {
 	__u64 buf;
 	__u32 refs;
 	__u32 pad; /* 1: tracked from its syscall (QL_NO_SUBMIT), not from blk_aio_* */
+	/* device load of other issuers (host_interfere.h) */
+	__u32 disk_dev;
+	__u32 nb_inflight;
+	__u64 nb_base; /* their requests issued before this I/O's first block request */
+	__u32 nb_issued;
+	__u32 pad2;
 };
 
 struct tid_io {

@@ -45,6 +45,9 @@ static __always_inline int io_enter_assoc(__u64 buf, int assoc)
 		io->ts[HP_DISK_COMPLETE] = 0;
 		io->ts[HP_IO_COMPLETE] = 0;
 		io->ts[HP_IO_ISSUE] = 0;
+		io->disk_dev = 0;
+		io->nb_inflight = 0;
+		io->nb_issued = 0;
 	}
 	if (!io->ts[HP_IO_ISSUE])
 		io->ts[HP_IO_ISSUE] = bpf_ktime_get_ns();
@@ -288,14 +291,21 @@ int BPF_PROG(disk_issue, struct request *rq)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct tid_io *t = bpf_map_lookup_elem(&tid_ios, &tid);
+	__u32 dev = dev_issue(rq, t ? t->tgid : 0);
 	if (!t)
 		return 0;
 	struct tg_ptr ik = { .tgid = t->tgid, .ptr = t->merge_id };
 	struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
 	if (!io)
 		return 0;
-	if (!io->ts[HP_DISK_ISSUE])
+	if (!io->ts[HP_DISK_ISSUE]) {
 		io->ts[HP_DISK_ISSUE] = bpf_ktime_get_ns();
+		__u64 issued, inflight;
+		dev_others(dev, t->tgid, &issued, &inflight);
+		io->disk_dev = dev;
+		io->nb_base = issued;
+		io->nb_inflight = inflight > 0xffffffff ? 0xffffffff : (__u32)inflight;
+	}
 	__u64 k = (__u64)rq;
 	bpf_map_update_elem(&rq_ios, &k, t, BPF_ANY);
 	stat_inc(ST_DISK_MATCHED);
@@ -306,13 +316,19 @@ SEC("tp_btf/block_rq_complete")
 int BPF_PROG(disk_complete, struct request *rq, blk_status_t error, unsigned int nr_bytes)
 {
 	__u64 k = (__u64)rq;
+	dev_complete(rq);
 	struct tid_io *t = bpf_map_lookup_elem(&rq_ios, &k);
 	if (!t)
 		return 0;
 	struct tg_ptr ik = { .tgid = t->tgid, .ptr = t->merge_id };
 	struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
-	if (io)
+	if (io) {
 		io->ts[HP_DISK_COMPLETE] = bpf_ktime_get_ns(); /* the last one */
+		__u64 issued, inflight;
+		dev_others(io->disk_dev, t->tgid, &issued, &inflight);
+		__u64 n = issued > io->nb_base ? issued - io->nb_base : 0;
+		io->nb_issued = n > 0xffffffff ? 0xffffffff : (__u32)n;
+	}
 	bpf_map_delete_elem(&rq_ios, &k);
 	return 0;
 }
@@ -326,6 +342,7 @@ int proc_exit(void *ctx)
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	bpf_map_delete_elem(&pop_arg, &tid);
 	bpf_map_delete_elem(&tid_ios, &tid);
+	bpf_map_delete_elem(&runnable, &tid);
 	if (tgid != tid)
 		return 0;
 	if (bpf_map_delete_elem(&qemu_procs, &tgid) == 0)

@@ -369,6 +369,9 @@ static __always_inline void io_release(__u32 tgid, __u64 id, struct host_rec *r)
 	r->ts[HP_DISK_ISSUE] = io->ts[HP_DISK_ISSUE];
 	r->ts[HP_DISK_COMPLETE] = io->ts[HP_DISK_COMPLETE];
 	r->ts[HP_IO_COMPLETE] = io->ts[HP_IO_COMPLETE];
+	r->disk_dev = io->disk_dev;
+	r->nb_inflight = io->nb_inflight;
+	r->nb_issued = io->nb_issued;
 	if (io->refs > 1) {
 		io->refs--;
 		return;

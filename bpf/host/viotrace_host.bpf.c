@@ -11,7 +11,9 @@
  * Rare paths: virtio_notify (non-dataplane notification).
  * Kernel tracepoints: read/write of the virtqueue's host/guest notifier eventfds
  * (h.notify, h.irq), pread/pwrite(v), fdatasync, io_submit, io_uring submit/complete,
- * block_rq_issue/complete, sched_process_exit.
+ * block_rq_issue/complete, sched_process_exit; for the verdicts (host_interfere.h):
+ * every host block request counted per device and issuer, and run-queue waits of
+ * QEMU's threads (sched_wakeup/_new, sched_switch).
  *
  * One ring-buffer record per element, emitted when the guest is notified
  * (or when the pending list of its queue overflows, or by userspace at exit).
@@ -26,6 +28,7 @@
 #include "host_common.h"
 #include "host_qemu.h"
 #include "host_notify.h"
+#include "host_interfere.h"
 #include "host_io.h"
 
 char LICENSE[] SEC("license") = "GPL";

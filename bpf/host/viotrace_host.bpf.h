@@ -72,6 +72,35 @@ struct host_rec {
 	__u8 has_status;
 	__u8 flags; /* HR_* */
 	__u8 pad;
+	/* Interference (host_interfere.h): the host block device of the backend I/O
+	 * (MKDEV: major << 20 | minor; 0: no block request seen), and the requests of
+	 * other issuers on it: in flight when this I/O's first block request was
+	 * issued, and issued while this I/O was on the device. */
+	__u32 disk_dev;
+	__u32 nb_inflight;
+	__u32 nb_issued;
+	__u32 pad2;
+};
+
+/* Block requests of one issuing process on one device (map dev_users). */
+struct dev_user {
+	__u64 issued;
+	__u64 completed;
+	char comm[16];
+};
+
+/* A traced QEMU thread that waited at least WAIT_MIN_NS for a CPU (ring buffer
+ * `waits`): runnable from start to end; holder: the task that ran on that CPU
+ * just before it. */
+struct wait_rec {
+	__u64 start;
+	__u64 end;
+	__u32 tgid;
+	__u32 tid;
+	__u32 holder_tgid;
+	__u32 cpu;
+	char comm[16];
+	char holder_comm[16];
 };
 
 #define HR_HDR_FAULT 1    /* request header could not be read */
@@ -100,7 +129,9 @@ struct host_rec {
 	X(ST_RECORDS, "records_emitted", records emitted)                                                 \
 	X(ST_PROC_EXIT, "qemu_exits", traced QEMU processes that exited)                                  \
 	X(ST_CHAIN_LONG, "merge_chain_too_long", merge chain longer than the walk limit)                  \
-	X(ST_KICKS, "guest_kicks", guest kicks handled (host notifier reads))
+	X(ST_KICKS, "guest_kicks", guest kicks handled (host notifier reads))                             \
+	X(ST_WAITS, "qemu_cpu_waits", QEMU thread waits for a CPU reported (>= 50 us))                   \
+	X(ST_WAIT_DROP, "qemu_cpu_waits_lost", QEMU CPU wait lost: its ring buffer full)
 
 #define VH_STAT_ENUM(id, name, desc) id,
 enum {

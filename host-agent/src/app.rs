@@ -21,7 +21,7 @@ use viotrace_shared::metrics::{Metrics, Recorder};
 use viotrace_shared::record::Stats;
 use viotrace_shared::stats::Aggregator;
 
-use crate::bpf::types::host_rec;
+use crate::bpf::types::{host_rec, wait_rec};
 use crate::sink::Sink;
 use crate::tracer::{self, Tracer};
 use crate::{fleet, joined, qemu, Cli};
@@ -34,6 +34,7 @@ const UNNOTIFIED_AFTER_NS: u64 = 200_000_000;
 #[derive(Default)]
 pub struct Queue {
     recs: Vec<host_rec>,
+    waits: Vec<wait_rec>,
     unparsed: u64,
 }
 
@@ -59,7 +60,10 @@ impl<'obj> App<'obj> {
     /// Loads the BPF object and starts the metrics endpoint and the OTLP pusher.
     pub fn new(cli: Cli, storage: &'obj mut MaybeUninit<OpenObject>) -> Result<App<'obj>> {
         tracer::ensure_tracefs()?;
-        let tracer = Tracer::open(storage, cli.pop)?;
+        // QEMU threads' waits for a CPU: only for the verdicts (joined mode with -t).
+        let sched = cli.threshold.is_some()
+            && (!cli.listen_uds.is_empty() || cli.listen_vsock.is_some());
+        let tracer = Tracer::open(storage, cli.pop, sched)?;
         for (what, e) in &tracer.missing_kernel {
             eprintln!("viotrace-host: warning: kernel probe {what} not attached: {e}");
         }
@@ -107,7 +111,13 @@ impl<'obj> App<'obj> {
     }
 
     /// The ring buffer; its callback only queues the raw records for [`App::drain`].
-    pub fn ring_buffer(&self, events: &libbpf_rs::MapHandle) -> Result<RingBuffer<'static>> {
+    /// (The QEMU threads' CPU waits have a ring buffer of their own, so that
+    /// they can never crowd out the request records.)
+    pub fn ring_buffer(
+        &self,
+        events: &libbpf_rs::MapHandle,
+        waits: &libbpf_rs::MapHandle,
+    ) -> Result<RingBuffer<'static>> {
         let mut rbb = RingBufferBuilder::new();
         let q = self.queue.clone();
         rbb.add(events, move |data: &[u8]| {
@@ -119,18 +129,37 @@ impl<'obj> App<'obj> {
             0
         })
         .context("setting up the ring buffer")?;
+        let q = self.queue.clone();
+        rbb.add(waits, move |data: &[u8]| {
+            let mut q = q.borrow_mut();
+            match tracer::parse::<wait_rec>(data) {
+                Some(w) => q.waits.push(w),
+                None => q.unparsed += 1,
+            }
+            0
+        })
+        .context("setting up the waits ring buffer")?;
         rbb.build().context("building the ring buffer")
     }
 
-    /// An owned handle on the ring buffer map.
-    pub fn events_map(&self) -> Result<libbpf_rs::MapHandle> {
-        libbpf_rs::MapHandle::try_from(&self.tracer.skel.maps.events)
-            .context("duplicating the ring buffer map handle")
+    /// Owned handles on the ring buffer maps (request records, CPU waits).
+    pub fn ring_maps(&self) -> Result<(libbpf_rs::MapHandle, libbpf_rs::MapHandle)> {
+        let m = &self.tracer.skel.maps;
+        Ok((
+            libbpf_rs::MapHandle::try_from(&m.events)
+                .context("duplicating the ring buffer map handle")?,
+            libbpf_rs::MapHandle::try_from(&m.waits)
+                .context("duplicating the waits ring buffer map handle")?,
+        ))
     }
 
     /// Consumes what the ring buffer holds and turns it into elements.
     pub fn drain(&mut self, rb: &RingBuffer) {
         let _ = rb.consume();
+        let waits = std::mem::take(&mut self.queue.borrow_mut().waits);
+        if let Some(j) = self.sink.joined.as_mut() {
+            waits.iter().for_each(|w| j.interfere.add_wait(w));
+        }
         let mut recs = std::mem::take(&mut self.queue.borrow_mut().recs);
         for r in &recs {
             match self.tracer.make_record(r) {
@@ -281,6 +310,13 @@ impl<'obj> App<'obj> {
     /// Once a second: metrics published, exited VMs let go, new VMs attached.
     fn scan(&mut self, rb: &RingBuffer) -> Result<()> {
         self.publish_metrics();
+        if let Some(j) = self.sink.joined.as_mut().filter(|j| j.verdicts.is_some()) {
+            j.interfere
+                .refresh_issuers(self.tracer.device_issuers().into_iter());
+            j.interfere.vms = (self.tracer.targets.iter())
+                .map(|(pid, t)| (*pid, t.proc.vm.clone()))
+                .collect();
+        }
         let gone: Vec<u32> = self
             .tracer
             .targets
@@ -517,6 +553,9 @@ impl<'obj> App<'obj> {
     fn detach(&mut self, pid: u32, why: &str) {
         let (t, leftover, abandoned) = self.tracer.remove(pid);
         let Some(t) = t else { return };
+        if let Some(j) = self.sink.joined.as_mut() {
+            j.interfere.forget(pid);
+        }
         for r in &leftover {
             let e = Tracer::record_of_gone(&t, r);
             self.sink.elem(&e);

@@ -21,6 +21,8 @@ use viotrace_shared::transport::host::{
     self, ClockSample, EventKind, Inbox, Listen, Origin, Server, TokenBucket, VmAccount,
 };
 
+use crate::interfere::Interfere;
+
 /// Time the main loop spends on guest events per pass (the BPF ring buffer and
 /// signals come first, whatever the guests send).
 const INBOX_BUDGET: Duration = Duration::from_millis(20);
@@ -119,6 +121,8 @@ pub struct Joined {
     pub otlp: Option<viotrace_shared::metrics::otlp::SlowTraces>,
     /// Why-slow verdicts of joined records above the threshold (`-t`).
     pub verdicts: Option<Verdicts>,
+    /// Their interference evidence (QEMU's CPU waits, host device issuers).
+    pub interfere: Interfere,
 }
 
 impl Joined {
@@ -196,6 +200,7 @@ impl Joined {
             clock_uncertainty: HashMap::new(),
             otlp: None,
             verdicts: opts.threshold_ns.map(Verdicts::new),
+            interfere: Interfere::default(),
         })
     }
 
@@ -334,6 +339,9 @@ impl Joined {
         for mut j in ready {
             self.records += 1;
             if let Some(v) = self.verdicts.as_mut() {
+                if v.may_judge(&j) {
+                    self.interfere.fill(&mut j);
+                }
                 v.judge(&mut j);
             }
             let label = format!(
@@ -439,6 +447,10 @@ impl Joined {
         v.push(("joined_write_errors".to_string(), self.out.errors));
         if let Some(vd) = &self.verdicts {
             v.push(("slow_with_cause".to_string(), vd.flagged));
+            let f = &self.interfere;
+            v.push(("interference_filled".to_string(), f.filled));
+            v.push(("qemu_cpu_waits_seen".to_string(), f.waits_seen));
+            v.push(("qemu_cpu_waits_evicted".to_string(), f.waits_evicted));
             v.push(("cause_classes_refused".to_string(), vd.classes_refused()));
         }
         let mut sum: HashMap<&'static str, u64> = HashMap::new();

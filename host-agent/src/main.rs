@@ -8,6 +8,7 @@ mod bpf {
 }
 mod app;
 mod fleet;
+mod interfere;
 mod joined;
 mod qemu;
 mod sink;
@@ -112,8 +113,8 @@ fn run() -> Result<()> {
 
     let mut storage = MaybeUninit::uninit();
     let mut app = App::new(cli, &mut storage)?;
-    let events = app.events_map()?;
-    let rb = app.ring_buffer(&events)?;
+    let (events, waits) = app.ring_maps()?;
+    let rb = app.ring_buffer(&events, &waits)?;
     app.attach_initial()?;
     app.start_joined()?;
     if let Some(f) = &ready_file {

@@ -73,6 +73,7 @@ fn per_record(c: &mut Criterion) {
         ]
         .into_iter()
         .collect(),
+        interference: None,
     };
     g.bench_function("record_host_elem_with_derive", |b| {
         b.iter(|| {

@@ -4,6 +4,7 @@
 pub mod cause;
 pub mod chrome;
 pub mod clock;
+pub mod interference;
 pub mod join;
 pub mod jsonl;
 pub mod metrics;

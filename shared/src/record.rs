@@ -173,6 +173,9 @@ pub struct HostElem {
     /// virtio-blk status byte written back to the guest (0 = OK).
     pub status: Option<u8>,
     pub ts: Points,
+    /// What else used the request's host device meanwhile (see `interference`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interference: Option<crate::interference::Interference>,
 }
 
 /// Why a record could not be joined with the other side.
@@ -258,6 +261,11 @@ pub struct JoinedIo {
     /// see `cause`); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cause: Option<Box<crate::cause::Cause>>,
+    /// Interference measured while the request was in flight (host device
+    /// load; for requests above the threshold also QEMU's and the vCPUs' waits
+    /// for a CPU): the verdict's evidence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interference: Option<Box<crate::interference::Interference>>,
 }
 
 /// One stage's summary in a stats line (`label`: the disk or VM/device).

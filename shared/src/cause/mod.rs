@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 
+use crate::interference::Interference;
 use crate::record::{JoinedIo, Op};
 use crate::stages::Stages;
 
@@ -54,6 +55,15 @@ pub enum CauseKind {
     IrqDelivery,
     /// The guest's completion path (interrupt to request completion, softirq).
     GuestCompletion,
+    /// A host-side stage grew while QEMU's own threads (main loop, I/O threads,
+    /// workers) were runnable but not running: QEMU starved of CPU.
+    QemuStarved,
+    /// The kick or the interrupt was late while this VM's vCPU threads waited for
+    /// a host CPU.
+    VcpuPreempted,
+    /// The host I/O grew while other processes or VMs issued requests to the same
+    /// host device.
+    NoisyNeighbour,
 }
 
 impl CauseKind {
@@ -67,6 +77,9 @@ impl CauseKind {
             CauseKind::QemuCompletion => "qemu_completion",
             CauseKind::IrqDelivery => "irq_delivery",
             CauseKind::GuestCompletion => "guest_completion",
+            CauseKind::QemuStarved => "qemu_starved",
+            CauseKind::VcpuPreempted => "vcpu_preempted",
+            CauseKind::NoisyNeighbour => "noisy_neighbour",
         }
     }
 }
@@ -164,6 +177,7 @@ impl Engine {
         substages: &Stages,
         total_ns: i64,
         threshold_ns: i64,
+        ev: Option<&Interference>,
     ) -> Option<Cause> {
         if !self.classes.contains_key(key) && self.classes.len() >= self.max_classes {
             self.classes_refused += 1;
@@ -173,7 +187,9 @@ impl Engine {
             Some(c) => c,
             None => self.classes.entry(key.clone()).or_default(),
         };
-        let verdict = class.judge(key, stages, substages, total_ns, threshold_ns);
+        let verdict = class
+            .judge(key, stages, substages, total_ns, threshold_ns)
+            .map(|c| refine(c, ev));
         class.total.push(total_ns);
         for (name, v) in stages.iter().chain(substages.iter()) {
             match class.stages.get_mut(name) {
@@ -215,6 +231,12 @@ impl Verdicts {
         self.engine.classes_refused
     }
 
+    /// Whether [`Verdicts::judge`] may flag this record (joined, above the
+    /// threshold): only those need their interference evidence.
+    pub fn may_judge(&self, io: &JoinedIo) -> bool {
+        io.joined && io.total_ns.is_some_and(|t| t >= self.threshold_ns)
+    }
+
     /// Judges a joined record (others are left alone) and sets its `cause`.
     pub fn judge(&mut self, io: &mut JoinedIo) {
         let (true, Some(total)) = (io.joined, io.total_ns) else {
@@ -224,7 +246,14 @@ impl Verdicts {
         let key = ClassKey::new(&io.vm, disk, io.op, io.bytes);
         io.cause = self
             .engine
-            .observe(&key, &io.stages, &io.substages, total, self.threshold_ns)
+            .observe(
+                &key,
+                &io.stages,
+                &io.substages,
+                total,
+                self.threshold_ns,
+                io.interference.as_deref(),
+            )
             .map(Box::new);
         if let Some(c) = &io.cause {
             self.flagged += 1;
@@ -310,6 +339,59 @@ impl ClassBaseline {
             ),
         })
     }
+}
+
+/// Other issuers' requests around a host I/O that make it a neighbour's doing.
+pub const MIN_NEIGHBOUR_LOAD: u32 = 2;
+
+/// Names who caused a verdict's stage to grow, when the interference evidence
+/// explains it: QEMU's threads or the vCPUs waiting for a CPU for at least half
+/// the stage's excess, or other issuers' requests on the host device.
+pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
+    let Some(ev) = ev else { return c };
+    let excess = (c.stage_ns - c.baseline_ns).max(1) as u64;
+    let holder = ev
+        .cpu_holder
+        .as_deref()
+        .map_or(String::new(), |h| format!(", the CPU held by {h}"));
+    let qemu = ev.qemu_wait_ns.unwrap_or(0);
+    let vcpu = ev.vcpu_wait_ns.unwrap_or(0);
+    let explains = |ns: u64| ns.saturating_mul(2) >= excess;
+    use CauseKind::*;
+    let (kind, why) = match c.kind {
+        HostNotify | IrqDelivery if explains(vcpu) && vcpu >= qemu => (
+            VcpuPreempted,
+            format!(
+                "the VM's vCPU threads waited {} for a host CPU{holder}",
+                fmt_ns(vcpu as i64)
+            ),
+        ),
+        HostNotify | QemuQueue | QemuCompletion | HostDevice if explains(qemu) => (
+            QemuStarved,
+            format!(
+                "QEMU's threads were runnable but not running for {}{holder}",
+                fmt_ns(qemu as i64)
+            ),
+        ),
+        HostDevice if ev.neighbour_load() >= MIN_NEIGHBOUR_LOAD => (
+            NoisyNeighbour,
+            format!(
+                "{} other requests on {} during it ({} in flight at its issue){}",
+                ev.neighbour_issued.unwrap_or(0),
+                ev.host_disk.as_deref().unwrap_or("its host device"),
+                ev.neighbour_inflight.unwrap_or(0),
+                if ev.neighbours.is_empty() {
+                    String::new()
+                } else {
+                    format!("; top issuers: {}", ev.neighbours.join(", "))
+                }
+            ),
+        ),
+        _ => return c,
+    };
+    c.kind = kind;
+    c.evidence = format!("{why}; {}", c.evidence);
+    c
 }
 
 /// `38.0 ms`, `412 µs`, `900 ns`.

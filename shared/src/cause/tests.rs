@@ -40,7 +40,7 @@ fn key() -> ClassKey {
 fn warm(e: &mut Engine) {
     for _ in 0..32 {
         let (s, t) = req("", 0);
-        assert!(e.observe(&key(), &s, &Stages::default(), t, MS).is_none());
+        assert!(e.observe(&key(), &s, &Stages::default(), t, MS, None).is_none());
     }
 }
 
@@ -67,7 +67,7 @@ fn each_stage_maps_to_its_cause() {
         warm(&mut e);
         let (s, t) = req(stage, 30 * MS);
         let c = e
-            .observe(&key(), &s, &Stages::default(), t, MS)
+            .observe(&key(), &s, &Stages::default(), t, MS, None)
             .unwrap_or_else(|| panic!("{stage} not flagged"));
         assert_eq!(c.kind, kind, "{stage}");
         assert_eq!(c.stage, stage);
@@ -87,11 +87,11 @@ fn substage_refines_host_io_into_qemu_queue() {
     let sub = |q: i64| st(&[("host_io.queue", q), ("host_io.kernel", 190_000)]);
     for _ in 0..32 {
         let (s, t) = req("", 0);
-        e.observe(&key(), &s, &sub(10_000), t, MS);
+        e.observe(&key(), &s, &sub(10_000), t, MS, None);
     }
     let (s, t) = req("host_io", 20 * MS);
     let c = e
-        .observe(&key(), &s, &sub(10_000 + 20 * MS), t, MS)
+        .observe(&key(), &s, &sub(10_000 + 20 * MS), t, MS, None)
         .unwrap();
     assert_eq!(c.kind, CauseKind::QemuQueue);
     assert_eq!(c.stage, "host_io.queue");
@@ -101,26 +101,26 @@ fn substage_refines_host_io_into_qemu_queue() {
 fn not_judged_before_a_baseline_or_under_the_threshold() {
     let mut e = Engine::new(16);
     let (s, t) = req("host_io", 30 * MS);
-    assert!(e.observe(&key(), &s, &Stages::default(), t, MS).is_none());
+    assert!(e.observe(&key(), &s, &Stages::default(), t, MS, None).is_none());
     warm(&mut e);
     // Above the class baseline ×3 but under the absolute threshold.
     let (s, t) = req("host_io", 2 * MS);
     assert!(e
-        .observe(&key(), &s, &Stages::default(), t, 10 * MS)
+        .observe(&key(), &s, &Stages::default(), t, 10 * MS, None)
         .is_none());
     // Another class has no baseline of its own.
     let k2 = ClassKey::new("vm1", "vda", Op::Write, 4096);
     let (s, t) = req("host_io", 30 * MS);
-    assert!(e.observe(&k2, &s, &Stages::default(), t, MS).is_none());
+    assert!(e.observe(&k2, &s, &Stages::default(), t, MS, None).is_none());
 }
 
 #[test]
 fn classes_beyond_the_limit_are_counted() {
     let mut e = Engine::new(1);
     let (s, t) = req("", 0);
-    e.observe(&key(), &s, &Stages::default(), t, MS);
+    e.observe(&key(), &s, &Stages::default(), t, MS, None);
     let k2 = ClassKey::new("vm2", "vda", Op::Read, 4096);
-    assert!(e.observe(&k2, &s, &Stages::default(), t, MS).is_none());
+    assert!(e.observe(&k2, &s, &Stages::default(), t, MS, None).is_none());
     assert_eq!(e.classes_refused, 1);
 }
 
@@ -153,7 +153,7 @@ proptest! {
         let mut e = Engine::new(4);
         for j in jit {
             let (s, t) = req("host_io", j);
-            prop_assert!(e.observe(&key(), &s, &Stages::default(), t, 0).is_none());
+            prop_assert!(e.observe(&key(), &s, &Stages::default(), t, 0, None).is_none());
         }
     }
 
@@ -164,7 +164,7 @@ proptest! {
         let mut e = Engine::new(4);
         warm(&mut e);
         let (s, t) = req(names[idx], extra);
-        let c = e.observe(&key(), &s, &Stages::default(), t, MS).unwrap();
+        let c = e.observe(&key(), &s, &Stages::default(), t, MS, None).unwrap();
         prop_assert_eq!(c.stage.as_str(), names[idx]);
         prop_assert_eq!(c.stage_ns - c.baseline_ns, extra);
         prop_assert_eq!(Some(c.kind), kind_of_stage(names[idx]));
@@ -239,4 +239,96 @@ fn records_without_a_cause_serialize_as_before() {
     let j = joined("", 0, &[]);
     let line = serde_json::to_string(&crate::record::Record::Io(j)).unwrap();
     assert!(!line.contains("cause"), "{line}");
+}
+
+fn cause(kind: CauseKind, stage: &str, stage_ns: i64, baseline_ns: i64) -> Cause {
+    Cause {
+        kind,
+        stage: stage.into(),
+        stage_ns,
+        baseline_ns,
+        total_ns: stage_ns + MS,
+        baseline_total_ns: MS,
+        evidence: "base".into(),
+    }
+}
+
+#[test]
+fn interference_names_who_when_it_explains_the_excess() {
+    use crate::interference::Interference;
+    let starved = Interference {
+        qemu_wait_ns: Some(6 * MS as u64),
+        cpu_holder: Some("pid 7 hog".into()),
+        ..Default::default()
+    };
+    // 6 ms of QEMU waits explain a 10 ms excess inside QEMU …
+    let c = refine(
+        cause(CauseKind::QemuQueue, "host_io.queue", 11 * MS, MS),
+        Some(&starved),
+    );
+    assert_eq!(c.kind, CauseKind::QemuStarved);
+    assert!(
+        c.evidence.contains("runnable but not running for 6.0 ms")
+            && c.evidence.contains("pid 7 hog")
+            && c.evidence.ends_with("; base"),
+        "{}",
+        c.evidence
+    );
+    // … not a 20 ms one, and not a guest stage.
+    let c = refine(
+        cause(CauseKind::QemuQueue, "host_io.queue", 21 * MS, MS),
+        Some(&starved),
+    );
+    assert_eq!((c.kind, c.evidence.as_str()), (CauseKind::QemuQueue, "base"));
+    let c = refine(
+        cause(CauseKind::GuestTask, "guest_fs", 11 * MS, MS),
+        Some(&starved),
+    );
+    assert_eq!(c.kind, CauseKind::GuestTask);
+
+    let vcpu = Interference {
+        vcpu_wait_ns: Some(3 * MS as u64),
+        qemu_wait_ns: Some(MS as u64),
+        ..Default::default()
+    };
+    let c = refine(
+        cause(CauseKind::IrqDelivery, "push_to_irq", 5 * MS, MS),
+        Some(&vcpu),
+    );
+    assert_eq!(c.kind, CauseKind::VcpuPreempted);
+
+    let noisy = Interference {
+        host_disk: Some("vda (254:0)".into()),
+        neighbour_inflight: Some(30),
+        neighbour_issued: Some(41),
+        neighbours: vec!["pid 42 fio 100 %".into()],
+        qemu_wait_ns: Some(0),
+        ..Default::default()
+    };
+    let c = refine(
+        cause(CauseKind::HostDevice, "host_io.kernel", 5 * MS, MS),
+        Some(&noisy),
+    );
+    assert_eq!(c.kind, CauseKind::NoisyNeighbour);
+    assert!(
+        c.evidence
+            .starts_with("41 other requests on vda (254:0) during it (30 in flight at its issue); top issuers: pid 42 fio 100 %"),
+        "{}",
+        c.evidence
+    );
+    // A quiet device: the disk itself.
+    let quiet = Interference {
+        neighbour_inflight: Some(0),
+        neighbour_issued: Some(1),
+        ..noisy
+    };
+    let c = refine(
+        cause(CauseKind::HostDevice, "host_io.kernel", 5 * MS, MS),
+        Some(&quiet),
+    );
+    assert_eq!(c.kind, CauseKind::HostDevice);
+    assert_eq!(
+        refine(cause(CauseKind::HostDevice, "host_io", 5 * MS, MS), None).kind,
+        CauseKind::HostDevice
+    );
 }

@@ -89,6 +89,7 @@ fn build(
         joined: reason.is_none(),
         reason,
         cause: None,
+        interference: None,
     };
     if let Some(g) = g {
         io.disk = Some(g.disk);
@@ -111,6 +112,7 @@ fn build(
             io.backend = Some(h.backend);
             io.merge_id = Some(h.merge_id);
             io.status = h.status;
+            io.interference = h.interference.map(Box::new);
         }
         None => io.vm = vm.to_string(),
     }

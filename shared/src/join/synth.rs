@@ -149,6 +149,7 @@ fn pair(ids: &Ids, g_ts: Points, h_ts: Points) -> (GuestRq, HostElem) {
         merge_id: ids.merge_id,
         status: Some(0),
         ts: h_ts,
+        interference: None,
     };
     (g, h)
 }

@@ -601,6 +601,7 @@ mod tests {
             joined: true,
             reason: None,
             cause: None,
+            interference: None,
         }
     }
 

@@ -1,0 +1,251 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * Interference measured on the host for the "why was it slow" verdicts
+ * (included by viotrace_host.bpf.c after host_common.h, before host_io.h):
+ *
+ *  - device load: every host block request is counted per device (all issuers)
+ *    and per (device, issuing process); a traced QEMU I/O snapshots the device's
+ *    load of *other* issuers when its first block request is issued and when its
+ *    last completes, so its record says how many other requests were in flight
+ *    and how many were issued meanwhile (noisy neighbour). Userspace reads the
+ *    per-process counters once a second to name the top issuers.
+ *  - run-queue waits of traced QEMU threads: a thread of a traced QEMU that is
+ *    woken (or preempted) and then waits at least WAIT_MIN_NS for a CPU produces
+ *    one wait_rec on its own small ring buffer, with the task that ran on that CPU
+ *    just before it. Only QEMU threads are looked at: two hash lookups per
+ *    context switch for everyone else.
+ *
+ * Kernel differences: the request's disk (rq->q->disk 5.16+, rq->rq_disk before)
+ * and the task state field (__state 5.14+, state before), both CO-RE checked.
+ */
+#pragma once
+
+#define WAIT_MIN_NS 50000ULL
+#define WAIT_RB_SIZE (256 << 10)
+
+struct dev_load {
+	__u64 issued;
+	__u64 completed;
+};
+
+struct rq_owner {
+	__u32 dev;
+	__u32 tgid;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32); /* dev_t (MKDEV) */
+	__type(value, struct dev_load);
+} dev_loads SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct rq_owner); /* (dev, issuing tgid) */
+	__type(value, struct dev_user);
+} dev_users SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, __u64); /* struct request * */
+	__type(value, struct rq_owner);
+} rq_owners SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u32);   /* tid of a traced QEMU thread */
+	__type(value, __u64); /* runnable since (ns) */
+} runnable SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, WAIT_RB_SIZE);
+} waits SEC(".maps");
+
+/* Unused: keeps struct wait_rec in the object's BTF, so the skeleton generates
+ * its Rust type (a ring buffer map carries no value type). */
+struct wait_rec wait_rec_abi = {};
+
+/* ---- kernel differences ---- */
+
+struct request___old {
+	struct gendisk *rq_disk;
+} __attribute__((preserve_access_index));
+
+struct request_queue___new {
+	struct gendisk *disk;
+} __attribute__((preserve_access_index));
+
+static __always_inline __u32 rq_dev(struct request *rq)
+{
+	struct gendisk *d = NULL;
+	if (bpf_core_field_exists(struct request_queue___new, disk)) {
+		struct request_queue___new *q = (void *)BPF_CORE_READ(rq, q);
+		d = BPF_CORE_READ(q, disk);
+	} else {
+		struct request___old *o = (void *)rq;
+		if (bpf_core_field_exists(o->rq_disk))
+			d = BPF_CORE_READ(o, rq_disk);
+	}
+	if (!d)
+		return 0;
+	__u32 major = BPF_CORE_READ(d, major), minor = BPF_CORE_READ(d, first_minor);
+	return (major << 20) | (minor & 0xfffff);
+}
+
+struct task_struct___old {
+	long state;
+} __attribute__((preserve_access_index));
+
+static __always_inline long task_state(struct task_struct *t)
+{
+	if (bpf_core_field_exists(t->__state))
+		return BPF_CORE_READ(t, __state);
+	return BPF_CORE_READ((struct task_struct___old *)t, state);
+}
+
+/* ---- device load ---- */
+
+/* Counts a block request's issue; `tgid` is its traced QEMU (0: not ours, the
+ * current task is taken as its issuer). Returns the device. */
+static __always_inline __u32 dev_issue(struct request *rq, __u32 tgid)
+{
+	__u32 dev = rq_dev(rq);
+	struct rq_owner o = { .dev = dev, .tgid = tgid };
+	if (!tgid)
+		o.tgid = bpf_get_current_pid_tgid() >> 32;
+	struct dev_load *l = bpf_map_lookup_elem(&dev_loads, &dev);
+	if (!l) {
+		struct dev_load z = {};
+		bpf_map_update_elem(&dev_loads, &dev, &z, BPF_NOEXIST);
+		l = bpf_map_lookup_elem(&dev_loads, &dev);
+		if (!l)
+			return dev;
+	}
+	__sync_fetch_and_add(&l->issued, 1);
+	struct dev_user *u = bpf_map_lookup_elem(&dev_users, &o);
+	if (!u) {
+		struct dev_user z = {};
+		bpf_get_current_comm(z.comm, sizeof(z.comm));
+		if (tgid) /* a QEMU thread: the process's name, not the thread's */
+			__builtin_memcpy(z.comm, "qemu", 5);
+		bpf_map_update_elem(&dev_users, &o, &z, BPF_NOEXIST);
+		u = bpf_map_lookup_elem(&dev_users, &o);
+	}
+	if (u)
+		__sync_fetch_and_add(&u->issued, 1);
+	__u64 k = (__u64)rq;
+	bpf_map_update_elem(&rq_owners, &k, &o, BPF_ANY);
+	return dev;
+}
+
+static __always_inline void dev_complete(struct request *rq)
+{
+	__u64 k = (__u64)rq;
+	struct rq_owner *o = bpf_map_lookup_elem(&rq_owners, &k);
+	if (!o)
+		return;
+	__u32 dev = o->dev;
+	struct dev_load *l = bpf_map_lookup_elem(&dev_loads, &dev);
+	if (l)
+		__sync_fetch_and_add(&l->completed, 1);
+	struct dev_user *u = bpf_map_lookup_elem(&dev_users, o);
+	if (u)
+		__sync_fetch_and_add(&u->completed, 1);
+	bpf_map_delete_elem(&rq_owners, &k);
+}
+
+/* Requests of issuers other than `tgid` on `dev`: (issued so far, in flight). */
+static __always_inline void dev_others(__u32 dev, __u32 tgid, __u64 *issued, __u64 *inflight)
+{
+	*issued = 0;
+	*inflight = 0;
+	struct dev_load *l = bpf_map_lookup_elem(&dev_loads, &dev);
+	if (!l)
+		return;
+	__u64 iss = l->issued, comp = l->completed;
+	struct rq_owner o = { .dev = dev, .tgid = tgid };
+	struct dev_user *u = bpf_map_lookup_elem(&dev_users, &o);
+	if (u) {
+		iss -= u->issued;
+		comp -= u->completed;
+	}
+	*issued = iss;
+	*inflight = iss > comp ? iss - comp : 0;
+}
+
+/* ---- run-queue waits of traced QEMU threads ---- */
+
+static __always_inline int is_qemu(struct task_struct *t)
+{
+	__u32 tgid = BPF_CORE_READ(t, tgid);
+	return bpf_map_lookup_elem(&qemu_procs, &tgid) != NULL;
+}
+
+static __always_inline void mark_runnable(struct task_struct *t)
+{
+	if (!is_qemu(t))
+		return;
+	__u32 tid = BPF_CORE_READ(t, pid);
+	__u64 now = bpf_ktime_get_ns();
+	bpf_map_update_elem(&runnable, &tid, &now, BPF_ANY);
+}
+
+SEC("tp_btf/sched_wakeup")
+int BPF_PROG(qemu_wakeup, struct task_struct *p)
+{
+	mark_runnable(p);
+	return 0;
+}
+
+SEC("tp_btf/sched_wakeup_new")
+int BPF_PROG(qemu_wakeup_new, struct task_struct *p)
+{
+	mark_runnable(p);
+	return 0;
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(qemu_switch, bool preempt, struct task_struct *prev, struct task_struct *next)
+{
+	/* a QEMU thread switched out: preempted while runnable, it waits for a CPU
+	 * from now on; otherwise it sleeps (a wakeup starts its next wait) */
+	if (is_qemu(prev)) {
+		__u32 ptid = BPF_CORE_READ(prev, pid);
+		__u64 now = bpf_ktime_get_ns();
+		if (task_state(prev) == 0)
+			bpf_map_update_elem(&runnable, &ptid, &now, BPF_ANY);
+		else
+			bpf_map_delete_elem(&runnable, &ptid);
+	}
+	if (!is_qemu(next))
+		return 0;
+	__u32 tid = BPF_CORE_READ(next, pid);
+	__u64 *since = bpf_map_lookup_elem(&runnable, &tid);
+	if (!since)
+		return 0;
+	__u64 start = *since, now = bpf_ktime_get_ns();
+	bpf_map_delete_elem(&runnable, &tid);
+	if (now - start < WAIT_MIN_NS)
+		return 0;
+	struct wait_rec *w = bpf_ringbuf_reserve(&waits, sizeof(*w), 0);
+	if (!w) {
+		stat_inc(ST_WAIT_DROP);
+		return 0;
+	}
+	w->start = start;
+	w->end = now;
+	w->tgid = BPF_CORE_READ(next, tgid);
+	w->tid = tid;
+	w->holder_tgid = BPF_CORE_READ(prev, tgid);
+	w->cpu = bpf_get_smp_processor_id();
+	BPF_CORE_READ_STR_INTO(&w->comm, next, comm);
+	BPF_CORE_READ_STR_INTO(&w->holder_comm, prev, comm);
+	bpf_ringbuf_submit(w, BPF_RB_NO_WAKEUP);
+	stat_inc(ST_WAITS);
+	return 0;
+}

@@ -1,0 +1,319 @@
+//! Interference evidence for the why-slow verdicts: the waits of QEMU's threads
+//! for a CPU (the BPF `waits` ring buffer) and the heaviest issuers per host
+//! block device (the BPF `dev_users` counters, read once a second), applied to
+//! the joined requests above the threshold ([`Interfere::fill`]).
+//!
+//! Bounded: at most [`MAX_WAITS_PER_VM`] waits of the last [`HISTORY_NS`] are
+//! kept per QEMU process (older ones are let go first; waits let go before
+//! their time are counted), and the issuer table holds what the BPF map holds.
+
+use std::collections::{HashMap, VecDeque};
+
+use viotrace_shared::interference::overlap_ns;
+use viotrace_shared::record::{JoinedIo, Point};
+
+use crate::bpf::types::{dev_user, rq_owner, wait_rec};
+
+/// How far back waits are kept (a judged request is at most this old).
+pub const HISTORY_NS: u64 = 10_000_000_000;
+/// Waits kept per QEMU process.
+pub const MAX_WAITS_PER_VM: usize = 16_384;
+/// Issuers named per device.
+const TOP_ISSUERS: usize = 3;
+
+/// One QEMU thread's wait for a CPU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Wait {
+    pub start: u64,
+    pub end: u64,
+    /// A vCPU thread (QEMU names them `CPU n/KVM`, `CPU n/TCG`).
+    pub vcpu: bool,
+    /// The task that ran on that CPU just before the thread got it.
+    pub holder_tgid: u32,
+    pub holder_comm: String,
+}
+
+#[derive(Default)]
+pub struct Interfere {
+    waits: HashMap<u32, VecDeque<Wait>>,
+    /// Waits received, and those let go before [`HISTORY_NS`] (per-VM cap).
+    pub waits_seen: u64,
+    pub waits_evicted: u64,
+    /// Requests the evidence was filled in for.
+    pub filled: u64,
+    /// Per (device, issuer): the issued count at the last refresh.
+    last_issued: HashMap<(u32, u32), u64>,
+    /// Per device: its other issuers of the last interval, (tgid, comm, requests), heaviest first.
+    top: HashMap<u32, Vec<(u32, String, u64)>>,
+    /// Traced QEMU processes and their VM labels (to name a neighbour VM).
+    pub vms: HashMap<u32, String>,
+}
+
+/// `vda (254:0)`, or `254:0` when the device has no name in /sys.
+pub fn disk_label(dev: u32) -> String {
+    let (major, minor) = (dev >> 20, dev & 0xf_ffff);
+    let uevent = std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/uevent"));
+    let name = uevent.ok().and_then(|u| {
+        u.lines()
+            .find_map(|l| l.strip_prefix("DEVNAME=").map(str::to_string))
+    });
+    match name {
+        Some(n) => format!("{n} ({major}:{minor})"),
+        None => format!("{major}:{minor}"),
+    }
+}
+
+/// The device of a [`disk_label`]: its `major:minor`.
+fn dev_of_label(label: &str) -> Option<u32> {
+    let mm = label.rsplit(['(', ' ']).next()?.trim_end_matches(')');
+    let (ma, mi) = mm.split_once(':')?;
+    Some((ma.parse::<u32>().ok()? << 20) | mi.parse::<u32>().ok()?)
+}
+
+fn c_str(b: &[i8]) -> String {
+    let bytes: Vec<u8> = b.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+impl Interfere {
+    /// Takes one wait record of the BPF ring buffer.
+    pub fn add_wait(&mut self, w: &wait_rec) {
+        self.waits_seen += 1;
+        let comm = c_str(&w.comm);
+        let q = self.waits.entry(w.tgid).or_default();
+        q.push_back(Wait {
+            start: w.start,
+            end: w.end,
+            vcpu: comm.starts_with("CPU "),
+            holder_tgid: w.holder_tgid,
+            holder_comm: c_str(&w.holder_comm),
+        });
+        let newest = w.end;
+        while let Some(f) = q.front() {
+            if f.end + HISTORY_NS < newest {
+                q.pop_front();
+            } else if q.len() > MAX_WAITS_PER_VM {
+                q.pop_front();
+                self.waits_evicted += 1;
+            } else {
+                break;
+            }
+        }
+    }
+
+    /// Forgets a QEMU process that went away.
+    pub fn forget(&mut self, tgid: u32) {
+        self.waits.remove(&tgid);
+        self.vms.remove(&tgid);
+    }
+
+    /// Once a second: the issuers of every device over the last interval, from
+    /// the BPF per-(device, issuer) counters.
+    pub fn refresh_issuers(&mut self, entries: impl Iterator<Item = (rq_owner, dev_user)>) {
+        let mut top: HashMap<u32, Vec<(u32, String, u64)>> = HashMap::new();
+        let mut seen = HashMap::new();
+        for (k, v) in entries {
+            let before = self.last_issued.get(&(k.dev, k.tgid)).copied().unwrap_or(0);
+            seen.insert((k.dev, k.tgid), v.issued);
+            let n = v.issued.saturating_sub(before);
+            if n > 0 {
+                top.entry(k.dev)
+                    .or_default()
+                    .push((k.tgid, c_str(&v.comm), n));
+            }
+        }
+        for v in top.values_mut() {
+            v.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)));
+        }
+        self.last_issued = seen;
+        self.top = top;
+    }
+
+    /// Fills the evidence of a joined request of QEMU `qemu_pid` (host clock):
+    /// the neighbours on its device, QEMU's and the vCPUs' waits in its window.
+    pub fn fill(&mut self, j: &mut JoinedIo) {
+        let Some(tgid) = j.qemu_pid else { return };
+        let mut ev = j.interference.take().map(|b| *b).unwrap_or_default();
+        if let Some(dev) = ev.host_disk.as_deref().and_then(dev_of_label) {
+            ev.neighbours = self.neighbours(dev, tgid);
+        }
+        let at = |p: Point| j.ts.get(p);
+        let host_from = at(Point::HostNotify).or(at(Point::HostPop)).or(at(Point::HostSubmit));
+        let host_to = at(Point::HostIrq).or(at(Point::HostPush));
+        let waits = self.waits.get(&tgid);
+        let spans = |vcpu: bool| -> Vec<(u64, u64)> {
+            waits
+                .map(|q| q.iter().filter(|w| w.vcpu == vcpu).map(|w| (w.start, w.end)).collect())
+                .unwrap_or_default()
+        };
+        let mut windows: Vec<(u64, u64)> = Vec::new();
+        if let (Some(a), Some(b)) = (host_from, host_to) {
+            ev.qemu_wait_ns = Some(overlap_ns(&spans(false), a, b));
+            windows.push((a, b));
+        }
+        let vcpu = spans(true);
+        let mut vcpu_ns = None;
+        if let (Some(k), Some(p)) = (at(Point::Kick), at(Point::HostPop).or(host_from)) {
+            *vcpu_ns.get_or_insert(0) += overlap_ns(&vcpu, k, p);
+            windows.push((k, p));
+        }
+        if let (Some(n), Some(i)) = (host_to, at(Point::Irq)) {
+            *vcpu_ns.get_or_insert(0) += overlap_ns(&vcpu, n, i);
+            windows.push((n, i));
+        }
+        ev.vcpu_wait_ns = vcpu_ns;
+        ev.cpu_holder = waits.and_then(|q| self.holder(q, &windows));
+        self.filled += 1;
+        j.interference = Some(Box::new(ev));
+    }
+
+    fn neighbours(&self, dev: u32, own: u32) -> Vec<String> {
+        let Some(v) = self.top.get(&dev) else {
+            return Vec::new();
+        };
+        let others: Vec<&(u32, String, u64)> = v.iter().filter(|e| e.0 != own).collect();
+        let sum: u64 = others.iter().map(|e| e.2).sum();
+        others
+            .iter()
+            .take(TOP_ISSUERS)
+            .map(|(tgid, comm, n)| {
+                let who = match self.vms.get(tgid) {
+                    Some(vm) => format!("vm {vm} (pid {tgid})"),
+                    None => format!("pid {tgid} {comm}"),
+                };
+                format!("{who} {} %", n * 100 / sum.max(1))
+            })
+            .collect()
+    }
+
+    /// The task that held the CPU longest while the windows' waits lasted.
+    fn holder(&self, q: &VecDeque<Wait>, windows: &[(u64, u64)]) -> Option<String> {
+        let mut by: HashMap<(u32, &str), u64> = HashMap::new();
+        for w in q {
+            let ns: u64 = windows
+                .iter()
+                .map(|&(a, b)| overlap_ns(&[(w.start, w.end)], a, b))
+                .sum();
+            if ns > 0 {
+                *by.entry((w.holder_tgid, w.holder_comm.as_str())).or_default() += ns;
+            }
+        }
+        let ((tgid, comm), _) = by.into_iter().max_by_key(|e| (e.1, e.0))?;
+        Some(match self.vms.get(&tgid) {
+            Some(vm) => format!("vm {vm} (pid {tgid})"),
+            None if tgid == 0 => "idle/kernel".to_string(),
+            None => format!("pid {tgid} {comm}"),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use viotrace_shared::interference::Interference;
+
+    fn comm(s: &str) -> [i8; 16] {
+        let mut c = [0i8; 16];
+        for (d, b) in c.iter_mut().zip(s.bytes()) {
+            *d = b as i8;
+        }
+        c
+    }
+
+    fn wait(tgid: u32, thread: &str, start: u64, end: u64, holder: u32, hc: &str) -> wait_rec {
+        wait_rec {
+            start,
+            end,
+            tgid,
+            tid: tgid + 1,
+            holder_tgid: holder,
+            cpu: 1,
+            comm: comm(thread),
+            holder_comm: comm(hc),
+        }
+    }
+
+    fn joined(ts: &[(&str, u64)]) -> JoinedIo {
+        let pts: serde_json::Map<String, serde_json::Value> =
+            ts.iter().map(|(k, v)| (k.to_string(), (*v).into())).collect();
+        serde_json::from_value(serde_json::json!({
+            "vm": "vm1", "disk": "vdb", "op": "read", "sector": 8, "bytes": 4096,
+            "joined": true, "ts": pts, "ts_domain": "host", "stages": {}, "substages": {},
+            "qemu_pid": 100,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn waits_in_the_window_are_split_by_thread_kind_and_name_the_holder() {
+        let mut f = Interfere::default();
+        f.add_wait(&wait(100, "worker", 1_000, 6_000, 7, "hog"));
+        f.add_wait(&wait(100, "worker", 5_000, 9_000, 8, "other")); // overlaps the first
+        f.add_wait(&wait(100, "CPU 0/TCG", 500, 1_500, 7, "hog")); // before h.pop: kick window
+        f.add_wait(&wait(200, "worker", 1_000, 9_000, 7, "hog")); // another VM
+        f.add_wait(&wait(100, "worker", 50_000, 60_000, 7, "hog")); // after the request
+        let mut j = joined(&[
+            ("g.kick", 0),
+            ("h.pop", 1_200),
+            ("h.submit", 1_300),
+            ("h.push", 20_000),
+            ("h.irq", 20_100),
+            ("g.irq", 21_000),
+        ]);
+        f.fill(&mut j);
+        let i = j.interference.unwrap();
+        // host window [1200, 20100): worker waits 1200..9000 merged
+        assert_eq!(i.qemu_wait_ns, Some(7_800));
+        // kick window [0, 1200): the vCPU waited 500..1200
+        assert_eq!(i.vcpu_wait_ns, Some(700));
+        assert_eq!(i.cpu_holder.as_deref(), Some("pid 7 hog"));
+    }
+
+    #[test]
+    fn history_is_bounded_and_evictions_counted() {
+        let mut f = Interfere::default();
+        for k in 0..(MAX_WAITS_PER_VM as u64 + 10) {
+            f.add_wait(&wait(1, "worker", k * 10, k * 10 + 5, 2, "x"));
+        }
+        assert_eq!(f.waits[&1].len(), MAX_WAITS_PER_VM);
+        assert_eq!(f.waits_evicted, 10);
+        // a wait far later ages the old ones out (not counted as evictions)
+        f.add_wait(&wait(1, "worker", HISTORY_NS * 3, HISTORY_NS * 3 + 5, 2, "x"));
+        assert_eq!(f.waits[&1].len(), 1);
+        assert_eq!(f.waits_evicted, 10);
+    }
+
+    #[test]
+    fn issuers_are_the_last_intervals_deltas_without_the_vm_itself() {
+        let mut f = Interfere::default();
+        f.vms.insert(300, "db2".into());
+        let dev = (254 << 20) | 16;
+        let e = |tgid: u32, issued: u64, c: &str| {
+            (
+                rq_owner { dev, tgid },
+                dev_user {
+                    issued,
+                    completed: issued,
+                    comm: comm(c),
+                },
+            )
+        };
+        f.refresh_issuers([e(100, 50, "qemu"), e(42, 1000, "fio"), e(300, 10, "qemu")].into_iter());
+        f.refresh_issuers([e(100, 80, "qemu"), e(42, 1090, "fio"), e(300, 20, "qemu")].into_iter());
+        assert_eq!(
+            f.neighbours(dev, 100),
+            vec!["pid 42 fio 90 %".to_string(), "vm db2 (pid 300) 10 %".to_string()]
+        );
+        let mut j = joined(&[("h.submit", 1), ("h.push", 2)]);
+        j.interference = Some(Box::new(Interference {
+            host_disk: Some("vdb (254:16)".into()),
+            neighbour_issued: Some(5),
+            ..Default::default()
+        }));
+        f.fill(&mut j);
+        let i = j.interference.unwrap();
+        assert_eq!(i.neighbours.len(), 2);
+        assert_eq!(i.neighbour_issued, Some(5));
+        assert_eq!(i.qemu_wait_ns, Some(0));
+    }
+}

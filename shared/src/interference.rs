@@ -1,0 +1,102 @@
+//! Interference measured while one request was in flight: what else was using
+//! the host's CPUs and the request's host device (the evidence of the why-slow
+//! verdicts, see `cause`).
+//!
+//! The host agent fills it: the device load from its BPF record (other
+//! issuers' block requests on the same host device), the run-queue waits of the
+//! VM's QEMU threads from its wait records, overlapped with the request's own
+//! time window ([`overlap_ns`]).
+
+use serde::{Deserialize, Serialize};
+
+/// Evidence of interference with one request (JSON: the record's `interference`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Interference {
+    /// The host block device of the backend I/O: `vda (254:0)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_disk: Option<String>,
+    /// Block requests of other issuers (host processes, other VMs) in flight on
+    /// that device when this request's first block request was issued.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub neighbour_inflight: Option<u32>,
+    /// Block requests of other issuers issued on that device while this
+    /// request's were on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub neighbour_issued: Option<u32>,
+    /// The heaviest other issuers on that device over the last second, with
+    /// their share of its other requests: `pid 4242 fio 91 %`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub neighbours: Vec<String>,
+    /// Time QEMU's threads other than its vCPUs (main loop, I/O threads,
+    /// thread-pool workers) spent runnable but not running while the request was
+    /// inside QEMU (`h.pop`/`h.notify` … `h.push`), ns (overlaps merged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qemu_wait_ns: Option<u64>,
+    /// Time this VM's vCPU threads waited for a CPU between the guest's kick and
+    /// QEMU taking the request, and between QEMU's notification and the guest's
+    /// interrupt, ns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpu_wait_ns: Option<u64>,
+    /// The task that held the CPU longest while those threads waited: `pid 77 stress`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_holder: Option<String>,
+}
+
+impl Interference {
+    /// Other issuers' requests seen around this one (in flight at issue + issued meanwhile).
+    pub fn neighbour_load(&self) -> u32 {
+        self.neighbour_inflight
+            .unwrap_or(0)
+            .saturating_add(self.neighbour_issued.unwrap_or(0))
+    }
+}
+
+/// Total length of the parts of `[from, to)` covered by `intervals` (which may
+/// overlap each other), ns.
+pub fn overlap_ns(intervals: &[(u64, u64)], from: u64, to: u64) -> u64 {
+    let mut cut: Vec<(u64, u64)> = intervals
+        .iter()
+        .map(|&(a, b)| (a.max(from), b.min(to)))
+        .filter(|(a, b)| a < b)
+        .collect();
+    cut.sort_unstable();
+    let mut total = 0;
+    let mut cur: Option<(u64, u64)> = None;
+    for (a, b) in cut {
+        match cur {
+            Some((ca, cb)) if a <= cb => cur = Some((ca, cb.max(b))),
+            Some((ca, cb)) => {
+                total += cb - ca;
+                cur = Some((a, b));
+            }
+            None => cur = Some((a, b)),
+        }
+    }
+    total + cur.map_or(0, |(a, b)| b - a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlap_merges_and_clips() {
+        assert_eq!(overlap_ns(&[], 0, 100), 0);
+        assert_eq!(overlap_ns(&[(10, 20)], 0, 100), 10);
+        assert_eq!(overlap_ns(&[(10, 20), (15, 30)], 0, 100), 20);
+        assert_eq!(overlap_ns(&[(10, 20), (40, 50)], 15, 45), 10);
+        assert_eq!(overlap_ns(&[(0, 1000)], 100, 200), 100);
+        assert_eq!(overlap_ns(&[(300, 400)], 100, 200), 0);
+    }
+
+    #[test]
+    fn neighbour_load_adds_and_saturates() {
+        let i = Interference {
+            neighbour_inflight: Some(3),
+            neighbour_issued: Some(u32::MAX),
+            ..Default::default()
+        };
+        assert_eq!(i.neighbour_load(), u32::MAX);
+        assert_eq!(Interference::default().neighbour_load(), 0);
+    }
+}

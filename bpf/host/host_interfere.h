@@ -54,6 +54,23 @@ struct {
 	__type(value, struct rq_owner);
 } rq_owners SEC(".maps");
 
+/* Who made a block request, noted where the submitter still runs (the request's
+ * start, 6.5+, or its insertion into an I/O scheduler): a request may be issued
+ * to the driver later from another context (kblockd, a completion). */
+struct rq_origin {
+	__u32 tgid;     /* the submitting process */
+	__u32 qemu;     /* its traced QEMU (tid_ios), else 0 */
+	__u64 merge_id; /* with qemu: the backend I/O */
+	char comm[16];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_ELEMS);
+	__type(key, __u64); /* struct request * */
+	__type(value, struct rq_origin);
+} rq_origins SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 16384);
@@ -110,14 +127,44 @@ static __always_inline long task_state(struct task_struct *t)
 
 /* ---- device load ---- */
 
-/* Counts a block request's issue; `tgid` is its traced QEMU (0: not ours, the
- * current task is taken as its issuer). Returns the device. */
-static __always_inline __u32 dev_issue(struct request *rq, __u32 tgid)
+static __always_inline void note_origin(struct request *rq)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tid = (__u32)id;
+	struct rq_origin o = { .tgid = id >> 32 };
+	struct tid_io *t = bpf_map_lookup_elem(&tid_ios, &tid);
+	if (t) {
+		o.qemu = t->tgid;
+		o.merge_id = t->merge_id;
+	}
+	bpf_get_current_comm(o.comm, sizeof(o.comm));
+	__u64 k = (__u64)rq;
+	bpf_map_update_elem(&rq_origins, &k, &o, BPF_NOEXIST); /* the first one is the submitter */
+}
+
+SEC("tp_btf/block_io_start")
+int BPF_PROG(rq_io_start, struct request *rq)
+{
+	note_origin(rq);
+	return 0;
+}
+
+SEC("tp_btf/block_rq_insert")
+int BPF_PROG(rq_insert, struct request *rq)
+{
+	note_origin(rq);
+	return 0;
+}
+
+/* Counts a block request's issue to its device. `tgid`: its traced QEMU, else
+ * the submitter noted by note_origin (`o`), else the current task. Returns the
+ * device. */
+static __always_inline __u32 dev_issue(struct request *rq, __u32 tgid, struct rq_origin *origin)
 {
 	__u32 dev = rq_dev(rq);
 	struct rq_owner o = { .dev = dev, .tgid = tgid };
 	if (!tgid)
-		o.tgid = bpf_get_current_pid_tgid() >> 32;
+		o.tgid = origin ? origin->tgid : bpf_get_current_pid_tgid() >> 32;
 	struct dev_load *l = bpf_map_lookup_elem(&dev_loads, &dev);
 	if (!l) {
 		struct dev_load z = {};
@@ -130,9 +177,12 @@ static __always_inline __u32 dev_issue(struct request *rq, __u32 tgid)
 	struct dev_user *u = bpf_map_lookup_elem(&dev_users, &o);
 	if (!u) {
 		struct dev_user z = {};
-		bpf_get_current_comm(z.comm, sizeof(z.comm));
 		if (tgid) /* a QEMU thread: the process's name, not the thread's */
 			__builtin_memcpy(z.comm, "qemu", 5);
+		else if (origin)
+			__builtin_memcpy(z.comm, origin->comm, sizeof(z.comm));
+		else
+			bpf_get_current_comm(z.comm, sizeof(z.comm));
 		bpf_map_update_elem(&dev_users, &o, &z, BPF_NOEXIST);
 		u = bpf_map_lookup_elem(&dev_users, &o);
 	}
@@ -157,6 +207,7 @@ static __always_inline void dev_complete(struct request *rq)
 	if (u)
 		__sync_fetch_and_add(&u->completed, 1);
 	bpf_map_delete_elem(&rq_owners, &k);
+	bpf_map_delete_elem(&rq_origins, &k);
 }
 
 /* Requests of issuers other than `tgid` on `dev`: (issued so far, in flight). */

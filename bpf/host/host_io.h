@@ -291,7 +291,16 @@ int BPF_PROG(disk_issue, struct request *rq)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct tid_io *t = bpf_map_lookup_elem(&tid_ios, &tid);
-	__u32 dev = dev_issue(rq, t ? t->tgid : 0);
+	__u64 k = (__u64)rq;
+	struct rq_origin *origin = bpf_map_lookup_elem(&rq_origins, &k);
+	struct tid_io from_origin = {};
+	if (!t && origin && origin->qemu) {
+		/* issued later from another context (kblockd, a completion) */
+		from_origin.tgid = origin->qemu;
+		from_origin.merge_id = origin->merge_id;
+		t = &from_origin;
+	}
+	__u32 dev = dev_issue(rq, t ? t->tgid : 0, origin);
 	if (!t)
 		return 0;
 	struct tg_ptr ik = { .tgid = t->tgid, .ptr = t->merge_id };
@@ -306,7 +315,6 @@ int BPF_PROG(disk_issue, struct request *rq)
 		io->nb_base = issued;
 		io->nb_inflight = inflight > 0xffffffff ? 0xffffffff : (__u32)inflight;
 	}
-	__u64 k = (__u64)rq;
 	bpf_map_update_elem(&rq_ios, &k, t, BPF_ANY);
 	stat_inc(ST_DISK_MATCHED);
 	return 0;

@@ -61,8 +61,8 @@ impl<'obj> App<'obj> {
     pub fn new(cli: Cli, storage: &'obj mut MaybeUninit<OpenObject>) -> Result<App<'obj>> {
         tracer::ensure_tracefs()?;
         // QEMU threads' waits for a CPU: only for the verdicts (joined mode with -t).
-        let sched = cli.threshold.is_some()
-            && (!cli.listen_uds.is_empty() || cli.listen_vsock.is_some());
+        let sched =
+            cli.threshold.is_some() && (!cli.listen_uds.is_empty() || cli.listen_vsock.is_some());
         let tracer = Tracer::open(storage, cli.pop, sched)?;
         for (what, e) in &tracer.missing_kernel {
             eprintln!("viotrace-host: warning: kernel probe {what} not attached: {e}");

@@ -71,7 +71,11 @@ fn dev_of_label(label: &str) -> Option<u32> {
 }
 
 fn c_str(b: &[i8]) -> String {
-    let bytes: Vec<u8> = b.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    let bytes: Vec<u8> = b
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
@@ -138,12 +142,19 @@ impl Interfere {
             ev.neighbours = self.neighbours(dev, tgid);
         }
         let at = |p: Point| j.ts.get(p);
-        let host_from = at(Point::HostNotify).or(at(Point::HostPop)).or(at(Point::HostSubmit));
+        let host_from = at(Point::HostNotify)
+            .or(at(Point::HostPop))
+            .or(at(Point::HostSubmit));
         let host_to = at(Point::HostIrq).or(at(Point::HostPush));
         let waits = self.waits.get(&tgid);
         let spans = |vcpu: bool| -> Vec<(u64, u64)> {
             waits
-                .map(|q| q.iter().filter(|w| w.vcpu == vcpu).map(|w| (w.start, w.end)).collect())
+                .map(|q| {
+                    q.iter()
+                        .filter(|w| w.vcpu == vcpu)
+                        .map(|w| (w.start, w.end))
+                        .collect()
+                })
                 .unwrap_or_default()
         };
         let mut windows: Vec<(u64, u64)> = Vec::new();
@@ -195,7 +206,8 @@ impl Interfere {
                 .map(|&(a, b)| overlap_ns(&[(w.start, w.end)], a, b))
                 .sum();
             if ns > 0 {
-                *by.entry((w.holder_tgid, w.holder_comm.as_str())).or_default() += ns;
+                *by.entry((w.holder_tgid, w.holder_comm.as_str()))
+                    .or_default() += ns;
             }
         }
         let ((tgid, comm), _) = by.into_iter().max_by_key(|e| (e.1, e.0))?;
@@ -234,8 +246,10 @@ mod tests {
     }
 
     fn joined(ts: &[(&str, u64)]) -> JoinedIo {
-        let pts: serde_json::Map<String, serde_json::Value> =
-            ts.iter().map(|(k, v)| (k.to_string(), (*v).into())).collect();
+        let pts: serde_json::Map<String, serde_json::Value> = ts
+            .iter()
+            .map(|(k, v)| (k.to_string(), (*v).into()))
+            .collect();
         serde_json::from_value(serde_json::json!({
             "vm": "vm1", "disk": "vdb", "op": "read", "sector": 8, "bytes": 4096,
             "joined": true, "ts": pts, "ts_domain": "host", "stages": {}, "substages": {},
@@ -278,7 +292,14 @@ mod tests {
         assert_eq!(f.waits[&1].len(), MAX_WAITS_PER_VM);
         assert_eq!(f.waits_evicted, 10);
         // a wait far later ages the old ones out (not counted as evictions)
-        f.add_wait(&wait(1, "worker", HISTORY_NS * 3, HISTORY_NS * 3 + 5, 2, "x"));
+        f.add_wait(&wait(
+            1,
+            "worker",
+            HISTORY_NS * 3,
+            HISTORY_NS * 3 + 5,
+            2,
+            "x",
+        ));
         assert_eq!(f.waits[&1].len(), 1);
         assert_eq!(f.waits_evicted, 10);
     }
@@ -302,7 +323,10 @@ mod tests {
         f.refresh_issuers([e(100, 80, "qemu"), e(42, 1090, "fio"), e(300, 20, "qemu")].into_iter());
         assert_eq!(
             f.neighbours(dev, 100),
-            vec!["pid 42 fio 90 %".to_string(), "vm db2 (pid 300) 10 %".to_string()]
+            vec![
+                "pid 42 fio 90 %".to_string(),
+                "vm db2 (pid 300) 10 %".to_string()
+            ]
         );
         let mut j = joined(&[("h.submit", 1), ("h.push", 2)]);
         j.interference = Some(Box::new(Interference {

@@ -6,13 +6,25 @@
 //!   under the limit build the baseline, bursts over it are held inside QEMU
 //!   before the host system call: the verdict must be `qemu_queue`.
 //! - The same workload without throttling: almost nothing is flagged.
+//! - Noisy neighbour: a host process writes 1 MiB blocks at queue depth 64 to
+//!   the file system of the VM's disks in bursts (1 s on, 4 s off) while the guest
+//!   reads its prefilled disk (QEMU `cache=none`): the verdict must be
+//!   `noisy_neighbour`, naming the process.
+//! - Starved QEMU: QEMU's threads other than its vCPU are pinned to a CPU where a
+//!   SCHED_FIFO hog spins 15 ms out of every 50: the verdict must be
+//!   `qemu_starved`, naming the hog.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 use viotrace_shared::cause::CauseKind;
 use viotrace_shared::record::{JoinedIo, Op};
+
+use viotrace_vm_tests::interfere::{self, Injector};
 use viotrace_vm_tests::{Agents, VmConfig};
 
 mod common;
-use common::run_agents;
+use common::{out_dir, qemu_processes_named, run_agents};
 
 const THRESHOLD_NS: u64 = 5_000_000;
 
@@ -28,16 +40,38 @@ done
 sleep 2
 ";
 
+/// 32 MiB of vdb written (so that its reads reach the host's disk), then 30 s
+/// of reads paced at 25/s.
+const PREFILLED_PACED: &str = "dd if=/dev/zero of=/dev/vdb bs=1M count=32 oflag=direct 2>/dev/null
+sleep 1
+fio --name=paced --filename=/dev/vdb --rw=randread --bs=4k --direct=1 --ioengine=psync \
+    --rate_iops=25 --runtime=30 --time_based --size=32M --output=/dev/null
+sleep 2
+";
+
 fn run(name: &str, qemu_args: Vec<String>) -> (Vec<JoinedIo>, String) {
+    let cfg = VmConfig {
+        qemu_args,
+        ..VmConfig::default()
+    };
+    run_with(name, cfg, "5ms", PACED_AND_BURSTS, 200)
+}
+
+fn run_with(
+    name: &str,
+    cfg: VmConfig,
+    threshold: &str,
+    workload: &str,
+    min_reads: usize,
+) -> (Vec<JoinedIo>, String) {
     let r = run_agents(
         name,
         Agents::Both,
         VmConfig {
-            host_args: vec!["-t".into(), "5ms".into()],
-            qemu_args,
-            ..VmConfig::default()
+            host_args: vec!["-t".into(), threshold.into()],
+            ..cfg
         },
-        PACED_AND_BURSTS,
+        workload,
     );
     let hlog = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
     assert_eq!(r.host_agent_rc, Some(0), "host agent:\n{hlog}");
@@ -49,7 +83,11 @@ fn run(name: &str, qemu_args: Vec<String>) -> (Vec<JoinedIo>, String) {
         .filter(|j| j.joined && j.disk.as_deref() == Some("vdb") && j.op == Op::Read)
         .cloned()
         .collect();
-    assert!(vdb.len() >= 200, "too few joined vdb reads: {}", vdb.len());
+    assert!(
+        vdb.len() >= min_reads,
+        "too few joined vdb reads: {}",
+        vdb.len()
+    );
     (vdb, hlog)
 }
 
@@ -58,9 +96,137 @@ fn kind(j: &JoinedIo) -> Option<CauseKind> {
 }
 
 fn slow(recs: &[JoinedIo]) -> Vec<&JoinedIo> {
+    slower_than(recs, THRESHOLD_NS)
+}
+
+fn slower_than(recs: &[JoinedIo], ns: u64) -> Vec<&JoinedIo> {
     recs.iter()
-        .filter(|j| j.total_ns.unwrap_or(0) >= THRESHOLD_NS as i64)
+        .filter(|j| j.total_ns.unwrap_or(0) >= ns as i64)
         .collect()
+}
+
+/// Runs `start(qemu pid)` once the run's QEMU (`-name vt-<name>`) is up and keeps
+/// what it returns until `done` is set.
+fn inject_when_up(
+    name: &str,
+    done: Arc<AtomicBool>,
+    start: impl FnOnce(u32) -> anyhow::Result<Injector> + Send + 'static,
+) -> std::thread::JoinHandle<Option<u64>> {
+    let needle = format!("vt-{name}");
+    std::thread::spawn(move || {
+        let pid = loop {
+            if done.load(Ordering::Relaxed) {
+                return None;
+            }
+            let qemu = qemu_processes_named(&needle).into_iter().find(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/comm"))
+                    .is_ok_and(|c| c.starts_with("qemu"))
+            });
+            match qemu {
+                Some(p) => break p,
+                None => std::thread::sleep(Duration::from_millis(100)),
+            }
+        };
+        let inj = start(pid).expect("start the injector");
+        while !done.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Some(inj.bursts.load(Ordering::Relaxed))
+    })
+}
+
+/// Checks that ≥ 90 % of the reads above `threshold_ns` are named `want`.
+fn check_named(what: &str, rec: &[JoinedIo], threshold_ns: u64, want: CauseKind) -> usize {
+    let slow = slower_than(rec, threshold_ns);
+    let named = slow.iter().filter(|j| kind(j) == Some(want)).count();
+    let kinds: Vec<Option<CauseKind>> = slow.iter().map(|j| kind(j)).collect();
+    eprintln!(
+        "{what}: {} reads, {} above the threshold, {named} named {}; causes {kinds:?}",
+        rec.len(),
+        slow.len(),
+        want.name()
+    );
+    assert!(
+        slow.len() >= 10,
+        "{what}: too few slow reads: {}",
+        slow.len()
+    );
+    assert!(
+        named * 10 >= slow.len() * 9,
+        "{what}: {named} of {} slow reads named {}: {kinds:?}",
+        slow.len(),
+        want.name()
+    );
+    named
+}
+
+#[test]
+fn a_noisy_neighbour_on_the_host_disk_is_named_with_its_process() {
+    let name = "why-noisy";
+    let done = Arc::new(AtomicBool::new(false));
+    let dir = out_dir(&format!("{name}-neighbour"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let inj = inject_when_up(name, done.clone(), move |_| {
+        interfere::noisy_neighbour(&dir, Duration::from_secs(1), Duration::from_secs(4))
+    });
+    let cfg = VmConfig {
+        cache: "none".into(),
+        ..VmConfig::default()
+    };
+    let (rec, hlog) = run_with(name, cfg, "4ms", PREFILLED_PACED, 600);
+    done.store(true, Ordering::Relaxed);
+    let bursts = inj.join().unwrap().expect("the neighbour ran");
+    eprintln!("neighbour bursts: {bursts}");
+    check_named("noisy", &rec, 4_000_000, CauseKind::NoisyNeighbour);
+    let example = rec
+        .iter()
+        .find(|j| kind(j) == Some(CauseKind::NoisyNeighbour))
+        .unwrap();
+    let c = example.cause.as_ref().unwrap();
+    let ev = example
+        .interference
+        .as_ref()
+        .expect("interference evidence");
+    assert!(ev.neighbour_load() >= 2, "{example:?}");
+    assert!(
+        ev.neighbours.iter().any(|n| n.contains(" fio ")),
+        "the neighbour process is not named: {example:?}"
+    );
+    assert!(
+        c.evidence.contains("other requests on") && c.evidence.contains("fio"),
+        "{c:?}"
+    );
+    assert!(hlog.contains("cause: noisy_neighbour"), "{hlog}");
+}
+
+#[test]
+fn a_starved_qemu_is_named_with_the_cpu_hog() {
+    let name = "why-starved";
+    let done = Arc::new(AtomicBool::new(false));
+    let inj = inject_when_up(name, done.clone(), |pid| {
+        interfere::starve_qemu(pid, Duration::from_millis(15), Duration::from_millis(50))
+    });
+    let (rec, hlog) = run_with(name, VmConfig::default(), "5ms", PREFILLED_PACED, 600);
+    done.store(true, Ordering::Relaxed);
+    let spins = inj.join().unwrap().expect("the hog ran");
+    eprintln!("hog spins: {spins}");
+    check_named("starved", &rec, THRESHOLD_NS, CauseKind::QemuStarved);
+    let example = rec
+        .iter()
+        .find(|j| kind(j) == Some(CauseKind::QemuStarved))
+        .unwrap();
+    let ev = example
+        .interference
+        .as_ref()
+        .expect("interference evidence");
+    assert!(ev.qemu_wait_ns.unwrap_or(0) > 0, "{example:?}");
+    assert!(
+        ev.cpu_holder
+            .as_deref()
+            .is_some_and(|h| h.contains("cpu-hog")),
+        "the hog is not named: {example:?}"
+    );
+    assert!(hlog.contains("cause: qemu_starved"), "{hlog}");
 }
 
 #[test]

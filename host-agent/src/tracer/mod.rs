@@ -93,9 +93,14 @@ impl<'obj> Tracer<'obj> {
         pop: bool,
         sched: bool,
     ) -> Result<Tracer<'obj>> {
-        let open = ViotraceHostSkelBuilder::default()
+        let mut open = ViotraceHostSkelBuilder::default()
             .open(storage)
             .context("opening the BPF object")?;
+        // block_io_start (6.5+): without it the submitter of a request dispatched
+        // later is taken from its insertion into the I/O scheduler (block_rq_insert).
+        if !Path::new("/sys/kernel/tracing/events/block/block_io_start").exists() {
+            open.progs.rq_io_start.set_autoload(false);
+        }
         let mut skel = open.load().context("loading the BPF programs")?;
         let mut tp_links = Vec::new();
         let mut missing_kernel = Vec::new();

@@ -40,7 +40,9 @@ fn key() -> ClassKey {
 fn warm(e: &mut Engine) {
     for _ in 0..32 {
         let (s, t) = req("", 0);
-        assert!(e.observe(&key(), &s, &Stages::default(), t, MS, None).is_none());
+        assert!(e
+            .observe(&key(), &s, &Stages::default(), t, MS, None)
+            .is_none());
     }
 }
 
@@ -101,7 +103,9 @@ fn substage_refines_host_io_into_qemu_queue() {
 fn not_judged_before_a_baseline_or_under_the_threshold() {
     let mut e = Engine::new(16);
     let (s, t) = req("host_io", 30 * MS);
-    assert!(e.observe(&key(), &s, &Stages::default(), t, MS, None).is_none());
+    assert!(e
+        .observe(&key(), &s, &Stages::default(), t, MS, None)
+        .is_none());
     warm(&mut e);
     // Above the class baseline ×3 but under the absolute threshold.
     let (s, t) = req("host_io", 2 * MS);
@@ -111,7 +115,9 @@ fn not_judged_before_a_baseline_or_under_the_threshold() {
     // Another class has no baseline of its own.
     let k2 = ClassKey::new("vm1", "vda", Op::Write, 4096);
     let (s, t) = req("host_io", 30 * MS);
-    assert!(e.observe(&k2, &s, &Stages::default(), t, MS, None).is_none());
+    assert!(e
+        .observe(&k2, &s, &Stages::default(), t, MS, None)
+        .is_none());
 }
 
 #[test]
@@ -120,7 +126,9 @@ fn classes_beyond_the_limit_are_counted() {
     let (s, t) = req("", 0);
     e.observe(&key(), &s, &Stages::default(), t, MS, None);
     let k2 = ClassKey::new("vm2", "vda", Op::Read, 4096);
-    assert!(e.observe(&k2, &s, &Stages::default(), t, MS, None).is_none());
+    assert!(e
+        .observe(&k2, &s, &Stages::default(), t, MS, None)
+        .is_none());
     assert_eq!(e.classes_refused, 1);
 }
 
@@ -279,7 +287,10 @@ fn interference_names_who_when_it_explains_the_excess() {
         cause(CauseKind::QemuQueue, "host_io.queue", 21 * MS, MS),
         Some(&starved),
     );
-    assert_eq!((c.kind, c.evidence.as_str()), (CauseKind::QemuQueue, "base"));
+    assert_eq!(
+        (c.kind, c.evidence.as_str()),
+        (CauseKind::QemuQueue, "base")
+    );
     let c = refine(
         cause(CauseKind::GuestTask, "guest_fs", 11 * MS, MS),
         Some(&starved),

@@ -10,7 +10,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use viotrace_shared::interference::overlap_ns;
-use viotrace_shared::record::{JoinedIo, Point};
+use viotrace_shared::record::{ClockDomain, JoinedIo, Point};
 
 use crate::bpf::types::{dev_user, rq_owner, wait_rec};
 
@@ -134,7 +134,10 @@ impl Interfere {
     }
 
     /// Fills the evidence of a joined request of QEMU `qemu_pid` (host clock):
-    /// the neighbours on its device, QEMU's and the vCPUs' waits in its window.
+    /// the neighbours on its device, QEMU's waits while it was in flight (first
+    /// to last point: under TCG, or on a vCPU exit that needs QEMU's big lock, a
+    /// preempted main loop stalls the guest's own stages too) and the vCPUs'
+    /// waits around the kick and the interrupt.
     pub fn fill(&mut self, j: &mut JoinedIo) {
         let Some(tgid) = j.qemu_pid else { return };
         let mut ev = j.interference.take().map(|b| *b).unwrap_or_default();
@@ -146,6 +149,15 @@ impl Interfere {
             .or(at(Point::HostPop))
             .or(at(Point::HostSubmit));
         let host_to = at(Point::HostIrq).or(at(Point::HostPush));
+        // The whole request when its guest points are in the host's clock, else
+        // its host part.
+        let (from, to) = match j.ts_domain {
+            ClockDomain::Host => (
+                j.ts.iter().map(|(_, t)| t).min(),
+                j.ts.iter().map(|(_, t)| t).max(),
+            ),
+            ClockDomain::Guest => (host_from, host_to),
+        };
         let waits = self.waits.get(&tgid);
         let spans = |vcpu: bool| -> Vec<(u64, u64)> {
             waits
@@ -158,7 +170,7 @@ impl Interfere {
                 .unwrap_or_default()
         };
         let mut windows: Vec<(u64, u64)> = Vec::new();
-        if let (Some(a), Some(b)) = (host_from, host_to) {
+        if let (Some(a), Some(b)) = (from, to) {
             ev.qemu_wait_ns = Some(overlap_ns(&spans(false), a, b));
             windows.push((a, b));
         }
@@ -276,8 +288,8 @@ mod tests {
         ]);
         f.fill(&mut j);
         let i = j.interference.unwrap();
-        // host window [1200, 20100): worker waits 1200..9000 merged
-        assert_eq!(i.qemu_wait_ns, Some(7_800));
+        // the request [0, 21000): worker waits 1000..9000 merged
+        assert_eq!(i.qemu_wait_ns, Some(8_000));
         // kick window [0, 1200): the vCPU waited 500..1200
         assert_eq!(i.vcpu_wait_ns, Some(700));
         assert_eq!(i.cpu_holder.as_deref(), Some("pid 7 hog"));

@@ -29,7 +29,7 @@ pub struct Interference {
     pub neighbours: Vec<String>,
     /// Time QEMU's threads other than its vCPUs (main loop, I/O threads,
     /// thread-pool workers) spent runnable but not running while the request was
-    /// inside QEMU (`h.pop`/`h.notify` … `h.push`), ns (overlaps merged).
+    /// in flight (its first to its last point), ns (overlaps merged).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qemu_wait_ns: Option<u64>,
     /// Time this VM's vCPU threads waited for a CPU between the guest's kick and

@@ -11,7 +11,9 @@
 //!   reads its prefilled disk (QEMU `cache=none`): the verdict must be
 //!   `noisy_neighbour`, naming the process.
 //! - Starved QEMU: QEMU's threads other than its vCPU are pinned to a CPU where a
-//!   SCHED_FIFO hog spins 15 ms out of every 50: the verdict must be
+//!   SCHED_FIFO hog spins 20 ms out of every 60 while the guest reads back to
+//!   back (under TCG the stall freezes the vCPU too, through QEMU's big lock, so
+//!   it is the request in flight at a spin's start that is hit): the verdict must be
 //!   `qemu_starved`, naming the hog.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -46,6 +48,14 @@ const PREFILLED_PACED: &str = "dd if=/dev/zero of=/dev/vdb bs=1M count=32 oflag=
 sleep 1
 fio --name=paced --filename=/dev/vdb --rw=randread --bs=4k --direct=1 --ioengine=psync \
     --rate_iops=25 --runtime=30 --time_based --size=32M --output=/dev/null
+sleep 2
+";
+
+/// 32 MiB of vdb written, then 20 s of back-to-back 4 KiB reads (QD1).
+const PREFILLED_QD1: &str = "dd if=/dev/zero of=/dev/vdb bs=1M count=32 oflag=direct 2>/dev/null
+sleep 1
+fio --name=qd1 --filename=/dev/vdb --rw=randread --bs=4k --direct=1 --ioengine=psync \\
+    --runtime=20 --time_based --size=32M --output=/dev/null
 sleep 2
 ";
 
@@ -204,27 +214,37 @@ fn a_starved_qemu_is_named_with_the_cpu_hog() {
     let name = "why-starved";
     let done = Arc::new(AtomicBool::new(false));
     let inj = inject_when_up(name, done.clone(), |pid| {
-        interfere::starve_qemu(pid, Duration::from_millis(15), Duration::from_millis(50))
+        interfere::starve_qemu(pid, Duration::from_millis(20), Duration::from_millis(60))
     });
-    let (rec, hlog) = run_with(name, VmConfig::default(), "5ms", PREFILLED_PACED, 600);
+    let (rec, hlog) = run_with(name, VmConfig::default(), "5ms", PREFILLED_QD1, 600);
     done.store(true, Ordering::Relaxed);
     let spins = inj.join().unwrap().expect("the hog ran");
     eprintln!("hog spins: {spins}");
     check_named("starved", &rec, THRESHOLD_NS, CauseKind::QemuStarved);
-    let example = rec
+    let starved: Vec<&JoinedIo> = rec
         .iter()
-        .find(|j| kind(j) == Some(CauseKind::QemuStarved))
-        .unwrap();
-    let ev = example
-        .interference
-        .as_ref()
-        .expect("interference evidence");
-    assert!(ev.qemu_wait_ns.unwrap_or(0) > 0, "{example:?}");
+        .filter(|j| kind(j) == Some(CauseKind::QemuStarved))
+        .collect();
+    let by_hog = starved
+        .iter()
+        .filter(|j| {
+            let ev = j.interference.as_ref().expect("interference evidence");
+            ev.qemu_wait_ns.unwrap_or(0) > 0
+                && ev
+                    .cpu_holder
+                    .as_deref()
+                    .is_some_and(|h| h.contains("cpu-hog"))
+        })
+        .count();
+    eprintln!(
+        "{by_hog} of {} qemu_starved verdicts name the hog",
+        starved.len()
+    );
     assert!(
-        ev.cpu_holder
-            .as_deref()
-            .is_some_and(|h| h.contains("cpu-hog")),
-        "the hog is not named: {example:?}"
+        by_hog * 2 >= starved.len(),
+        "only {by_hog} of {} qemu_starved verdicts name the hog: {:?}",
+        starved.len(),
+        starved.first()
     );
     assert!(hlog.contains("cause: qemu_starved"), "{hlog}");
 }

@@ -345,8 +345,9 @@ impl ClassBaseline {
 pub const MIN_NEIGHBOUR_LOAD: u32 = 2;
 
 /// Names who caused a verdict's stage to grow, when the interference evidence
-/// explains it: QEMU's threads or the vCPUs waiting for a CPU for at least half
-/// the stage's excess, or other issuers' requests on the host device.
+/// explains it: the vCPUs (for the kick and the interrupt) or QEMU's own
+/// threads (for any stage) waiting for a CPU for at least half the stage's
+/// excess, or other issuers' requests on the host device.
 pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
     let Some(ev) = ev else { return c };
     let excess = (c.stage_ns - c.baseline_ns).max(1) as u64;
@@ -366,7 +367,9 @@ pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
                 fmt_ns(vcpu as i64)
             ),
         ),
-        HostNotify | QemuQueue | QemuCompletion | HostDevice if explains(qemu) => (
+        // Any stage: a preempted QEMU thread holding QEMU's big lock stalls the
+        // vCPUs too (vCPU exits, and all of TCG, need it).
+        _ if explains(qemu) => (
             QemuStarved,
             format!(
                 "QEMU's threads were runnable but not running for {}{holder}",

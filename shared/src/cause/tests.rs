@@ -282,7 +282,7 @@ fn interference_names_who_when_it_explains_the_excess() {
         "{}",
         c.evidence
     );
-    // … not a 20 ms one, and not a guest stage.
+    // … not a 20 ms one; a guest stage they explain too (QEMU's big lock).
     let c = refine(
         cause(CauseKind::QemuQueue, "host_io.queue", 21 * MS, MS),
         Some(&starved),
@@ -292,10 +292,15 @@ fn interference_names_who_when_it_explains_the_excess() {
         (CauseKind::QemuQueue, "base")
     );
     let c = refine(
-        cause(CauseKind::GuestTask, "guest_fs", 11 * MS, MS),
+        cause(CauseKind::GuestQueue, "guest_queue", 11 * MS, MS),
         Some(&starved),
     );
-    assert_eq!(c.kind, CauseKind::GuestTask);
+    assert_eq!(c.kind, CauseKind::QemuStarved);
+    let c = refine(
+        cause(CauseKind::GuestQueue, "guest_queue", 11 * MS, MS),
+        Some(&Interference::default()),
+    );
+    assert_eq!(c.kind, CauseKind::GuestQueue);
 
     let vcpu = Interference {
         vcpu_wait_ns: Some(3 * MS as u64),

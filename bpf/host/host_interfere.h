@@ -11,12 +11,14 @@
  *    per-process counters once a second to name the top issuers.
  *  - run-queue waits of traced QEMU threads: a thread of a traced QEMU that is
  *    woken (or preempted) and then waits at least WAIT_MIN_NS for a CPU produces
- *    one wait_rec on its own small ring buffer, with the task that ran on that CPU
- *    just before it. Only QEMU threads are looked at: two hash lookups per
+ *    one wait_rec on its own small ring buffer, with the task that kept it off
+ *    the CPU: the one that preempted it, or the one running on the CPU it was
+ *    woken onto (kept per CPU by the same sched_switch program). Only QEMU threads are looked at: two hash lookups per
  *    context switch for everyone else.
  *
- * Kernel differences: the request's disk (rq->q->disk 5.16+, rq->rq_disk before)
- * and the task state field (__state 5.14+, state before), both CO-RE checked.
+ * Kernel differences: the request's disk (rq->q->disk 5.16+, rq->rq_disk before),
+ * the task state field (__state 5.14+, state before) and the task's CPU
+ * (thread_info.cpu or task->cpu), all CO-RE checked.
  */
 #pragma once
 
@@ -71,11 +73,19 @@ struct {
 	__type(value, struct rq_origin);
 } rq_origins SEC(".maps");
 
+/* A traced QEMU thread waiting for a CPU. */
+struct run_wait {
+	__u64 since;
+	__u32 holder_tgid; /* 0: not known at the start (or the idle task) */
+	__u32 pad;
+	char holder_comm[16];
+};
+
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 16384);
-	__type(key, __u32);   /* tid of a traced QEMU thread */
-	__type(value, __u64); /* runnable since (ns) */
+	__type(key, __u32); /* tid of a traced QEMU thread */
+	__type(value, struct run_wait);
 } runnable SEC(".maps");
 
 struct {
@@ -231,32 +241,79 @@ static __always_inline void dev_others(__u32 dev, __u32 tgid, __u64 *issued, __u
 
 /* ---- run-queue waits of traced QEMU threads ---- */
 
+/* The task each CPU runs (sched_switch keeps it), to name the one a woken QEMU
+ * thread waits behind. */
+struct cpu_task {
+	__u64 task; /* struct task_struct * */
+	__u32 tgid;
+	__u32 pad;
+};
+
+#define MAX_CPUS 1024
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_CPUS);
+	__type(key, __u32);
+	__type(value, struct cpu_task);
+} cpu_curr SEC(".maps");
+
+struct task_struct___cpu {
+	unsigned int cpu;
+} __attribute__((preserve_access_index));
+
+/* The CPU a task is queued on (thread_info.cpu before 5.16 on x86, task->cpu after). */
+static __always_inline __u32 task_cpu_of(struct task_struct *t)
+{
+	if (bpf_core_field_exists(t->thread_info.cpu))
+		return BPF_CORE_READ(t, thread_info.cpu);
+	return BPF_CORE_READ((struct task_struct___cpu *)t, cpu);
+}
+
 static __always_inline int is_qemu(struct task_struct *t)
 {
 	__u32 tgid = BPF_CORE_READ(t, tgid);
 	return bpf_map_lookup_elem(&qemu_procs, &tgid) != NULL;
 }
 
-static __always_inline void mark_runnable(struct task_struct *t)
+/* A QEMU thread starts waiting for a CPU; `holder`: the task keeping it from
+ * running (the one that preempted it, or the one running where it was woken). */
+/* A QEMU thread starts waiting for a CPU behind `holder` (tgid and task pointer;
+ * 0: not known): the task that preempted it, or the one running on the CPU it
+ * was woken onto. */
+static __always_inline void wait_start(struct task_struct *t, __u32 holder_tgid, __u64 holder)
 {
-	if (!is_qemu(t))
-		return;
 	__u32 tid = BPF_CORE_READ(t, pid);
-	__u64 now = bpf_ktime_get_ns();
-	bpf_map_update_elem(&runnable, &tid, &now, BPF_ANY);
+	struct run_wait w = { .since = bpf_ktime_get_ns(), .holder_tgid = holder_tgid };
+	if (holder)
+		bpf_probe_read_kernel_str(&w.holder_comm, sizeof(w.holder_comm),
+					  &((struct task_struct *)holder)->comm);
+	bpf_map_update_elem(&runnable, &tid, &w, BPF_ANY);
+}
+
+static __always_inline void woken(struct task_struct *p)
+{
+	if (!is_qemu(p))
+		return;
+	__u32 cpu = task_cpu_of(p);
+	struct cpu_task *c = bpf_map_lookup_elem(&cpu_curr, &cpu);
+	if (c)
+		wait_start(p, c->tgid, c->task);
+	else
+		wait_start(p, 0, 0);
 }
 
 SEC("tp_btf/sched_wakeup")
 int BPF_PROG(qemu_wakeup, struct task_struct *p)
 {
-	mark_runnable(p);
+	woken(p);
 	return 0;
 }
 
 SEC("tp_btf/sched_wakeup_new")
 int BPF_PROG(qemu_wakeup_new, struct task_struct *p)
 {
-	mark_runnable(p);
+	woken(p);
 	return 0;
 }
 
@@ -264,27 +321,35 @@ SEC("tp_btf/sched_switch")
 int BPF_PROG(qemu_switch, bool preempt, struct task_struct *prev, struct task_struct *next)
 {
 	/* a QEMU thread switched out: preempted while runnable, it waits for a CPU
-	 * from now on; otherwise it sleeps (a wakeup starts its next wait) */
+	 * from now on (held by `next`); otherwise it sleeps (a wakeup starts its
+	 * next wait) */
+	__u32 cpu = bpf_get_smp_processor_id();
+	struct cpu_task *c = bpf_map_lookup_elem(&cpu_curr, &cpu);
+	if (c) {
+		c->task = (__u64)next;
+		c->tgid = BPF_CORE_READ(next, tgid);
+	}
 	if (is_qemu(prev)) {
 		__u32 ptid = BPF_CORE_READ(prev, pid);
-		__u64 now = bpf_ktime_get_ns();
 		if (task_state(prev) == 0)
-			bpf_map_update_elem(&runnable, &ptid, &now, BPF_ANY);
+			wait_start(prev, BPF_CORE_READ(next, tgid), (__u64)next);
 		else
 			bpf_map_delete_elem(&runnable, &ptid);
 	}
 	if (!is_qemu(next))
 		return 0;
 	__u32 tid = BPF_CORE_READ(next, pid);
-	__u64 *since = bpf_map_lookup_elem(&runnable, &tid);
-	if (!since)
+	struct run_wait *rw = bpf_map_lookup_elem(&runnable, &tid);
+	if (!rw)
 		return 0;
-	__u64 start = *since, now = bpf_ktime_get_ns();
-	bpf_map_delete_elem(&runnable, &tid);
-	if (now - start < WAIT_MIN_NS)
+	__u64 start = rw->since, now = bpf_ktime_get_ns();
+	if (now - start < WAIT_MIN_NS) {
+		bpf_map_delete_elem(&runnable, &tid);
 		return 0;
+	}
 	struct wait_rec *w = bpf_ringbuf_reserve(&waits, sizeof(*w), 0);
 	if (!w) {
+		bpf_map_delete_elem(&runnable, &tid);
 		stat_inc(ST_WAIT_DROP);
 		return 0;
 	}
@@ -292,10 +357,21 @@ int BPF_PROG(qemu_switch, bool preempt, struct task_struct *prev, struct task_st
 	w->end = now;
 	w->tgid = BPF_CORE_READ(next, tgid);
 	w->tid = tid;
-	w->holder_tgid = BPF_CORE_READ(prev, tgid);
-	w->cpu = bpf_get_smp_processor_id();
+	w->cpu = cpu;
 	BPF_CORE_READ_STR_INTO(&w->comm, next, comm);
-	BPF_CORE_READ_STR_INTO(&w->holder_comm, prev, comm);
+	/* the task noted at the wait's start; but the one that ran just before
+	 * when none was noted (woken onto an idle CPU that another task took first)
+	 * or when the noted one is a thread of the same QEMU while the last one is
+	 * not (a sibling got the CPU first, then an outsider kept it) */
+	__u32 prev_tgid = BPF_CORE_READ(prev, tgid);
+	if (rw->holder_tgid && !(rw->holder_tgid == w->tgid && prev_tgid != w->tgid && prev_tgid)) {
+		w->holder_tgid = rw->holder_tgid;
+		__builtin_memcpy(w->holder_comm, rw->holder_comm, sizeof(w->holder_comm));
+	} else {
+		w->holder_tgid = prev_tgid;
+		BPF_CORE_READ_STR_INTO(&w->holder_comm, prev, comm);
+	}
+	bpf_map_delete_elem(&runnable, &tid);
 	bpf_ringbuf_submit(w, BPF_RB_NO_WAKEUP);
 	stat_inc(ST_WAITS);
 	return 0;

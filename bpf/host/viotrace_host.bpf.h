@@ -90,8 +90,8 @@ struct dev_user {
 };
 
 /* A traced QEMU thread that waited at least WAIT_MIN_NS for a CPU (ring buffer
- * `waits`): runnable from start to end; holder: the task that ran on that CPU
- * just before it. */
+ * `waits`): runnable from start to end; holder: the task that kept it off the
+ * CPU (see host_interfere.h). */
 struct wait_rec {
 	__u64 start;
 	__u64 end;

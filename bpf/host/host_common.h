@@ -58,6 +58,8 @@ struct io_state {
 	__u32 disk_dev;
 	__u32 nb_inflight;
 	__u64 nb_base; /* their requests issued before this I/O's first block request */
+	__u64 nb_bytes_base; /* and their bytes */
+	__u64 nb_bytes;
 	__u32 nb_issued;
 	__u32 pad2;
 };

@@ -28,6 +28,7 @@
 struct dev_load {
 	__u64 issued;
 	__u64 completed;
+	__u64 bytes; /* issued */
 };
 
 struct rq_owner {
@@ -175,6 +176,11 @@ static __always_inline __u32 dev_issue(struct request *rq, __u32 tgid, struct rq
 	struct rq_owner o = { .dev = dev, .tgid = tgid };
 	if (!tgid)
 		o.tgid = origin ? origin->tgid : bpf_get_current_pid_tgid() >> 32;
+	/* Counted once: a request the driver could not take (a full virtqueue,
+	 * BLK_STS_*RESOURCE) is issued again later, and completes once. */
+	__u64 k = (__u64)rq;
+	if (bpf_map_update_elem(&rq_owners, &k, &o, BPF_NOEXIST))
+		return dev;
 	struct dev_load *l = bpf_map_lookup_elem(&dev_loads, &dev);
 	if (!l) {
 		struct dev_load z = {};
@@ -183,7 +189,9 @@ static __always_inline __u32 dev_issue(struct request *rq, __u32 tgid, struct rq
 		if (!l)
 			return dev;
 	}
+	__u64 bytes = BPF_CORE_READ(rq, __data_len);
 	__sync_fetch_and_add(&l->issued, 1);
+	__sync_fetch_and_add(&l->bytes, bytes);
 	struct dev_user *u = bpf_map_lookup_elem(&dev_users, &o);
 	if (!u) {
 		struct dev_user z = {};
@@ -196,10 +204,10 @@ static __always_inline __u32 dev_issue(struct request *rq, __u32 tgid, struct rq
 		bpf_map_update_elem(&dev_users, &o, &z, BPF_NOEXIST);
 		u = bpf_map_lookup_elem(&dev_users, &o);
 	}
-	if (u)
+	if (u) {
 		__sync_fetch_and_add(&u->issued, 1);
-	__u64 k = (__u64)rq;
-	bpf_map_update_elem(&rq_owners, &k, &o, BPF_ANY);
+		__sync_fetch_and_add(&u->bytes, bytes);
+	}
 	return dev;
 }
 
@@ -220,23 +228,31 @@ static __always_inline void dev_complete(struct request *rq)
 	bpf_map_delete_elem(&rq_origins, &k);
 }
 
-/* Requests of issuers other than `tgid` on `dev`: (issued so far, in flight). */
-static __always_inline void dev_others(__u32 dev, __u32 tgid, __u64 *issued, __u64 *inflight)
+/* Requests of issuers other than `tgid` on `dev`. */
+struct others {
+	__u64 issued;   /* so far */
+	__u64 bytes;    /* so far */
+	__u64 inflight; /* now */
+};
+
+static __always_inline struct others dev_others(__u32 dev, __u32 tgid)
 {
-	*issued = 0;
-	*inflight = 0;
+	struct others r = {};
 	struct dev_load *l = bpf_map_lookup_elem(&dev_loads, &dev);
 	if (!l)
-		return;
-	__u64 iss = l->issued, comp = l->completed;
+		return r;
+	__u64 iss = l->issued, comp = l->completed, bytes = l->bytes;
 	struct rq_owner o = { .dev = dev, .tgid = tgid };
 	struct dev_user *u = bpf_map_lookup_elem(&dev_users, &o);
 	if (u) {
 		iss -= u->issued;
 		comp -= u->completed;
+		bytes -= u->bytes;
 	}
-	*issued = iss;
-	*inflight = iss > comp ? iss - comp : 0;
+	r.issued = iss;
+	r.bytes = bytes;
+	r.inflight = iss > comp ? iss - comp : 0;
+	return r;
 }
 
 /* ---- run-queue waits of traced QEMU threads ---- */

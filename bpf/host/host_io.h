@@ -48,6 +48,7 @@ static __always_inline int io_enter_assoc(__u64 buf, int assoc)
 		io->disk_dev = 0;
 		io->nb_inflight = 0;
 		io->nb_issued = 0;
+		io->nb_bytes = 0;
 	}
 	if (!io->ts[HP_IO_ISSUE])
 		io->ts[HP_IO_ISSUE] = bpf_ktime_get_ns();
@@ -309,11 +310,11 @@ int BPF_PROG(disk_issue, struct request *rq)
 		return 0;
 	if (!io->ts[HP_DISK_ISSUE]) {
 		io->ts[HP_DISK_ISSUE] = bpf_ktime_get_ns();
-		__u64 issued, inflight;
-		dev_others(dev, t->tgid, &issued, &inflight);
+		struct others o = dev_others(dev, t->tgid);
 		io->disk_dev = dev;
-		io->nb_base = issued;
-		io->nb_inflight = inflight > 0xffffffff ? 0xffffffff : (__u32)inflight;
+		io->nb_base = o.issued;
+		io->nb_bytes_base = o.bytes;
+		io->nb_inflight = o.inflight > 0xffffffff ? 0xffffffff : (__u32)o.inflight;
 	}
 	bpf_map_update_elem(&rq_ios, &k, t, BPF_ANY);
 	stat_inc(ST_DISK_MATCHED);
@@ -332,10 +333,10 @@ int BPF_PROG(disk_complete, struct request *rq, blk_status_t error, unsigned int
 	struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
 	if (io) {
 		io->ts[HP_DISK_COMPLETE] = bpf_ktime_get_ns(); /* the last one */
-		__u64 issued, inflight;
-		dev_others(io->disk_dev, t->tgid, &issued, &inflight);
-		__u64 n = issued > io->nb_base ? issued - io->nb_base : 0;
+		struct others o = dev_others(io->disk_dev, t->tgid);
+		__u64 n = o.issued > io->nb_base ? o.issued - io->nb_base : 0;
 		io->nb_issued = n > 0xffffffff ? 0xffffffff : (__u32)n;
+		io->nb_bytes = o.bytes > io->nb_bytes_base ? o.bytes - io->nb_bytes_base : 0;
 	}
 	bpf_map_delete_elem(&rq_ios, &k);
 	return 0;

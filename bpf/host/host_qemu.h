@@ -372,6 +372,7 @@ static __always_inline void io_release(__u32 tgid, __u64 id, struct host_rec *r)
 	r->disk_dev = io->disk_dev;
 	r->nb_inflight = io->nb_inflight;
 	r->nb_issued = io->nb_issued;
+	r->nb_bytes = io->nb_bytes;
 	if (io->refs > 1) {
 		io->refs--;
 		return;

@@ -80,12 +80,14 @@ struct host_rec {
 	__u32 nb_inflight;
 	__u32 nb_issued;
 	__u32 pad2;
+	__u64 nb_bytes; /* bytes of the requests of nb_issued */
 };
 
 /* Block requests of one issuing process on one device (map dev_users). */
 struct dev_user {
 	__u64 issued;
 	__u64 completed;
+	__u64 bytes;
 	char comm[16];
 };
 

@@ -327,6 +327,7 @@ mod tests {
                 dev_user {
                     issued,
                     completed: issued,
+                    bytes: issued * 4096,
                     comm: comm(c),
                 },
             )

@@ -23,6 +23,9 @@ pub struct Interference {
     /// request's were on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub neighbour_issued: Option<u32>,
+    /// Their bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub neighbour_bytes: Option<u64>,
     /// The heaviest other issuers on that device over the last second, with
     /// their share of its other requests: `pid 4242 fio 91 %`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -362,6 +362,7 @@ fn device_load(r: &host_rec) -> Option<Interference> {
         host_disk: Some(crate::interfere::disk_label(r.disk_dev)),
         neighbour_inflight: Some(r.nb_inflight),
         neighbour_issued: Some(r.nb_issued),
+        neighbour_bytes: Some(r.nb_bytes),
         ..Default::default()
     })
 }

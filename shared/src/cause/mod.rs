@@ -379,8 +379,9 @@ pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
         HostDevice if ev.neighbour_load() >= MIN_NEIGHBOUR_LOAD => (
             NoisyNeighbour,
             format!(
-                "{} other requests on {} during it ({} in flight at its issue){}",
+                "{} other requests ({}) on {} during it ({} in flight at its issue){}",
                 ev.neighbour_issued.unwrap_or(0),
+                fmt_bytes(ev.neighbour_bytes.unwrap_or(0)),
                 ev.host_disk.as_deref().unwrap_or("its host device"),
                 ev.neighbour_inflight.unwrap_or(0),
                 if ev.neighbours.is_empty() {
@@ -395,6 +396,17 @@ pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
     c.kind = kind;
     c.evidence = format!("{why}; {}", c.evidence);
     c
+}
+
+/// `3.5 MiB`, `12 KiB`, `512 B`.
+pub fn fmt_bytes(b: u64) -> String {
+    if b >= 1 << 20 {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    } else if b >= 1 << 10 {
+        format!("{} KiB", b >> 10)
+    } else {
+        format!("{b} B")
+    }
 }
 
 /// `38.0 ms`, `412 µs`, `900 ns`.

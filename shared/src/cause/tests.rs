@@ -317,6 +317,7 @@ fn interference_names_who_when_it_explains_the_excess() {
         host_disk: Some("vda (254:0)".into()),
         neighbour_inflight: Some(30),
         neighbour_issued: Some(41),
+        neighbour_bytes: Some(41 << 20),
         neighbours: vec!["pid 42 fio 100 %".into()],
         qemu_wait_ns: Some(0),
         ..Default::default()
@@ -328,7 +329,7 @@ fn interference_names_who_when_it_explains_the_excess() {
     assert_eq!(c.kind, CauseKind::NoisyNeighbour);
     assert!(
         c.evidence
-            .starts_with("41 other requests on vda (254:0) during it (30 in flight at its issue); top issuers: pid 42 fio 100 %"),
+            .starts_with("41 other requests (41.0 MiB) on vda (254:0) during it (30 in flight at its issue); top issuers: pid 42 fio 100 %"),
         "{}",
         c.evidence
     );

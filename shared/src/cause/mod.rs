@@ -341,8 +341,10 @@ impl ClassBaseline {
     }
 }
 
-/// Other issuers' requests around a host I/O that make it a neighbour's doing.
+/// Other issuers' requests around a host I/O (in flight at its issue and issued
+/// meanwhile), or their bytes issued meanwhile, that make it a neighbour's doing.
 pub const MIN_NEIGHBOUR_LOAD: u32 = 2;
+pub const MIN_NEIGHBOUR_BYTES: u64 = 256 << 10;
 
 /// Names who caused a verdict's stage to grow, when the interference evidence
 /// explains it: the vCPUs (for the kick and the interrupt) or QEMU's own
@@ -376,21 +378,26 @@ pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
                 fmt_ns(qemu as i64)
             ),
         ),
-        HostDevice if ev.neighbour_load() >= MIN_NEIGHBOUR_LOAD => (
-            NoisyNeighbour,
-            format!(
-                "{} other requests ({}) on {} during it ({} in flight at its issue){}",
-                ev.neighbour_issued.unwrap_or(0),
-                fmt_bytes(ev.neighbour_bytes.unwrap_or(0)),
-                ev.host_disk.as_deref().unwrap_or("its host device"),
-                ev.neighbour_inflight.unwrap_or(0),
-                if ev.neighbours.is_empty() {
-                    String::new()
-                } else {
-                    format!("; top issuers: {}", ev.neighbours.join(", "))
-                }
-            ),
-        ),
+        HostDevice
+            if ev.neighbour_load() >= MIN_NEIGHBOUR_LOAD
+                || ev.neighbour_bytes.unwrap_or(0) >= MIN_NEIGHBOUR_BYTES =>
+        {
+            (
+                NoisyNeighbour,
+                format!(
+                    "{} other requests ({}) on {} during it ({} in flight at its issue){}",
+                    ev.neighbour_issued.unwrap_or(0),
+                    fmt_bytes(ev.neighbour_bytes.unwrap_or(0)),
+                    ev.host_disk.as_deref().unwrap_or("its host device"),
+                    ev.neighbour_inflight.unwrap_or(0),
+                    if ev.neighbours.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; top issuers: {}", ev.neighbours.join(", "))
+                    }
+                ),
+            )
+        }
         _ => return c,
     };
     c.kind = kind;

@@ -333,10 +333,23 @@ fn interference_names_who_when_it_explains_the_excess() {
         "{}",
         c.evidence
     );
-    // A quiet device: the disk itself.
+    // One large request of a neighbour is enough …
+    let big = Interference {
+        neighbour_inflight: Some(0),
+        neighbour_issued: Some(1),
+        neighbour_bytes: Some(1 << 20),
+        ..noisy.clone()
+    };
+    let c = refine(
+        cause(CauseKind::HostDevice, "host_io.kernel", 5 * MS, MS),
+        Some(&big),
+    );
+    assert_eq!(c.kind, CauseKind::NoisyNeighbour);
+    // … a quiet device is the disk itself.
     let quiet = Interference {
         neighbour_inflight: Some(0),
         neighbour_issued: Some(1),
+        neighbour_bytes: Some(4096),
         ..noisy
     };
     let c = refine(

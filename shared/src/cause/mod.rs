@@ -347,9 +347,11 @@ pub const MIN_NEIGHBOUR_LOAD: u32 = 2;
 pub const MIN_NEIGHBOUR_BYTES: u64 = 256 << 10;
 
 /// Names who caused a verdict's stage to grow, when the interference evidence
-/// explains it: the vCPUs (for the kick and the interrupt) or QEMU's own
-/// threads (for any stage) waiting for a CPU for at least half the stage's
-/// excess, or other issuers' requests on the host device.
+/// explains it: the vCPUs (for the kick and the interrupt) waiting for a CPU
+/// for at least half the stage's excess; for a host device stage, other
+/// issuers' requests on the device; else QEMU's own threads (for any stage)
+/// waiting for a CPU for at least half the excess (measured over the whole
+/// request, so a device stage prefers the neighbours, which are its own).
 pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
     let Some(ev) = ev else { return c };
     let excess = (c.stage_ns - c.baseline_ns).max(1) as u64;
@@ -367,15 +369,6 @@ pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
             format!(
                 "the VM's vCPU threads waited {} for a host CPU{holder}",
                 fmt_ns(vcpu as i64)
-            ),
-        ),
-        // Any stage: a preempted QEMU thread holding QEMU's big lock stalls the
-        // vCPUs too (vCPU exits, and all of TCG, need it).
-        _ if explains(qemu) => (
-            QemuStarved,
-            format!(
-                "QEMU's threads were runnable but not running for {}{holder}",
-                fmt_ns(qemu as i64)
             ),
         ),
         HostDevice
@@ -398,6 +391,15 @@ pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
                 ),
             )
         }
+        // Any stage: a preempted QEMU thread holding QEMU's big lock stalls the
+        // vCPUs too (vCPU exits, and all of TCG, need it).
+        _ if explains(qemu) => (
+            QemuStarved,
+            format!(
+                "QEMU's threads were runnable but not running for {}{holder}",
+                fmt_ns(qemu as i64)
+            ),
+        ),
         _ => return c,
     };
     c.kind = kind;

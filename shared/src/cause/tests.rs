@@ -333,6 +333,16 @@ fn interference_names_who_when_it_explains_the_excess() {
         "{}",
         c.evidence
     );
+    // A device stage prefers its neighbours to QEMU's waits elsewhere in the request.
+    let both = Interference {
+        qemu_wait_ns: Some(4 * MS as u64),
+        ..noisy.clone()
+    };
+    let c = refine(
+        cause(CauseKind::HostDevice, "host_io.disk", 5 * MS, MS),
+        Some(&both),
+    );
+    assert_eq!(c.kind, CauseKind::NoisyNeighbour);
     // One large request of a neighbour is enough …
     let big = Interference {
         neighbour_inflight: Some(0),

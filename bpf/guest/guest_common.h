@@ -74,6 +74,17 @@ struct sys_state {
 	__u32 nrefs;
 	__u32 refs_dropped;
 	struct vt_rq_ref refs[VT_MAX_REFS];
+	/* off-CPU accounting (guest_sched.h) */
+	__u64 off_since;	/* switched out at, 0 = on CPU */
+	__u64 runq_ns;
+	__u64 blocked_ns;
+	__u64 best_wait;	/* longest single wait for a CPU */
+	__u32 cur_holder;	/* the task keeping it off the CPU now (pid) */
+	__u32 best_holder;
+	__u8 off_runnable;
+	__u8 pad2[7];
+	char cur_holder_comm[VT_COMM];
+	char best_holder_comm[VT_COMM];
 };
 
 struct bio_state {

@@ -174,4 +174,28 @@ static __always_inline bool vq_free_head(struct virtqueue *vq, __u16 *head)
 	return true;
 }
 
+/* ---- tasks: state (5.14+: __state) and CPU (thread_info.cpu or task->cpu) ---- */
+
+struct task_struct___state_old {
+	long state;
+} __attribute__((preserve_access_index));
+
+static __always_inline long task_state_of(struct task_struct *t)
+{
+	if (bpf_core_field_exists(t->__state))
+		return BPF_CORE_READ(t, __state);
+	return BPF_CORE_READ((struct task_struct___state_old *)t, state);
+}
+
+struct task_struct___cpu {
+	unsigned int cpu;
+} __attribute__((preserve_access_index));
+
+static __always_inline __u32 task_cpu_of(struct task_struct *t)
+{
+	if (bpf_core_field_exists(t->thread_info.cpu))
+		return BPF_CORE_READ(t, thread_info.cpu);
+	return BPF_CORE_READ((struct task_struct___cpu *)t, cpu);
+}
+
 #endif

@@ -402,6 +402,11 @@ int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
 	e->refs_dropped = s->refs_dropped;
 	__builtin_memcpy(e->refs, s->refs, sizeof(e->refs));
 	__builtin_memset(e->pad, 0, sizeof(e->pad));
+	e->runq_ns = s->runq_ns;
+	e->blocked_ns = s->blocked_ns;
+	e->holder_pid = s->best_holder;
+	e->pad2 = 0;
+	__builtin_memcpy(e->holder_comm, s->best_holder_comm, VT_COMM);
 	bpf_ringbuf_submit(e, rb_flags());
 	stat_inc(S_IO_EMITTED);
 	bpf_map_delete_elem(&sys_inflight, &tid);

@@ -28,5 +28,6 @@
 #include "guest_task.h"
 #include "guest_block.h"
 #include "guest_virtio.h"
+#include "guest_sched.h"
 
 char LICENSE[] SEC("license") = "GPL";

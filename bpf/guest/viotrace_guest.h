@@ -120,11 +120,20 @@ struct vt_io_event {
 	__u8 pad[7];
 	char comm[VT_COMM];
 	struct vt_rq_ref refs[VT_MAX_REFS];
+	/* Off-CPU time inside the syscall (guest_sched.h; 0 without it): waiting
+	 * for a CPU while runnable, and blocked (sleeping: its I/O, a lock); the
+	 * task that kept it off the CPU longest in one wait. */
+	__u64 runq_ns;
+	__u64 blocked_ns;
+	__u32 holder_pid;
+	__u32 pad2;
+	char holder_comm[VT_COMM];
 };
 
 _Static_assert(sizeof(struct vt_rq_event) == 8 + 8 * P_NR + 32 + 24 + 4 + 4 + VT_COMM + VT_DISK,
 	       "vt_rq_event layout");
-_Static_assert(sizeof(struct vt_io_event) == 8 + 56 + 16 + 8 + VT_COMM + 16 * VT_MAX_REFS,
+_Static_assert(sizeof(struct vt_io_event) ==
+		       8 + 56 + 16 + 8 + VT_COMM + 16 * VT_MAX_REFS + 24 + VT_COMM,
 	       "vt_io_event layout");
 
 #endif

@@ -29,6 +29,8 @@ pub struct Running {
     links: Vec<(String, Link)>,
     pub mode: Mode,
     pub report: Report,
+    /// The off-CPU accounting of syscalls is attached.
+    pub off_cpu: bool,
 }
 
 impl Running {
@@ -178,6 +180,7 @@ fn load(plan: &Plan, f: &Filters) -> Result<ViotraceGuestSkel<'static>> {
 /// kernel refuses.
 pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
     let mut plan = plan::plan(mode, facts);
+    plan.off_cpu = f.off_cpu;
     let mut failed: BTreeMap<String, String> = BTreeMap::new();
     let skel = loop {
         LOAD_FAILED
@@ -236,11 +239,13 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
     } else {
         bail!("BPF object has no .bss");
     }
+    let off_cpu = plan::OFF_CPU_PROGS.iter().all(|p| live.contains(*p));
     Ok(Running {
         skel,
         links,
         mode,
         report,
+        off_cpu,
     })
 }
 

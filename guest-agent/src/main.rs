@@ -81,12 +81,15 @@ pub(crate) struct Filters {
     comm: Option<[u8; 16]>,
     cgroup: u64,
     disk: Option<(i32, i32)>,
+    /// Account traced syscalls' off-CPU time (for the verdicts, `-t`).
+    off_cpu: bool,
 }
 
 fn resolve_filters(cli: &Cli) -> Result<Filters> {
     let mut f = Filters {
         pid: cli.pid.unwrap_or(0),
         tid: cli.tid.unwrap_or(0),
+        off_cpu: cli.threshold.is_some(),
         ..Default::default()
     };
     if let Some(c) = &cli.comm {
@@ -241,6 +244,7 @@ fn main() -> Result<()> {
         blind_points,
         uplink,
     ));
+    sink.borrow_mut().set_off_cpu(run.off_cpu);
     let mut rb = RingBufferBuilder::new();
     rb.add(&run.skel.maps.events, |data: &[u8]| {
         sink.borrow_mut().handle(data);
@@ -280,6 +284,7 @@ fn main() -> Result<()> {
     }
     let mut stats = read_stats(&run);
     let mut s = sink.borrow_mut();
+    stats.extend(s.verdict_counters());
     s.close_uplink(&mut stats);
     s.finish(started.elapsed(), &stats);
     Ok(())

@@ -60,7 +60,16 @@ pub struct Variants {
 }
 
 /// Programs that may be left out without failing the run.
-pub const OPTIONAL_TP_PROGS: &[&str] = &["uring_submit", "uring_submit_sqe", "irq_entry"];
+pub const OPTIONAL_TP_PROGS: &[&str] = &[
+    "uring_submit",
+    "uring_submit_sqe",
+    "irq_entry",
+    "off_cpu_switch",
+    "off_cpu_wakeup",
+];
+
+/// The off-CPU accounting of traced syscalls (for the verdicts, `-t`).
+pub const OFF_CPU_PROGS: [&str; 2] = ["off_cpu_switch", "off_cpu_wakeup"];
 
 /// What io_uring requests' files and offsets come from.
 const URING_SEES: &str = "file and offset of io_uring requests";
@@ -86,6 +95,8 @@ pub struct Plan {
     pub notes: Vec<String>,
     /// Details known to be missing before anything is loaded.
     pub blind: Vec<String>,
+    /// Load the off-CPU accounting (the agent sets it for `-t`).
+    pub off_cpu: bool,
 }
 
 impl Plan {
@@ -102,6 +113,9 @@ impl Plan {
         if self.variants.vring_interrupt_addr != 0 {
             p.insert("irq_entry");
         }
+        if self.off_cpu {
+            p.extend(OFF_CPU_PROGS);
+        }
         p
     }
 
@@ -116,10 +130,14 @@ impl Plan {
             }
         }
         if matches!(self.uring, Ok(u) if u == prog) {
-            self.uring = Err(why);
+            self.uring = Err(why.clone());
         }
         if prog == "irq_entry" {
             self.variants.vring_interrupt_addr = 0;
+        }
+        if OFF_CPU_PROGS.contains(&prog) {
+            self.off_cpu = false;
+            self.blind.push(format!("off-CPU time of syscalls ({why})"));
         }
     }
 
@@ -261,6 +279,7 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
         variants,
         notes,
         blind,
+        off_cpu: false,
     }
 }
 

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use thiserror::Error;
-use viotrace_shared::record::{GuestIo, GuestRq, Op, Point, Points, RqRef};
+use viotrace_shared::record::{GuestIo, GuestRq, OffCpu, Op, Point, Points, RqRef};
 
 use crate::bpf::types::{vt_io_event, vt_rq_event};
 
@@ -15,7 +15,7 @@ pub const IO_SIZE: usize = std::mem::size_of::<vt_io_event>();
 const MAX_REFS: usize = 16;
 
 // The sizes the C header asserts (`_Static_assert` in viotrace_guest.h).
-const _: () = assert!(RQ_SIZE == 216 && IO_SIZE == 360);
+const _: () = assert!(RQ_SIZE == 216 && IO_SIZE == 400);
 
 include!(concat!(env!("OUT_DIR"), "/guest_stats.rs"));
 
@@ -115,6 +115,8 @@ pub enum Record {
 
 /// Decodes records; remembers `dev_t → disk name` to name syscall references.
 pub struct Decoder {
+    /// The off-CPU programs are loaded: syscall records carry their `off_cpu`.
+    pub off_cpu: bool,
     disks: HashMap<u32, String>,
     /// The point of each `ts[]` slot of a request record (from `C_POINTS`).
     slots: Vec<Option<Point>>,
@@ -138,6 +140,7 @@ impl Default for Decoder {
 impl Decoder {
     pub fn new() -> Self {
         Decoder {
+            off_cpu: false,
             disks: HashMap::new(),
             slots: point_slots(),
         }
@@ -237,6 +240,13 @@ impl Decoder {
             ret: r.ret,
             requests,
             ts,
+            off_cpu: self.off_cpu.then(|| OffCpu {
+                runnable_ns: r.runq_ns,
+                blocked_ns: r.blocked_ns,
+                holder: (r.holder_pid != 0 || r.holder_comm[0] != 0)
+                    .then(|| format!("pid {} {}", r.holder_pid, cstr(&r.holder_comm))),
+            }),
+            cause: None,
         })
     }
 }

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::io::{self, BufWriter, Stdout, Write};
 use std::time::Duration;
 
+use viotrace_shared::cause::syscall::SyscallVerdicts;
 use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::proto::{Counter, GuestStats};
@@ -37,6 +38,8 @@ pub struct Sink {
     interval_records: u64,
     /// Stream to the host agent (`--connect`).
     uplink: Option<GuestSender>,
+    /// Verdicts on slow syscalls (`-t` with the off-CPU programs loaded).
+    verdicts: Option<SyscallVerdicts>,
 }
 
 #[cfg(test)]
@@ -131,6 +134,28 @@ impl Sink {
             ios: 0,
             decode_errors: 0,
             interval_records: 0,
+            verdicts: None,
+        }
+    }
+
+    /// The off-CPU programs are loaded: syscall records carry their off-CPU
+    /// time, and with a threshold the slow ones get a verdict.
+    pub fn set_off_cpu(&mut self, on: bool) {
+        self.decoder.off_cpu = on;
+        self.verdicts = match (on, self.threshold_ns) {
+            (true, Some(t)) => Some(SyscallVerdicts::new(t)),
+            _ => None,
+        };
+    }
+
+    /// Counters of the verdicts (for the stats line).
+    pub fn verdict_counters(&self) -> Vec<(&'static str, u64)> {
+        match &self.verdicts {
+            Some(v) => vec![
+                ("slow_syscalls_with_cause", v.flagged),
+                ("syscall_cause_classes_refused", v.classes_refused),
+            ],
+            None => Vec::new(),
         }
     }
 
@@ -158,7 +183,12 @@ impl Sink {
         self.interval_records += 1;
         match rec {
             Record::Rq(r) => self.on_rq(&r),
-            Record::Io(io) => self.on_io(&io),
+            Record::Io(mut io) => {
+                if let Some(v) = self.verdicts.as_mut() {
+                    v.judge(&mut io);
+                }
+                self.on_io(&io)
+            }
         }
     }
 
@@ -226,6 +256,18 @@ impl Sink {
                 self.human(&w);
             }
         }
+        if let Some(c) = &io.cause {
+            let line = format!(
+                "slow {}: pid={} comm={} total={} cause: {}: {}\n",
+                io.syscall,
+                io.pid,
+                io.comm,
+                viotrace_shared::stats::fmt_ns(d),
+                c.kind.name(),
+                c.evidence
+            );
+            self.human(&line);
+        }
     }
 
     /// The per-stage table of the interval that just ended (skipped when idle).
@@ -239,6 +281,15 @@ impl Sink {
             elapsed.as_secs_f64()
         ));
         self.human(&t);
+        let causes = self.verdicts.as_mut().and_then(|v| {
+            v.take_interval(&format!(
+                "--- why-slow: causes of the slow syscalls of the interval ending at {:.1}s ---",
+                elapsed.as_secs_f64()
+            ))
+        });
+        if let Some(c) = causes {
+            self.human(&c);
+        }
         self.interval.clear();
         self.interval_records = 0;
     }

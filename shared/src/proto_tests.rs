@@ -43,6 +43,12 @@ fn io() -> GuestIo {
             bytes: 4096,
         }],
         ts: Points::new(),
+        off_cpu: Some(crate::record::OffCpu {
+            runnable_ns: 5,
+            blocked_ns: 7,
+            holder: Some("pid 1 x".into()),
+        }),
+        cause: None,
     }
 }
 

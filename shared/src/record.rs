@@ -129,6 +129,23 @@ pub struct GuestIo {
     /// Block requests this syscall caused, as `(disk, sector)` pairs matching `guest_rq` records.
     pub requests: Vec<RqRef>,
     pub ts: Points,
+    /// Where its time off the CPU went (guest agent with `-t`; absent otherwise).
+    #[serde(default)]
+    pub off_cpu: Option<OffCpu>,
+    /// Why it was slow (guest agent with `-t`: syscalls above the threshold and
+    /// 3× their class's baseline; see `cause::syscall`).
+    #[serde(default)]
+    pub cause: Option<Box<crate::cause::Cause>>,
+}
+
+/// A syscall's time off the CPU: runnable (preempted or woken, waiting for a CPU)
+/// and blocked (sleeping: its I/O, a lock), and the task that kept it off the CPU
+/// longest in one wait (`pid 77 stress`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffCpu {
+    pub runnable_ns: u64,
+    pub blocked_ns: u64,
+    pub holder: Option<String>,
 }
 
 /// A reference from a syscall-level record to a block request it caused.

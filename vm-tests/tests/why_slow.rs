@@ -297,3 +297,106 @@ fn qemu_throttling_is_named_as_the_cause_and_a_clean_run_is_not_flagged() {
         clean.len()
     );
 }
+
+/// 32 MiB of vdb written, then 24 s of reads by fio paced at 25/s; with `hog`, a
+/// nice -20 busy loop takes the guest's only CPU for 1 s every 3 s.
+fn guest_hog_workload(hog: bool) -> String {
+    // (busybox has renice, not nice: the hog raises its own priority)
+    let hog = if hog {
+        "( i=0; while [ $i -lt 8 ]; do sleep 2; \
+         timeout 1 sh -c 'renice -n -20 -p $$ >/dev/null; while :; do :; done'; \
+         i=$((i+1)); done ) &\n"
+    } else {
+        ""
+    };
+    format!(
+        "set -e\ndd if=/dev/zero of=/dev/vdb bs=1M count=32 oflag=direct 2>/dev/null\n{hog}\
+         fio --name=qd1 --filename=/dev/vdb --rw=randread --bs=4k --direct=1 \
+         --ioengine=psync --rate_iops=25 --runtime=24 --time_based --size=32M --output=/dev/null\nwait\n"
+    )
+}
+
+/// fio's reads of the guest-hog runs (syscall level), with the guest agent's verdicts.
+fn guest_hog_run(name: &str, hog: bool) -> Vec<viotrace_shared::record::GuestIo> {
+    let r = run_agents(
+        name,
+        Agents::Both,
+        VmConfig {
+            guest_args: "-t 5ms".into(),
+            ..VmConfig::default()
+        },
+        &guest_hog_workload(hog),
+    );
+    assert_eq!(r.guest_agent_rc, Some(0), "guest agent");
+    let recs = r.records("guest.jsonl").expect("guest.jsonl");
+    let reads: Vec<viotrace_shared::record::GuestIo> = recs
+        .guest_ios()
+        .into_iter()
+        .filter(|io| io.comm == "fio" && io.syscall == "pread64")
+        .cloned()
+        .collect();
+    assert!(reads.len() >= 400, "too few fio reads: {}", reads.len());
+    assert!(
+        reads.iter().all(|io| io.off_cpu.is_some()),
+        "syscall records without their off-CPU time"
+    );
+    reads
+}
+
+#[test]
+fn a_guest_cpu_hog_is_named_on_the_slow_syscalls_and_a_clean_run_is_not_flagged() {
+    use viotrace_shared::record::Point;
+    let reads = guest_hog_run("why-guest-hog", true);
+    let total = |io: &viotrace_shared::record::GuestIo| {
+        io.ts.get(Point::SyscallExit).unwrap_or(0) - io.ts.get(Point::SyscallEnter).unwrap_or(0)
+    };
+    let slow: Vec<_> = reads.iter().filter(|io| total(io) >= 5_000_000).collect();
+    let named = slow
+        .iter()
+        .filter(|io| io.cause.as_ref().map(|c| c.kind) == Some(CauseKind::GuestPreempted))
+        .count();
+    let kinds: Vec<Option<CauseKind>> = slow
+        .iter()
+        .map(|io| io.cause.as_ref().map(|c| c.kind))
+        .collect();
+    eprintln!(
+        "guest hog: {} reads, {} above 5 ms, {named} named guest_preempted; causes {kinds:?}",
+        reads.len(),
+        slow.len()
+    );
+    assert!(
+        slow.len() >= 10,
+        "the hog slowed too few reads: {}",
+        slow.len()
+    );
+    assert!(
+        named * 10 >= slow.len() * 9,
+        "{named} of {} slow reads named guest_preempted: {kinds:?}",
+        slow.len()
+    );
+    let by_hog = slow
+        .iter()
+        .filter(|io| {
+            io.cause.as_ref().map(|c| c.kind) == Some(CauseKind::GuestPreempted)
+                && io
+                    .off_cpu
+                    .as_ref()
+                    .and_then(|o| o.holder.as_deref())
+                    .is_some_and(|h| h.ends_with(" sh"))
+        })
+        .count();
+    eprintln!("{by_hog} of {named} name the hog (sh)");
+    assert!(
+        by_hog * 2 >= named,
+        "the hog is named in {by_hog} of {named}"
+    );
+
+    let clean = guest_hog_run("why-guest-clean", false);
+    let flagged = clean.iter().filter(|io| io.cause.is_some()).count();
+    eprintln!("guest clean: {} reads, {flagged} flagged", clean.len());
+    assert!(
+        flagged * 20 < clean.len(),
+        "{flagged} of {} reads flagged without the hog",
+        clean.len()
+    );
+}

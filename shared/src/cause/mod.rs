@@ -15,6 +15,7 @@
 //! throttling or a busy thread pool), not *who* caused it.
 
 mod baseline;
+pub mod syscall;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -64,6 +65,10 @@ pub enum CauseKind {
     /// The host I/O grew while other processes or VMs issued requests to the same
     /// host device.
     NoisyNeighbour,
+    /// A guest syscall waited for a guest CPU while runnable (a CPU hog in the guest).
+    GuestPreempted,
+    /// A guest syscall slept (its block requests, a lock).
+    GuestBlocked,
 }
 
 impl CauseKind {
@@ -80,6 +85,8 @@ impl CauseKind {
             CauseKind::QemuStarved => "qemu_starved",
             CauseKind::VcpuPreempted => "vcpu_preempted",
             CauseKind::NoisyNeighbour => "noisy_neighbour",
+            CauseKind::GuestPreempted => "guest_preempted",
+            CauseKind::GuestBlocked => "guest_blocked",
         }
     }
 }
@@ -264,20 +271,7 @@ impl Verdicts {
     /// The interval's causes, most frequent first (`None` when there were none),
     /// and a fresh interval.
     pub fn take_interval(&mut self, title: &str) -> Option<String> {
-        if self.interval.is_empty() {
-            return None;
-        }
-        let mut v: Vec<((CauseKind, String), u64)> =
-            std::mem::take(&mut self.interval).into_iter().collect();
-        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        let mut out = format!(
-            "{title}\n    {:<18} {:<24} {:>8}\n",
-            "cause", "stage", "slow I/Os"
-        );
-        for ((kind, stage), n) in v.iter().take(8) {
-            out += &format!("    {:<18} {:<24} {:>8}\n", kind.name(), stage, n);
-        }
-        Some(out)
+        render_causes(title, std::mem::take(&mut self.interval))
     }
 }
 
@@ -405,6 +399,23 @@ pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
     c.kind = kind;
     c.evidence = format!("{why}; {}", c.evidence);
     c
+}
+
+/// The table of an interval's causes, most frequent first (`None` when empty).
+pub fn render_causes(title: &str, interval: BTreeMap<(CauseKind, String), u64>) -> Option<String> {
+    if interval.is_empty() {
+        return None;
+    }
+    let mut v: Vec<((CauseKind, String), u64)> = interval.into_iter().collect();
+    v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut out = format!(
+        "{title}\n    {:<18} {:<24} {:>8}\n",
+        "cause", "stage", "slow I/Os"
+    );
+    for ((kind, stage), n) in v.iter().take(8) {
+        out += &format!("    {:<18} {:<24} {:>8}\n", kind.name(), stage, n);
+    }
+    Some(out)
 }
 
 /// `3.5 MiB`, `12 KiB`, `512 B`.

@@ -20,6 +20,8 @@ pub const HISTORY_NS: u64 = 10_000_000_000;
 pub const MAX_WAITS_PER_VM: usize = 16_384;
 /// Issuers named per device.
 const TOP_ISSUERS: usize = 3;
+/// Recent request windows kept per VM queue (for the queue overlap).
+pub const MAX_WINDOWS_PER_QUEUE: usize = 512;
 
 /// One QEMU thread's wait for a CPU.
 #[derive(Clone, Debug, PartialEq)]
@@ -47,6 +49,18 @@ pub struct Interfere {
     top: HashMap<u32, Vec<(u32, String, u64)>>,
     /// Traced QEMU processes and their VM labels (to name a neighbour VM).
     pub vms: HashMap<u32, String>,
+    /// Per (VM, queue): the windows (first, last point) of its recent joined requests.
+    windows: HashMap<(String, u16), VecDeque<(u64, u64)>>,
+}
+
+/// A joined record's window in the host's clock: its first and last point.
+fn window_of(j: &JoinedIo) -> Option<(u64, u64)> {
+    if j.ts_domain != ClockDomain::Host {
+        return None;
+    }
+    let from = j.ts.iter().map(|(_, t)| t).min()?;
+    let to = j.ts.iter().map(|(_, t)| t).max()?;
+    Some((from, to))
 }
 
 /// `vda (254:0)`, or `254:0` when the device has no name in /sys.
@@ -108,7 +122,38 @@ impl Interfere {
     /// Forgets a QEMU process that went away.
     pub fn forget(&mut self, tgid: u32) {
         self.waits.remove(&tgid);
-        self.vms.remove(&tgid);
+        if let Some(vm) = self.vms.remove(&tgid) {
+            self.windows.retain(|(v, _), _| *v != vm);
+        }
+    }
+
+    /// Notes a joined request's window on its queue (every joined record, before
+    /// [`Interfere::fill`]): at most [`MAX_WINDOWS_PER_QUEUE`] of the last
+    /// [`HISTORY_NS`] per queue.
+    pub fn note_request(&mut self, j: &JoinedIo) {
+        let (Some(q), true, Some(w)) = (j.queue, j.joined, window_of(j)) else {
+            return;
+        };
+        let d = match self.windows.get_mut(&(j.vm.clone(), q)) {
+            Some(d) => d,
+            None => self.windows.entry((j.vm.clone(), q)).or_default(),
+        };
+        d.push_back(w);
+        while d
+            .front()
+            .is_some_and(|f| d.len() > MAX_WINDOWS_PER_QUEUE || f.1 + HISTORY_NS < w.1)
+        {
+            d.pop_front();
+        }
+    }
+
+    /// Other noted requests of `j`'s VM queue whose windows overlap `j`'s.
+    fn queue_overlap(&self, j: &JoinedIo) -> Option<u32> {
+        let (q, w) = (j.queue?, window_of(j)?);
+        let d = self.windows.get(&(j.vm.clone(), q))?;
+        let n = d.iter().filter(|o| o.0 < w.1 && w.0 < o.1).count();
+        // j itself was noted too
+        Some(n.saturating_sub(usize::from(d.contains(&w))) as u32)
     }
 
     /// Once a second: the issuers of every device over the last interval, from
@@ -186,6 +231,7 @@ impl Interfere {
         }
         ev.vcpu_wait_ns = vcpu_ns;
         ev.cpu_holder = waits.and_then(|q| self.holder(q, &windows));
+        ev.queue_overlap = self.queue_overlap(j);
         self.filled += 1;
         j.interference = Some(Box::new(ev));
     }
@@ -293,6 +339,33 @@ mod tests {
         // kick window [0, 1200): the vCPU waited 500..1200
         assert_eq!(i.vcpu_wait_ns, Some(700));
         assert_eq!(i.cpu_holder.as_deref(), Some("pid 7 hog"));
+    }
+
+    #[test]
+    fn queue_overlap_counts_the_vms_other_requests_on_the_queue() {
+        let mut f = Interfere::default();
+        let rq = |f: &mut Interfere, a: u64, b: u64, q: u16, vm: &str| {
+            let mut j = joined(&[("h.submit", a), ("h.push", b)]);
+            j.queue = Some(q);
+            j.vm = vm.into();
+            f.note_request(&j);
+            j
+        };
+        rq(&mut f, 0, 50, 0, "vm1");
+        rq(&mut f, 40, 200, 0, "vm1");
+        rq(&mut f, 150, 300, 0, "vm1");
+        rq(&mut f, 60, 70, 1, "vm1"); // other queue
+        rq(&mut f, 60, 70, 0, "vm2"); // other VM
+        let mut slow = rq(&mut f, 45, 160, 0, "vm1");
+        f.fill(&mut slow);
+        assert_eq!(slow.interference.unwrap().queue_overlap, Some(3));
+        for k in 0..(MAX_WINDOWS_PER_QUEUE as u64 + 5) {
+            rq(&mut f, 1000 + k, 1001 + k, 2, "vm1");
+        }
+        assert_eq!(
+            f.windows[&("vm1".to_string(), 2)].len(),
+            MAX_WINDOWS_PER_QUEUE
+        );
     }
 
     #[test]

@@ -339,6 +339,7 @@ impl Joined {
         for mut j in ready {
             self.records += 1;
             if let Some(v) = self.verdicts.as_mut() {
+                self.interfere.note_request(&j);
                 if v.may_judge(&j) {
                     self.interfere.fill(&mut j);
                 }

@@ -43,6 +43,10 @@ pub struct Interference {
     /// The task that held the CPU longest while those threads waited: `pid 77 stress`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_holder: Option<String>,
+    /// Other requests of the same VM on the same virtqueue whose lifetimes
+    /// overlapped this one's (those that finished before it was judged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_overlap: Option<u32>,
 }
 
 impl Interference {

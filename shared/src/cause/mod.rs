@@ -394,6 +394,13 @@ pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
                 fmt_ns(qemu as i64)
             ),
         ),
+        GuestQueue if ev.queue_overlap.unwrap_or(0) > 0 => (
+            GuestQueue,
+            format!(
+                "{} other requests of the VM on its queue overlapped it",
+                ev.queue_overlap.unwrap_or(0)
+            ),
+        ),
         _ => return c,
     };
     c.kind = kind;

@@ -371,4 +371,20 @@ fn interference_names_who_when_it_explains_the_excess() {
         refine(cause(CauseKind::HostDevice, "host_io", 5 * MS, MS), None).kind,
         CauseKind::HostDevice
     );
+    // The guest's queues: the VM's own requests on the same queue are the evidence.
+    let busy = Interference {
+        queue_overlap: Some(31),
+        ..Default::default()
+    };
+    let c = refine(
+        cause(CauseKind::GuestQueue, "guest_queue", 5 * MS, MS),
+        Some(&busy),
+    );
+    assert_eq!(c.kind, CauseKind::GuestQueue);
+    assert!(
+        c.evidence
+            .starts_with("31 other requests of the VM on its queue overlapped it; "),
+        "{}",
+        c.evidence
+    );
 }

@@ -292,7 +292,8 @@ fn add_probes(s: &mut SynthStream, r: &mut Rng, from: u64, end: u64, every: u64)
 
 /// Interleaves the stream as a host would receive it: records in completion
 /// order, guest records (and probes) `guest_lag_ns` late, plus `shuffle`
-/// random swaps of nearby events.
+/// random swaps of nearby events of different sources (host ring buffer vs the
+/// guest's connection, which keeps its own order).
 pub fn interleave(s: &SynthStream, guest_lag_ns: u64, shuffle: usize, seed: u64) -> Vec<Event> {
     let mut ev: Vec<(u64, Event)> = Vec::with_capacity(s.guest.len() * 2 + s.probes.len());
     for g in &s.guest {
@@ -315,7 +316,13 @@ pub fn interleave(s: &SynthStream, guest_lag_ns: u64, shuffle: usize, seed: u64)
         }
         let a = r.below(n as u64) as usize;
         let b = (a + 1 + r.below(16) as usize).min(n - 1);
-        ev.swap(a, b);
+        // The guest's records and probes come over one ordered connection: only
+        // the two sources' relative order varies (a host record swaps with a
+        // guest event), never the guest stream's own order.
+        let host = |e: &Event| matches!(e, Event::Host(_));
+        if host(&ev[a].1) != host(&ev[b].1) {
+            ev.swap(a, b);
+        }
     }
     ev.into_iter().map(|e| e.1).collect()
 }

@@ -21,6 +21,8 @@
 #ifndef VIOTRACE_GUEST_CORE_FIXES_H
 #define VIOTRACE_GUEST_CORE_FIXES_H
 
+#include "vt_core_fixes.h"
+
 /* ---- disks ---- */
 
 struct bio___old {
@@ -38,27 +40,7 @@ static __always_inline struct gendisk *bio_disk(struct bio *bio)
 	return NULL;
 }
 
-struct request___old {
-	struct gendisk *rq_disk;
-} __attribute__((preserve_access_index));
-
-struct request_queue___new {
-	struct gendisk *disk;
-} __attribute__((preserve_access_index));
-
-static __always_inline struct gendisk *rq_disk(struct request *rq)
-{
-	struct request___old *o = (void *)rq;
-	struct request_queue___new *q;
-
-	if (bpf_core_field_exists(struct request_queue___new, disk)) {
-		q = (void *)BPF_CORE_READ(rq, q);
-		return BPF_CORE_READ(q, disk);
-	}
-	if (bpf_core_field_exists(o->rq_disk))
-		return BPF_CORE_READ(o, rq_disk);
-	return NULL;
-}
+/* rq_disk(): vt_core_fixes.h (shared with the host object) */
 
 /* ---- page cache: mapping and index of a bio's page ---- */
 
@@ -174,28 +156,6 @@ static __always_inline bool vq_free_head(struct virtqueue *vq, __u16 *head)
 	return true;
 }
 
-/* ---- tasks: state (5.14+: __state) and CPU (thread_info.cpu or task->cpu) ---- */
-
-struct task_struct___state_old {
-	long state;
-} __attribute__((preserve_access_index));
-
-static __always_inline long task_state_of(struct task_struct *t)
-{
-	if (bpf_core_field_exists(t->__state))
-		return BPF_CORE_READ(t, __state);
-	return BPF_CORE_READ((struct task_struct___state_old *)t, state);
-}
-
-struct task_struct___cpu {
-	unsigned int cpu;
-} __attribute__((preserve_access_index));
-
-static __always_inline __u32 task_cpu_of(struct task_struct *t)
-{
-	if (bpf_core_field_exists(t->thread_info.cpu))
-		return BPF_CORE_READ(t, thread_info.cpu);
-	return BPF_CORE_READ((struct task_struct___cpu *)t, cpu);
-}
+/* Tasks (state, CPU): vt_core_fixes.h. */
 
 #endif

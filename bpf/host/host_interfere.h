@@ -98,42 +98,17 @@ struct {
  * its Rust type (a ring buffer map carries no value type). */
 struct wait_rec wait_rec_abi = {};
 
-/* ---- kernel differences ---- */
+/* ---- kernel differences: rq_disk(), task_state_of(), task_cpu_of() ---- */
 
-struct request___old {
-	struct gendisk *rq_disk;
-} __attribute__((preserve_access_index));
-
-struct request_queue___new {
-	struct gendisk *disk;
-} __attribute__((preserve_access_index));
+#include "vt_core_fixes.h"
 
 static __always_inline __u32 rq_dev(struct request *rq)
 {
-	struct gendisk *d = NULL;
-	if (bpf_core_field_exists(struct request_queue___new, disk)) {
-		struct request_queue___new *q = (void *)BPF_CORE_READ(rq, q);
-		d = BPF_CORE_READ(q, disk);
-	} else {
-		struct request___old *o = (void *)rq;
-		if (bpf_core_field_exists(o->rq_disk))
-			d = BPF_CORE_READ(o, rq_disk);
-	}
+	struct gendisk *d = rq_disk(rq);
 	if (!d)
 		return 0;
 	__u32 major = BPF_CORE_READ(d, major), minor = BPF_CORE_READ(d, first_minor);
 	return (major << 20) | (minor & 0xfffff);
-}
-
-struct task_struct___old {
-	long state;
-} __attribute__((preserve_access_index));
-
-static __always_inline long task_state(struct task_struct *t)
-{
-	if (bpf_core_field_exists(t->__state))
-		return BPF_CORE_READ(t, __state);
-	return BPF_CORE_READ((struct task_struct___old *)t, state);
 }
 
 /* ---- device load ---- */
@@ -274,18 +249,6 @@ struct {
 	__type(value, struct cpu_task);
 } cpu_curr SEC(".maps");
 
-struct task_struct___cpu {
-	unsigned int cpu;
-} __attribute__((preserve_access_index));
-
-/* The CPU a task is queued on (thread_info.cpu before 5.16 on x86, task->cpu after). */
-static __always_inline __u32 task_cpu_of(struct task_struct *t)
-{
-	if (bpf_core_field_exists(t->thread_info.cpu))
-		return BPF_CORE_READ(t, thread_info.cpu);
-	return BPF_CORE_READ((struct task_struct___cpu *)t, cpu);
-}
-
 static __always_inline int is_qemu(struct task_struct *t)
 {
 	__u32 tgid = BPF_CORE_READ(t, tgid);
@@ -347,7 +310,7 @@ int BPF_PROG(qemu_switch, bool preempt, struct task_struct *prev, struct task_st
 	}
 	if (is_qemu(prev)) {
 		__u32 ptid = BPF_CORE_READ(prev, pid);
-		if (task_state(prev) == 0)
+		if (task_state_of(prev) == 0)
 			wait_start(prev, BPF_CORE_READ(next, tgid), (__u64)next);
 		else
 			bpf_map_delete_elem(&runnable, &ptid);

@@ -121,6 +121,7 @@ impl Tracer<'_> {
                 layout,
                 links,
                 dev_names: Default::default(),
+                disk_labels: Default::default(),
                 cpu_ticks_start: cpu,
                 elems: 0,
                 probation: Probation::default(),

@@ -40,6 +40,8 @@ pub struct Target {
     links: Vec<Link>,
     /// VirtIODevice pointer → device label.
     dev_names: HashMap<u64, (String, Backend)>,
+    /// Host block device (MKDEV) → label (`vda (254:0)`), read from /sys once per device.
+    disk_labels: HashMap<u32, String>,
     pub cpu_ticks_start: Option<u64>,
     pub elems: u64,
     /// The runtime check of the layout on the first requests.
@@ -278,7 +280,13 @@ impl<'obj> Tracer<'obj> {
                 v
             }
         };
-        make_elem(r, &t.proc.vm, device, backend)
+        let disk = (r.disk_dev != 0).then(|| {
+            t.disk_labels
+                .entry(r.disk_dev)
+                .or_insert_with(|| crate::interfere::disk_label(r.disk_dev))
+                .clone()
+        });
+        make_elem(r, &t.proc.vm, device, backend, disk)
     }
 
     /// Builds a record for an element of a process that already went away.
@@ -288,7 +296,11 @@ impl<'obj> Tracer<'obj> {
             .get(&r.dev)
             .cloned()
             .unwrap_or_else(|| fallback_device(t));
-        make_elem(r, &t.proc.vm, device, backend)
+        let disk = (r.disk_dev != 0).then(|| {
+            (t.disk_labels.get(&r.disk_dev).cloned())
+                .unwrap_or_else(|| crate::interfere::disk_label(r.disk_dev))
+        });
+        make_elem(r, &t.proc.vm, device, backend, disk)
     }
 }
 
@@ -331,7 +343,14 @@ fn name_device(t: &Target, vdev: u64) -> (String, Backend) {
     }
 }
 
-fn make_elem(r: &host_rec, vm: &str, device: String, backend: Backend) -> HostElem {
+/// `host_disk`: the label of `r.disk_dev` (none when the I/O reached no block device).
+fn make_elem(
+    r: &host_rec,
+    vm: &str,
+    device: String,
+    backend: Backend,
+    host_disk: Option<String>,
+) -> HostElem {
     let mut ts = Points::new();
     for (p, &t) in ts_points().iter().zip(r.ts.iter()) {
         if let Some(p) = p {
@@ -352,19 +371,19 @@ fn make_elem(r: &host_rec, vm: &str, device: String, backend: Backend) -> HostEl
         merge_id: r.merge_id,
         status: (r.has_status != 0).then_some(r.status),
         ts,
-        interference: device_load(r),
+        interference: host_disk.map(|d| device_load(r, d)),
     }
 }
 
-/// The host device load of a record's backend I/O (none when it reached no block device).
-fn device_load(r: &host_rec) -> Option<Interference> {
-    (r.disk_dev != 0).then(|| Interference {
-        host_disk: Some(crate::interfere::disk_label(r.disk_dev)),
+/// The host device load of a record's backend I/O.
+fn device_load(r: &host_rec, host_disk: String) -> Interference {
+    Interference {
+        host_disk: Some(host_disk),
         neighbour_inflight: Some(r.nb_inflight),
         neighbour_issued: Some(r.nb_issued),
         neighbour_bytes: Some(r.nb_bytes),
         ..Default::default()
-    })
+    }
 }
 
 /// The skeleton's `#[repr(C)]` copies of C structs made of integers and integer

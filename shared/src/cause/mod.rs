@@ -117,19 +117,30 @@ pub struct ClassKey {
     pub size_class: u8,
 }
 
+/// The size class of a request of `bytes`: log2 of its size rounded up to 4 KiB
+/// units (0: ≤ 4 KiB, 1: ≤ 8 KiB, …).
+pub fn size_class(bytes: u64) -> u8 {
+    let units = bytes.div_ceil(4096).max(1);
+    (64 - (units - 1).leading_zeros()) as u8
+}
+
+/// The largest size of a size class, KiB.
+pub fn size_class_kib(class: u8) -> u64 {
+    4u64 << class
+}
+
 impl ClassKey {
     pub fn new(vm: &str, disk: &str, op: Op, bytes: u32) -> ClassKey {
-        let units = bytes.div_ceil(4096).max(1);
         ClassKey {
             vm: vm.to_string(),
             disk: disk.to_string(),
             op,
-            size_class: (32 - (units - 1).leading_zeros()) as u8,
+            size_class: size_class(u64::from(bytes)),
         }
     }
 
     fn label(&self) -> String {
-        let kib = 4u64 << self.size_class;
+        let kib = size_class_kib(self.size_class);
         format!("{} ≤{kib} KiB on {}/{}", self.op, self.vm, self.disk)
     }
 }

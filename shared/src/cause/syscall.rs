@@ -10,7 +10,10 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::record::{GuestIo, OffCpu, Point};
 
-use super::{fmt_ns, render_causes, Cause, CauseKind, Window, MIN_SAMPLES, SLOW_FACTOR};
+use super::{
+    fmt_ns, render_causes, size_class, size_class_kib, Cause, CauseKind, Window, MIN_SAMPLES,
+    SLOW_FACTOR,
+};
 
 /// Classes (command × syscall × size class) kept; requests of more are counted, not judged.
 pub const MAX_SYSCALL_CLASSES: usize = 4096;
@@ -34,11 +37,6 @@ pub struct SyscallVerdicts {
     pub classes_refused: u64,
 }
 
-fn size_class(bytes: u64) -> u8 {
-    let units = bytes.div_ceil(4096).max(1);
-    (64 - (units - 1).leading_zeros()) as u8
-}
-
 impl SyscallVerdicts {
     pub fn new(threshold_ns: u64) -> SyscallVerdicts {
         SyscallVerdicts {
@@ -56,10 +54,11 @@ impl SyscallVerdicts {
         let (Some(a), Some(b), Some(off)) = (
             io.ts.get(Point::SyscallEnter),
             io.ts.get(Point::SyscallExit),
-            io.off_cpu.clone(),
+            io.off_cpu.as_ref(),
         ) else {
             return;
         };
+        let (runnable, blocked) = (off.runnable_ns as i64, off.blocked_ns as i64);
         let total = b.saturating_sub(a) as i64;
         let key = (io.comm.clone(), io.syscall.clone(), size_class(io.bytes));
         if !self.classes.contains_key(&key) && self.classes.len() >= MAX_SYSCALL_CLASSES {
@@ -67,10 +66,11 @@ impl SyscallVerdicts {
             return;
         }
         let class = self.classes.entry(key).or_default();
-        io.cause = judge_one(class, io, total, &off, self.threshold_ns).map(Box::new);
+        let cause = judge_one(class, io, total, off, self.threshold_ns);
         class.total.push(total);
-        class.runnable.push(off.runnable_ns as i64);
-        class.blocked.push(off.blocked_ns as i64);
+        class.runnable.push(runnable);
+        class.blocked.push(blocked);
+        io.cause = cause.map(Box::new);
         if let Some(c) = &io.cause {
             self.flagged += 1;
             *self.interval.entry((c.kind, c.stage.clone())).or_default() += 1;
@@ -159,7 +159,7 @@ fn judge_one(c: &Class, io: &GuestIo, total: i64, off: &OffCpu, threshold: i64) 
             c.total.len(),
             io.syscall,
             io.comm,
-            4u64 << size_class(io.bytes)
+            size_class_kib(size_class(io.bytes))
         ),
     })
 }

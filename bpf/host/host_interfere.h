@@ -13,8 +13,9 @@
  *    woken (or preempted) and then waits at least WAIT_MIN_NS for a CPU produces
  *    one wait_rec on its own small ring buffer, with the task that kept it off
  *    the CPU: the one that preempted it, or the one running on the CPU it was
- *    woken onto (kept per CPU by the same sched_switch program). Only QEMU threads are looked at: two hash lookups per
- *    context switch for everyone else.
+ *    woken onto (kept per CPU by the same sched_switch program). Only QEMU
+ *    threads are looked at: two hash lookups per context switch for everyone
+ *    else.
  *
  * Kernel differences: the request's disk (rq->q->disk 5.16+, rq->rq_disk before),
  * the task state field (__state 5.14+, state before) and the task's CPU
@@ -42,6 +43,8 @@ struct {
 	__type(key, __u32); /* dev_t (MKDEV) */
 	__type(value, struct dev_load);
 } dev_loads SEC(".maps");
+
+const struct dev_load zero_load = {};
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
@@ -101,6 +104,7 @@ struct wait_rec wait_rec_abi = {};
 /* ---- kernel differences: rq_disk(), task_state_of(), task_cpu_of() ---- */
 
 #include "vt_core_fixes.h"
+#include "vt_maps.h"
 
 static __always_inline __u32 rq_dev(struct request *rq)
 {
@@ -156,14 +160,9 @@ static __always_inline __u32 dev_issue(struct request *rq, __u32 tgid, struct rq
 	__u64 k = (__u64)rq;
 	if (bpf_map_update_elem(&rq_owners, &k, &o, BPF_NOEXIST))
 		return dev;
-	struct dev_load *l = bpf_map_lookup_elem(&dev_loads, &dev);
-	if (!l) {
-		struct dev_load z = {};
-		bpf_map_update_elem(&dev_loads, &dev, &z, BPF_NOEXIST);
-		l = bpf_map_lookup_elem(&dev_loads, &dev);
-		if (!l)
-			return dev;
-	}
+	struct dev_load *l = map_create(&dev_loads, &dev, &zero_load, ST_DEVS_FULL);
+	if (!l)
+		return dev;
 	__u64 bytes = BPF_CORE_READ(rq, __data_len);
 	__sync_fetch_and_add(&l->issued, 1);
 	__sync_fetch_and_add(&l->bytes, bytes);
@@ -176,8 +175,7 @@ static __always_inline __u32 dev_issue(struct request *rq, __u32 tgid, struct rq
 			__builtin_memcpy(z.comm, origin->comm, sizeof(z.comm));
 		else
 			bpf_get_current_comm(z.comm, sizeof(z.comm));
-		bpf_map_update_elem(&dev_users, &o, &z, BPF_NOEXIST);
-		u = bpf_map_lookup_elem(&dev_users, &o);
+		u = map_insert(&dev_users, &o, &z, ST_DEVS_FULL);
 	}
 	if (u) {
 		__sync_fetch_and_add(&u->issued, 1);
@@ -255,8 +253,6 @@ static __always_inline int is_qemu(struct task_struct *t)
 	return bpf_map_lookup_elem(&qemu_procs, &tgid) != NULL;
 }
 
-/* A QEMU thread starts waiting for a CPU; `holder`: the task keeping it from
- * running (the one that preempted it, or the one running where it was woken). */
 /* A QEMU thread starts waiting for a CPU behind `holder` (tgid and task pointer;
  * 0: not known): the task that preempted it, or the one running on the CPU it
  * was woken onto. */
@@ -276,10 +272,7 @@ static __always_inline void woken(struct task_struct *p)
 		return;
 	__u32 cpu = task_cpu_of(p);
 	struct cpu_task *c = bpf_map_lookup_elem(&cpu_curr, &cpu);
-	if (c)
-		wait_start(p, c->tgid, c->task);
-	else
-		wait_start(p, 0, 0);
+	wait_start(p, c ? c->tgid : 0, c ? c->task : 0);
 }
 
 SEC("tp_btf/sched_wakeup")

@@ -132,8 +132,9 @@ struct wait_rec {
 	X(ST_PROC_EXIT, "qemu_exits", traced QEMU processes that exited)                                  \
 	X(ST_CHAIN_LONG, "merge_chain_too_long", merge chain longer than the walk limit)                  \
 	X(ST_KICKS, "guest_kicks", guest kicks handled (host notifier reads))                             \
-	X(ST_WAITS, "qemu_cpu_waits", QEMU thread waits for a CPU reported (>= 50 us))                   \
-	X(ST_WAIT_DROP, "qemu_cpu_waits_lost", QEMU CPU wait lost: its ring buffer full)
+	X(ST_WAITS, "qemu_cpu_waits", QEMU thread waits for a CPU reported (>= 50 us))                    \
+	X(ST_WAIT_DROP, "qemu_cpu_waits_lost", QEMU CPU wait lost: its ring buffer full)                  \
+	X(ST_DEVS_FULL, "device_load_map_full", host block request not counted: device maps full)
 
 #define VH_STAT_ENUM(id, name, desc) id,
 enum {

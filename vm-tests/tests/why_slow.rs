@@ -145,14 +145,21 @@ fn inject_when_up(
     })
 }
 
-/// Checks that ≥ 90 % of the reads above `threshold_ns` are named `want`.
+/// Checks that ≥ 90 % of the joined reads above `threshold_ns` are named `want`.
 fn check_named(what: &str, rec: &[JoinedIo], threshold_ns: u64, want: CauseKind) -> usize {
-    let slow = slower_than(rec, threshold_ns);
-    let named = slow.iter().filter(|j| kind(j) == Some(want)).count();
-    let kinds: Vec<Option<CauseKind>> = slow.iter().map(|j| kind(j)).collect();
+    let slow: Vec<Option<CauseKind>> = slower_than(rec, threshold_ns)
+        .iter()
+        .map(|j| kind(j))
+        .collect();
+    check_kinds(what, rec.len(), &slow, want)
+}
+
+/// Checks that at least 10 of `all` reads were slow and that ≥ 90 % of the slow
+/// ones (their verdicts: `slow`) are named `want`; returns how many are.
+fn check_kinds(what: &str, all: usize, slow: &[Option<CauseKind>], want: CauseKind) -> usize {
+    let named = slow.iter().filter(|k| **k == Some(want)).count();
     eprintln!(
-        "{what}: {} reads, {} above the threshold, {named} named {}; causes {kinds:?}",
-        rec.len(),
+        "{what}: {all} reads, {} above the threshold, {named} named {}; causes {slow:?}",
         slow.len(),
         want.name()
     );
@@ -163,7 +170,7 @@ fn check_named(what: &str, rec: &[JoinedIo], threshold_ns: u64, want: CauseKind)
     );
     assert!(
         named * 10 >= slow.len() * 9,
-        "{what}: {named} of {} slow reads named {}: {kinds:?}",
+        "{what}: {named} of {} slow reads named {}: {slow:?}",
         slow.len(),
         want.name()
     );
@@ -351,29 +358,11 @@ fn a_guest_cpu_hog_is_named_on_the_slow_syscalls_and_a_clean_run_is_not_flagged(
         io.ts.get(Point::SyscallExit).unwrap_or(0) - io.ts.get(Point::SyscallEnter).unwrap_or(0)
     };
     let slow: Vec<_> = reads.iter().filter(|io| total(io) >= 5_000_000).collect();
-    let named = slow
-        .iter()
-        .filter(|io| io.cause.as_ref().map(|c| c.kind) == Some(CauseKind::GuestPreempted))
-        .count();
     let kinds: Vec<Option<CauseKind>> = slow
         .iter()
         .map(|io| io.cause.as_ref().map(|c| c.kind))
         .collect();
-    eprintln!(
-        "guest hog: {} reads, {} above 5 ms, {named} named guest_preempted; causes {kinds:?}",
-        reads.len(),
-        slow.len()
-    );
-    assert!(
-        slow.len() >= 10,
-        "the hog slowed too few reads: {}",
-        slow.len()
-    );
-    assert!(
-        named * 10 >= slow.len() * 9,
-        "{named} of {} slow reads named guest_preempted: {kinds:?}",
-        slow.len()
-    );
+    let named = check_kinds("guest hog", reads.len(), &kinds, CauseKind::GuestPreempted);
     let by_hog = slow
         .iter()
         .filter(|io| {

@@ -196,12 +196,9 @@ impl Interfere {
         let host_to = at(Point::HostIrq).or(at(Point::HostPush));
         // The whole request when its guest points are in the host's clock, else
         // its host part.
-        let (from, to) = match j.ts_domain {
-            ClockDomain::Host => (
-                j.ts.iter().map(|(_, t)| t).min(),
-                j.ts.iter().map(|(_, t)| t).max(),
-            ),
-            ClockDomain::Guest => (host_from, host_to),
+        let (from, to) = match window_of(j) {
+            Some((a, b)) => (Some(a), Some(b)),
+            None => (host_from, host_to),
         };
         let waits = self.waits.get(&tgid);
         let spans = |vcpu: bool| -> Vec<(u64, u64)> {

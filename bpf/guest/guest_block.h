@@ -46,6 +46,57 @@ static __always_inline int bio_page_file(struct bio *bio, __u64 *ino, __u64 *off
 	return PG_FILE;
 }
 
+/* The slot of `bio` among the syscall's queued bios, or -1. */
+static __always_inline int qbio_find(struct sys_state *s, __u64 bio)
+{
+	if (!s || !bio)
+		return -1;
+	for (int i = 0; i < QBIOS; i++)
+		if (s->qbios[i].bio == bio)
+			return i;
+	return -1;
+}
+
+/* Moves a queued bio of the syscall into the `bios` map: it merged into a
+ * request that may be issued elsewhere, or its slot is needed. */
+static __always_inline void qbio_spill(struct sys_state *s, __u32 tid, int i)
+{
+	struct bio_state b = {};
+	struct qbio *q;
+	__u64 key;
+
+	if (i < 0 || i >= QBIOS)
+		return;
+	q = &s->qbios[i];
+	key = q->bio;
+	b.id = s->id;
+	b.queue_ts = q->queue_ts;
+	b.inode = q->inode;
+	b.offset = q->offset;
+	b.has_offset = q->has_offset;
+	b.owner_tid = tid;
+	b.owner_enter_ts = s->enter_ts;
+	q->bio = 0;
+	if (bpf_map_update_elem(&bios, &key, &b, BPF_ANY))
+		stat_inc(S_FULL_BIO);
+}
+
+static __always_inline void qbio_put(struct sys_state *s, __u32 tid, __u64 bio,
+				     const struct bio_state *b)
+{
+	__u32 i = s->qbio_next & (QBIOS - 1);
+	struct qbio *q = &s->qbios[i];
+
+	if (q->bio)
+		qbio_spill(s, tid, i);
+	q->bio = bio;
+	q->queue_ts = b->queue_ts;
+	q->inode = b->inode;
+	q->offset = b->offset;
+	q->has_offset = b->has_offset;
+	s->qbio_next = i + 1;
+}
+
 SEC("raw_tp/block_bio_queue")
 int bio_queue(unsigned long long *ctx)
 {
@@ -66,7 +117,7 @@ int bio_queue(unsigned long long *ctx)
 		return 0;
 
 	b.queue_ts = bpf_ktime_get_ns();
-	s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	s = sys_get(&tid);
 	/* direct I/O inside a traced syscall takes the syscall's file: no page walk */
 	kind = (s && s->cur.direct) ? PG_OTHER : bio_page_file(bio, &pino, &poff);
 	/* buffered I/O on the block device node itself: its pages are the file */
@@ -119,6 +170,11 @@ int bio_queue(unsigned long long *ctx)
 	}
 	if (!ident_ok(&b.id))
 		return 0;
+	if (s) {
+		qbio_put(s, tid, key, &b);
+		stat_inc(S_BIO_QUEUED);
+		return 0;
+	}
 	if (bpf_map_update_elem(&bios, &key, &b, BPF_ANY))
 		stat_inc(S_FULL_BIO);
 	else
@@ -135,8 +191,27 @@ int bio_split(unsigned long long *ctx)
 	__u64 key = (__u64)split;
 	struct bio_state *p = bpf_map_lookup_elem(&bios, &parent);
 
-	if (!p)
+	if (!p) {
+		/* a bio of the running syscall: the split part joins its ring */
+		__u32 tid = (__u32)bpf_get_current_pid_tgid();
+		struct sys_state *s = sys_get(&tid);
+		int i = qbio_find(s, parent);
+		struct bio_state b = {};
+		struct qbio *q;
+
+		if (!s || i < 0 || i >= QBIOS)
+			return 0;
+		stat_inc(S_BIO_SPLIT);
+		q = &s->qbios[i];
+		b.queue_ts = q->queue_ts;
+		b.inode = q->inode;
+		b.offset = q->offset;
+		b.has_offset = q->has_offset;
+		if (q->has_offset)
+			q->offset += BPF_CORE_READ(split, bi_iter.bi_size);
+		qbio_put(s, tid, key, &b);
 		return 0;
+	}
 	stat_inc(S_BIO_SPLIT);
 	if (bpf_map_update_elem(&bios, &key, p, BPF_ANY))
 		stat_inc(S_FULL_BIO);
@@ -146,23 +221,38 @@ int bio_split(unsigned long long *ctx)
 	return 0;
 }
 
+/* A tracked bio merged into an existing request: a bio of the running
+ * syscall moves to the `bios` map, where the request's issue finds it. */
+static __always_inline void bio_merged(__u64 key, __u32 stat)
+{
+	__u32 tid;
+	struct sys_state *s;
+	int i;
+
+	if (bpf_map_lookup_elem(&bios, &key)) {
+		stat_inc(stat);
+		return;
+	}
+	tid = (__u32)bpf_get_current_pid_tgid();
+	s = sys_get(&tid);
+	i = qbio_find(s, key);
+	if (!s || i < 0)
+		return;
+	stat_inc(stat);
+	qbio_spill(s, tid, i);
+}
+
 SEC("raw_tp/block_bio_backmerge")
 int bio_backmerge(unsigned long long *ctx)
 {
-	__u64 key = (__u64)TP_MERGE_BIO(ctx);
-
-	if (bpf_map_lookup_elem(&bios, &key))
-		stat_inc(S_BIO_BACKMERGE);
+	bio_merged((__u64)TP_MERGE_BIO(ctx), S_BIO_BACKMERGE);
 	return 0;
 }
 
 SEC("raw_tp/block_bio_frontmerge")
 int bio_frontmerge(unsigned long long *ctx)
 {
-	__u64 key = (__u64)TP_MERGE_BIO(ctx);
-
-	if (bpf_map_lookup_elem(&bios, &key))
-		stat_inc(S_BIO_FRONTMERGE);
+	bio_merged((__u64)TP_MERGE_BIO(ctx), S_BIO_FRONTMERGE);
 	return 0;
 }
 
@@ -177,44 +267,65 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 {
 	__u64 key = (__u64)rq;
 	struct rq_state *st = bpf_map_lookup_elem(&rqs, &key);
+	struct rq_state *live = st && st->active ? st : NULL;
 	struct bio_state *first = NULL;
-	struct sys_state *s = NULL;
+	struct qbio *q = NULL;
+	struct sys_state *s;
 	struct gendisk *disk;
 	struct bio *bio;
-	__u32 tid;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 
-	if (st) {
-		if (!st->ev.ts[P_RQ_COMPLETE])
-			return st;
+	if (live) {
+		if (!live->ev.ts[P_RQ_COMPLETE])
+			return live;
 		/* the tag was reused: the previous use completed unseen by the emitter */
 		stat_inc(S_RQ_LATE);
-		emit_rq(key, st);
+		emit_rq(key, live);
 	}
 	disk = rq_disk(rq);
 	if (!disk_ok(disk))
 		return NULL;
+	/* the running syscall, whose queued bios are most requests' first ones */
+	s = sys_get(&tid);
 	bio = BPF_CORE_READ(rq, bio);
 	for (int i = 0; i < CHAIN_MAX && bio; i++) {
 		__u64 bk = (__u64)bio;
+		int qi = qbio_find(s, bk);
 
+		if (s && qi >= 0 && qi < QBIOS) {
+			q = &s->qbios[qi];
+			break;
+		}
 		first = bpf_map_lookup_elem(&bios, &bk);
 		if (first)
 			break;
 		bio = BPF_CORE_READ(bio, bi_next);
 	}
-	if (!first) {
-		tid = (__u32)bpf_get_current_pid_tgid();
-		s = bpf_map_lookup_elem(&sys_inflight, &tid);
-		if (!s && task_filter_on())
-			return NULL;
-	}
-	st = map_insert(&rqs, &key, &zero_rq, S_FULL_RQ);
+	if (!first && !s && task_filter_on())
+		return NULL;
+	if (st)
+		__builtin_memset(st, 0, sizeof(*st));
+	else
+		st = map_insert(&rqs, &key, &zero_rq, S_FULL_RQ);
 	if (!st)
 		return NULL;
+	st->active = 1;
 	st->ev.kind = K_RQ;
-	st->ev.dev = (BPF_CORE_READ(disk, major) << 20) | BPF_CORE_READ(disk, first_minor);
-	BPF_CORE_READ_STR_INTO(&st->ev.disk, disk, disk_name);
-	if (first) {
+	st->ev.dev = disk_dev(disk);
+	if (q && s) {
+		st->ev.pid = s->id.pid;
+		st->ev.tid = s->id.tid;
+		st->ev.cgroup_id = s->id.cgroup_id;
+		__builtin_memcpy(st->ev.comm, s->id.comm, VT_COMM);
+		st->ev.inode = q->inode;
+		st->ev.file_offset = q->offset;
+		st->ev.has_file_offset = q->has_offset;
+		st->ev.ts[P_SYSCALL_ENTER] = s->enter_ts;
+		st->ev.ts[P_BIO_QUEUE] = q->queue_ts;
+		st->owner_tid = tid;
+		st->owner_enter_ts = s->enter_ts;
+		q->bio = 0;
+	} else if (first) {
 		st->ev.pid = first->id.pid;
 		st->ev.tid = first->id.tid;
 		st->ev.cgroup_id = first->id.cgroup_id;
@@ -241,7 +352,7 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 /* Adds a reference to this request to the syscall that caused it. */
 static __always_inline void add_ref(__u32 owner_tid, __u64 owner_enter_ts, struct rq_state *st)
 {
-	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, &owner_tid);
+	struct sys_state *s = sys_get(&owner_tid);
 	__u32 n;
 
 	if (!s || s->enter_ts != owner_enter_ts)
@@ -308,9 +419,13 @@ int BPF_PROG(rq_issue, struct request *rq)
 {
 	struct rq_state *st = rq_track(rq);
 
+	__u64 queued = stash_take(STASH_QUEUE_RQ, rq);
+
 	if (!st)
 		return 0;
 	st->ev.ts[P_RQ_ISSUE] = bpf_ktime_get_ns();
+	if (queued)
+		st->ev.ts[P_QUEUE_RQ] = queued;
 	rq_absorb(rq, st);
 	return 0;
 }
@@ -320,7 +435,7 @@ int BPF_PROG(rq_requeue, struct request *rq)
 {
 	__u64 key = (__u64)rq;
 
-	if (bpf_map_lookup_elem(&rqs, &key))
+	if (rq_get(&key))
 		stat_inc(S_RQ_REQUEUE);
 	return 0;
 }
@@ -330,9 +445,12 @@ SEC("raw_tp/block_rq_merge")
 int BPF_PROG(rq_merge, struct request *rq)
 {
 	__u64 key = (__u64)rq;
+	struct rq_state *st = rq_get(&key);
 
-	if (bpf_map_delete_elem(&rqs, &key) == 0)
+	if (st) {
+		st->active = 0;
 		stat_inc(S_RQ_MERGED);
+	}
 	return 0;
 }
 
@@ -364,7 +482,7 @@ static __always_inline void emit_rq(__u64 key, struct rq_state *st)
 	} else {
 		stat_inc(S_RB_DROP_RQ);
 	}
-	bpf_map_delete_elem(&rqs, &key);
+	st->active = 0;
 }
 
 /* block_rq_complete(rq, error, nr_bytes) */
@@ -372,7 +490,7 @@ SEC("raw_tp/block_rq_complete")
 int BPF_PROG(rq_complete, struct request *rq, int error, unsigned int nr_bytes)
 {
 	__u64 key = (__u64)rq;
-	struct rq_state *st = bpf_map_lookup_elem(&rqs, &key);
+	struct rq_state *st = rq_get(&key);
 
 	if (!st)
 		return 0;
@@ -398,7 +516,7 @@ static __always_inline void update_done(struct request *rq, bool more)
 
 	if (more)
 		return;
-	st = bpf_map_lookup_elem(&rqs, &key);
+	st = rq_get(&key);
 	if (!st)
 		return;
 	if (st->ev.bios)
@@ -419,7 +537,7 @@ int BPF_KPROBE(kp_update_request, struct request *rq)
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	__u64 key = (__u64)rq;
 
-	if (!bpf_map_lookup_elem(&rqs, &key))
+	if (!rq_get(&key))
 		return 0;
 	if (bpf_map_update_elem(&update_args, &tid, &key, BPF_ANY))
 		stat_inc(S_FULL_ARGS);

@@ -42,6 +42,7 @@ struct vt_io_event *vt_io_event_btf;
 #define CHAIN_MAX 64
 #define KICK_SLOTS 64
 #define VT_PF_IO_WORKER 0x00000010
+#define QBIOS 8
 
 struct ident {
 	__u64 cgroup_id;
@@ -59,6 +60,16 @@ struct sys_info {
 	__u8 direct;
 };
 
+/* A bio queued by a traced syscall (bio_state without what the syscall has). */
+struct qbio {
+	__u64 bio;		/* 0: free */
+	__u64 queue_ts;
+	__u64 inode;
+	__u64 offset;
+	__u32 has_offset;
+	__u32 pad;
+};
+
 struct sys_state {
 	struct ident id;
 	__u64 enter_ts;
@@ -73,7 +84,6 @@ struct sys_state {
 	__u8 pad[2];
 	__u32 nrefs;
 	__u32 refs_dropped;
-	struct vt_rq_ref refs[VT_MAX_REFS];
 	/* off-CPU accounting (guest_sched.h) */
 	__u64 off_since;	/* switched out at, 0 = on CPU */
 	__u64 runq_ns;
@@ -85,6 +95,14 @@ struct sys_state {
 	__u8 pad2[7];
 	char cur_holder_comm[VT_COMM];
 	char best_holder_comm[VT_COMM];
+	/* Its bios not yet part of a request: most become one in this thread
+	 * before the syscall returns, so they need no `bios` map entry. */
+	__u32 qbio_next;
+	__u32 pad3;
+	struct qbio qbios[QBIOS];
+	/* last: a new syscall resets what comes before (nrefs says how many of
+	 * these are its own) */
+	struct vt_rq_ref refs[VT_MAX_REFS];
 };
 
 struct bio_state {
@@ -104,7 +122,7 @@ struct rq_state {
 	__u64 kick_seq;		/* vq kick sequence number at add time */
 	__u64 owner_enter_ts;
 	__u32 owner_tid;
-	__u32 pad;
+	__u32 active;		/* 0: a finished use; the entry waits for the next */
 };
 
 struct kick_slot {
@@ -132,10 +150,15 @@ struct {
 } stats SEC(".maps");
 
 /*
- * Per-thread in-flight syscalls and queued bios use LRU maps: a thread killed
- * inside a syscall, or a bio that ends before it becomes part of a request
- * (REQ_NOWAIT -EAGAIN, errors), would otherwise leave an entry behind forever.
- * Live entries are young; eviction only hits such leftovers.
+ * Per-thread syscall state and queued bios use LRU maps: a thread that exited,
+ * or a bio that ends before it becomes part of a request (REQ_NOWAIT -EAGAIN,
+ * errors), would otherwise leave an entry behind forever. Eviction only hits
+ * such leftovers.
+ *
+ * A thread's entry outlives its syscall (enter_ts = 0 between syscalls), and a
+ * request's entry its use (requests are preallocated per tag: active = 0 until
+ * the next use): a map update and delete per syscall and per request were the
+ * costliest work of the hot path. sys_get() and rq_get() return live ones.
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
@@ -188,10 +211,69 @@ struct {
 	__type(value, __u64);
 } update_args SEC(".maps");
 
+/*
+ * A point stamped by one program and taken by a later one in the same call
+ * chain on the same CPU, so that the first needs no request map work:
+ * virtio_queue_rq → block_rq_issue (inside it). Taken only for the same request.
+ */
+enum stash_slot {
+	STASH_QUEUE_RQ = 0,
+	STASH_NR = 1,
+};
+
+struct stash {
+	__u64 rq;
+	__u64 ts;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, STASH_NR);
+	__type(key, __u32);
+	__type(value, struct stash);
+} stash SEC(".maps");
+
+static __always_inline void stash_put(__u32 slot, void *rq)
+{
+	struct stash *s = bpf_map_lookup_elem(&stash, &slot);
+
+	if (!s)
+		return;
+	s->rq = (__u64)rq;
+	s->ts = bpf_ktime_get_ns();
+}
+
+/* The stamp left for `rq` in `slot` (0 if none); the slot is emptied. */
+static __always_inline __u64 stash_take(__u32 slot, void *rq)
+{
+	struct stash *s = bpf_map_lookup_elem(&stash, &slot);
+	__u64 ts;
+
+	if (!s || s->rq != (__u64)rq)
+		return 0;
+	ts = s->ts;
+	s->rq = 0;
+	return ts;
+}
+
 /* Zero values used to create map entries without big stack copies. */
 const struct sys_state zero_sys = {};
 const struct rq_state zero_rq = {};
 const struct vq_state zero_vq = {};
+
+static __always_inline struct sys_state *sys_get(__u32 *tid)
+{
+	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, tid);
+
+	return s && s->enter_ts ? s : NULL;
+}
+
+static __always_inline struct rq_state *rq_get(__u64 *key)
+{
+	struct rq_state *st = bpf_map_lookup_elem(&rqs, key);
+
+	return st && st->active ? st : NULL;
+}
 
 static __always_inline void stat_inc(__u32 id)
 {
@@ -242,14 +324,33 @@ static __always_inline bool task_filter_on(void)
 	return filter_pid || filter_tid || filter_cgroup || filter_comm_on;
 }
 
+/* A disk's dev (major << 20 | first_minor). struct gendisk has started with
+ * `int major; int first_minor;` on every kernel: one read for both. */
+static __always_inline __u32 disk_dev(struct gendisk *disk)
+{
+	struct {
+		int major;
+		int first_minor;
+	} mm = {};
+
+	if (bpf_core_field_offset(struct gendisk, first_minor) !=
+	    bpf_core_field_offset(struct gendisk, major) + 4) {
+		mm.major = BPF_CORE_READ(disk, major);
+		mm.first_minor = BPF_CORE_READ(disk, first_minor);
+	} else {
+		bpf_probe_read_kernel(&mm, sizeof(mm),
+				      (void *)disk + bpf_core_field_offset(struct gendisk, major));
+	}
+	return ((__u32)mm.major << 20) | (__u32)mm.first_minor;
+}
+
 static __always_inline bool disk_ok(struct gendisk *disk)
 {
 	if (!disk)
 		return false;
 	if (!filter_disk_on)
 		return true;
-	return BPF_CORE_READ(disk, major) == filter_disk_major &&
-	       BPF_CORE_READ(disk, first_minor) == filter_disk_minor;
+	return disk_dev(disk) == (((__u32)filter_disk_major << 20) | (__u32)filter_disk_minor);
 }
 
 static __always_inline void current_ident(struct ident *id)

@@ -107,7 +107,7 @@ int off_cpu_switch(unsigned long long *ctx)
 		c->cur_since = now;
 	}
 	__u32 tid = BPF_CORE_READ(prev, pid);
-	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	struct sys_state *s = sys_get(&tid);
 	if (s) {
 		if (task_state_of(prev) == 0) {
 			runq_start(s, now, c);
@@ -117,7 +117,7 @@ int off_cpu_switch(unsigned long long *ctx)
 		}
 	}
 	__u32 next_pid = BPF_CORE_READ(next, pid);
-	s = bpf_map_lookup_elem(&sys_inflight, &next_pid);
+	s = sys_get(&next_pid);
 	if (!s || !s->off_since)
 		return 0;
 	__u64 d = now - s->off_since;
@@ -149,7 +149,7 @@ int off_cpu_wakeup(unsigned long long *ctx)
 {
 	struct task_struct *p = (void *)ctx[0];
 	__u32 tid = BPF_CORE_READ(p, pid);
-	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	struct sys_state *s = sys_get(&tid);
 	if (!s || !s->off_since || s->off_runnable)
 		return 0;
 	__u64 now = bpf_ktime_get_ns();

@@ -217,7 +217,12 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 	if (!comm_ok(who.comm))
 		return 0;
 
-	s = map_insert(&sys_inflight, &tid, &zero_sys, S_FULL_SYS);
+	/* the thread's entry from its last syscall, reset; created once */
+	s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	if (s)
+		__builtin_memset(s, 0, __builtin_offsetof(struct sys_state, refs));
+	else
+		s = map_insert(&sys_inflight, &tid, &zero_sys, S_FULL_SYS);
 	if (!s)
 		return 0;
 	s->id = who;
@@ -260,7 +265,7 @@ static __always_inline void sys_next_file(struct sys_state *s, const struct sys_
 static __always_inline void on_aio_iocb(const struct iocb *uiocb)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	struct sys_state *s = sys_get(&tid);
 	struct sys_info fi = {};
 	struct iocb cb = {};
 
@@ -307,7 +312,7 @@ int BPF_KPROBE(kp_io_submit_one, struct kioctx *aioctx, const struct iocb *uiocb
 static __always_inline void uring_req(struct io_kiocb *req)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	struct sys_state *s = sys_get(&tid);
 	struct io_kiocb___new *rn = (void *)req;
 	struct io_kiocb___old *ro = (void *)req;
 	struct sys_info fi = {};
@@ -376,13 +381,13 @@ int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
 
 	if (pid == self_pid || (filter_pid && pid != filter_pid) || (filter_tid && tid != filter_tid))
 		return 0;
-	s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	s = sys_get(&tid);
 	if (!s)
 		return 0;
 	e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 	if (!e) {
 		stat_inc(S_RB_DROP_IO);
-		bpf_map_delete_elem(&sys_inflight, &tid);
+		s->enter_ts = 0;
 		return 0;
 	}
 	e->kind = K_IO;
@@ -400,7 +405,12 @@ int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
 	__builtin_memcpy(e->comm, s->id.comm, VT_COMM);
 	e->nrefs = s->nrefs;
 	e->refs_dropped = s->refs_dropped;
-	__builtin_memcpy(e->refs, s->refs, sizeof(e->refs));
+	/* only the listed ones (userspace reads nrefs of them) */
+	for (int i = 0; i < VT_MAX_REFS; i++) {
+		if (i >= s->nrefs)
+			break;
+		e->refs[i] = s->refs[i];
+	}
 	__builtin_memset(e->pad, 0, sizeof(e->pad));
 	e->runq_ns = s->runq_ns;
 	e->blocked_ns = s->blocked_ns;
@@ -409,7 +419,7 @@ int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
 	__builtin_memcpy(e->holder_comm, s->best_holder_comm, VT_COMM);
 	bpf_ringbuf_submit(e, rb_flags());
 	stat_inc(S_IO_EMITTED);
-	bpf_map_delete_elem(&sys_inflight, &tid);
+	s->enter_ts = 0;	/* between syscalls: the entry waits for the next */
 	return 0;
 }
 

@@ -18,38 +18,51 @@
 #ifndef VIOTRACE_GUEST_VIRTIO_H
 #define VIOTRACE_GUEST_VIRTIO_H
 
+/* g.queue_rq: block_rq_issue, inside this call, takes the stamp (rq_issue). */
 static __always_inline void on_queue_rq(struct request *rq)
 {
-	struct rq_state *st = rq_track(rq);
+	stash_put(STASH_QUEUE_RQ, rq);
+}
 
+struct queue_rqs_walk {
+	struct request *rq;
+	__u64 now;
+};
+
+static long queue_rqs_one(__u64 i, void *data)
+{
+	struct queue_rqs_walk *w = data;
+	struct request *rq = w->rq;
+	struct rq_state *st;
+
+	if (!rq)
+		return 1;
+	st = rq_track(rq);
 	if (st)
-		st->ev.ts[P_QUEUE_RQ] = bpf_ktime_get_ns();
+		st->ev.ts[P_QUEUE_RQ] = w->now;
+	w->rq = BPF_CORE_READ(rq, rq_next);
+	return 0;
 }
 
 /* virtio_queue_rqs(struct request **rqlist) (≤6.10) or (struct rq_list *): the
- * first word is the list head either way; requests are linked by rq_next. */
+ * first word is the list head either way; requests are linked by rq_next.
+ * bpf_loop (5.17+; virtio_queue_rqs is 5.19+): rq_track is verified once, not
+ * once per list position. */
 static __always_inline void on_queue_rqs(void *list)
 {
-	struct request *rq = NULL;
-	__u64 now = bpf_ktime_get_ns();
+	struct queue_rqs_walk w = { .now = bpf_ktime_get_ns() };
 
-	if (!bpf_core_field_exists(rq->rq_next))
+	if (!bpf_core_field_exists(w.rq->rq_next))
 		return;
-	bpf_probe_read_kernel(&rq, sizeof(rq), list);
-	for (int i = 0; i < CHAIN_MAX && rq; i++) {
-		struct rq_state *st = rq_track(rq);
-
-		if (st)
-			st->ev.ts[P_QUEUE_RQ] = now;
-		rq = BPF_CORE_READ(rq, rq_next);
-	}
+	bpf_probe_read_kernel(&w.rq, sizeof(w.rq), list);
+	bpf_loop(CHAIN_MAX, queue_rqs_one, &w, 0);
 }
 
 static __always_inline void on_add_sgs(struct virtqueue *vq, void *data)
 {
 	/* virtblk_req is the request's pdu: it directly follows struct request */
 	__u64 key = (__u64)data - bpf_core_type_size(struct request);
-	struct rq_state *st = bpf_map_lookup_elem(&rqs, &key);
+	struct rq_state *st = rq_get(&key);
 	struct vq_state *v;
 	__u64 vk = (__u64)vq;
 	__u16 head = 0;
@@ -111,7 +124,7 @@ static __always_inline void on_interrupt(void *vq)
 static __always_inline void on_driver_complete(struct request *rq)
 {
 	__u64 key = (__u64)rq;
-	struct rq_state *st = bpf_map_lookup_elem(&rqs, &key);
+	struct rq_state *st = rq_get(&key);
 
 	if (!st)
 		return;

@@ -69,7 +69,6 @@ enum vt_stat_id {
 #undef VT_STAT_ENUM
 
 #define VT_COMM 16
-#define VT_DISK 32
 #define VT_MAX_REFS 16
 
 struct vt_rq_event {
@@ -92,8 +91,7 @@ struct vt_rq_event {
 	__u8 has_head;
 	__u8 kicked;		/* enum vt_kick */
 	__u8 has_file_offset;
-	char comm[VT_COMM];
-	char disk[VT_DISK];
+	char comm[VT_COMM];	/* the disk's name: userspace, from dev */
 };
 
 struct vt_rq_ref {
@@ -130,7 +128,7 @@ struct vt_io_event {
 	char holder_comm[VT_COMM];
 };
 
-_Static_assert(sizeof(struct vt_rq_event) == 8 + 8 * P_NR + 32 + 24 + 4 + 4 + VT_COMM + VT_DISK,
+_Static_assert(sizeof(struct vt_rq_event) == 8 + 8 * P_NR + 32 + 24 + 4 + 4 + VT_COMM,
 	       "vt_rq_event layout");
 _Static_assert(sizeof(struct vt_io_event) ==
 		       8 + 56 + 16 + 8 + VT_COMM + 16 * VT_MAX_REFS + 24 + VT_COMM,

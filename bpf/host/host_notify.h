@@ -44,6 +44,7 @@ int kick_read(struct trace_event_raw_sys_enter *ctx)
 SEC("uprobe")
 int BPF_KPROBE(notify_direct, void *vdev, void *vq)
 {
+	stat_inc(ST_UPROBE_HITS);
 	__u32 tgid;
 	struct qemu_layout *l = this_proc(&tgid);
 	if (!l || !(l->flags & QL_HAVE_NOTIFIER))

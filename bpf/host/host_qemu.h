@@ -8,6 +8,7 @@
 SEC("uprobe")
 int BPF_KPROBE(handle_vq, void *s, void *vq)
 {
+	stat_inc(ST_UPROBE_HITS);
 	__u32 tgid;
 	struct qemu_layout *l = this_proc(&tgid);
 	if (!l)
@@ -21,6 +22,7 @@ int BPF_KPROBE(handle_vq, void *s, void *vq)
 SEC("uprobe")
 int BPF_KPROBE(pop_enter, void *vq)
 {
+	stat_inc(ST_UPROBE_HITS);
 	__u32 tgid;
 	if (!this_proc(&tgid))
 		return 0;
@@ -134,6 +136,7 @@ static __always_inline int pop_done(struct qemu_layout *l, __u32 tgid, __u64 vq,
 SEC("uretprobe")
 int BPF_KRETPROBE(pop_ret, void *ret)
 {
+	stat_inc(ST_UPROBE_HITS);
 	__u32 tgid;
 	struct qemu_layout *l = this_proc(&tgid);
 	if (!l)
@@ -154,6 +157,7 @@ int BPF_KRETPROBE(pop_ret, void *ret)
 SEC("usdt")
 int BPF_USDT(usdt_pop, void *vq, void *elem, unsigned int in_num, unsigned int out_num)
 {
+	stat_inc(ST_UPROBE_HITS);
 	__u32 tgid;
 	struct qemu_layout *l = this_proc(&tgid);
 	if (!l || !elem)
@@ -330,6 +334,7 @@ static __always_inline int on_submit(void *opaque_p, __u64 buf, int has_buf, __s
 SEC("uprobe")
 int BPF_KPROBE(submit_rw, void *blk, __s64 offset, void *qiov, int flags, void *cb, void *opaque)
 {
+	stat_inc(ST_UPROBE_HITS);
 	__u64 q = (__u64)qiov;
 	__u64 iov = read_u64(q); /* QEMUIOVector.iov */
 	__u64 buf = iov ? read_u64(iov) : 0;
@@ -344,18 +349,21 @@ int BPF_KPROBE(submit_rw, void *blk, __s64 offset, void *qiov, int flags, void *
 SEC("uprobe")
 int BPF_KPROBE(submit_flush, void *blk, void *cb, void *opaque)
 {
+	stat_inc(ST_UPROBE_HITS);
 	return on_submit(opaque, 0, 1, -1);
 }
 
 SEC("uprobe")
 int BPF_KPROBE(submit_discard, void *blk, __s64 offset, __s64 bytes, void *cb, void *opaque)
 {
+	stat_inc(ST_UPROBE_HITS);
 	return on_submit(opaque, 0, 0, bytes);
 }
 
 SEC("uprobe")
 int BPF_KPROBE(submit_wzeroes, void *blk, __s64 offset, __s64 bytes, int flags, void *cb, void *opaque)
 {
+	stat_inc(ST_UPROBE_HITS);
 	return on_submit(opaque, 0, 0, bytes);
 }
 
@@ -387,6 +395,7 @@ static __always_inline void io_release(__u32 tgid, __u64 id, struct host_rec *r)
 SEC("uprobe")
 int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 {
+	stat_inc(ST_UPROBE_HITS);
 	__u32 tgid;
 	struct qemu_layout *l = this_proc(&tgid);
 	if (!l)

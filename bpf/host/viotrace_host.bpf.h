@@ -134,7 +134,8 @@ struct wait_rec {
 	X(ST_KICKS, "guest_kicks", guest kicks handled (host notifier reads))                             \
 	X(ST_WAITS, "qemu_cpu_waits", QEMU thread waits for a CPU reported (>= 50 us))                    \
 	X(ST_WAIT_DROP, "qemu_cpu_waits_lost", QEMU CPU wait lost: its ring buffer full)                  \
-	X(ST_DEVS_FULL, "device_load_map_full", host block request not counted: device maps full)
+	X(ST_DEVS_FULL, "device_load_map_full", host block request not counted: device maps full)       \
+	X(ST_UPROBE_HITS, "uprobe_hits", QEMU uprobe and USDT probe hits (each a trap in a QEMU thread))
 
 #define VH_STAT_ENUM(id, name, desc) id,
 enum {

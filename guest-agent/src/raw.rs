@@ -15,7 +15,7 @@ pub const IO_SIZE: usize = std::mem::size_of::<vt_io_event>();
 const MAX_REFS: usize = 16;
 
 // The sizes the C header asserts (`_Static_assert` in viotrace_guest.h).
-const _: () = assert!(RQ_SIZE == 216 && IO_SIZE == 400);
+const _: () = assert!(RQ_SIZE == 184 && IO_SIZE == 400);
 
 include!(concat!(env!("OUT_DIR"), "/guest_stats.rs"));
 
@@ -146,8 +146,14 @@ impl Decoder {
         }
     }
 
-    /// Names a kernel dev_t (`major << 20 | minor`): known from earlier request
-    /// records, else from `/sys/dev/block`, else `major:minor`.
+    /// Names a disk ahead of its records (tests; a name `/sys` does not have).
+    #[cfg(test)]
+    pub fn name_disk(&mut self, dev: u32, name: &str) {
+        self.disks.insert(dev, name.to_owned());
+    }
+
+    /// Names a kernel dev_t (`major << 20 | minor`) from `/sys/dev/block`, once
+    /// per disk (the BPF side sends only the dev_t), else `major:minor`.
     fn disk_name(&mut self, dev: u32) -> String {
         if let Some(n) = self.disks.get(&dev) {
             return n.clone();
@@ -180,16 +186,13 @@ impl Decoder {
 
     fn decode_rq(&mut self, b: &[u8]) -> Result<GuestRq, DecodeError> {
         let r: vt_rq_event = cast(b)?;
-        let mut ts = Points::new();
+        let mut ts = Points::with_capacity(self.slots.len());
         for (slot, &t) in r.ts.iter().enumerate() {
             if let Some(Some(p)) = self.slots.get(slot) {
                 ts.set_nonzero(*p, t);
             }
         }
-        let disk = cstr(&r.disk);
-        if !disk.is_empty() {
-            self.disks.entry(r.dev).or_insert_with(|| disk.clone());
-        }
+        let disk = self.disk_name(r.dev);
         let op = Op::from_linux_req_op(r.cmd_flags);
         Ok(GuestRq {
             time: viotrace_shared::walltime::of_points(&ts),
@@ -215,7 +218,7 @@ impl Decoder {
 
     fn decode_io(&mut self, b: &[u8]) -> Result<GuestIo, DecodeError> {
         let r: vt_io_event = cast(b)?;
-        let mut ts = Points::new();
+        let mut ts = Points::with_capacity(2);
         ts.set_nonzero(Point::SyscallEnter, r.enter_ts);
         ts.set_nonzero(Point::SyscallExit, r.exit_ts);
         let nrefs = (r.nrefs as usize).min(MAX_REFS);
@@ -299,13 +302,18 @@ mod tests {
         b[166] = 2; // suppressed
         b[167] = 1; // has_file_offset
         put(&mut b, 168, b"fio\0");
-        put(&mut b, 184, b"vdb\0");
         b
+    }
+
+    fn decoder() -> Decoder {
+        let mut d = Decoder::new();
+        d.name_disk((253u32 << 20) | 16, "vdb");
+        d
     }
 
     #[test]
     fn decodes_request_record() {
-        let mut d = Decoder::new();
+        let mut d = decoder();
         let Record::Rq(r) = d.decode(&raw_rq()).unwrap() else {
             panic!("not a request")
         };
@@ -369,9 +377,8 @@ mod tests {
     }
 
     #[test]
-    fn decodes_syscall_record_and_names_refs_from_seen_requests() {
-        let mut d = Decoder::new();
-        d.decode(&raw_rq()).unwrap(); // teaches dev → "vdb"
+    fn decodes_syscall_record_and_names_refs_by_dev() {
+        let mut d = decoder();
         let mut b = vec![0u8; IO_SIZE];
         put(&mut b, 0, &K_IO.to_ne_bytes());
         put(&mut b, 4, &18u32.to_ne_bytes()); // pwrite64

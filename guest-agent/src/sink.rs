@@ -181,22 +181,28 @@ impl Sink {
             }
         };
         self.interval_records += 1;
+        // Each record goes to the uplink last, moved rather than copied.
         match rec {
-            Record::Rq(r) => self.on_rq(&r),
+            Record::Rq(r) => {
+                self.on_rq(&r);
+                if let Some(u) = &self.uplink {
+                    u.send_rq(*r);
+                }
+            }
             Record::Io(mut io) => {
                 if let Some(v) = self.verdicts.as_mut() {
                     v.judge(&mut io);
                 }
-                self.on_io(&io)
+                self.on_io(&io);
+                if let Some(u) = &self.uplink {
+                    u.send_io(*io);
+                }
             }
         }
     }
 
     fn on_rq(&mut self, r: &GuestRq) {
         self.rqs += 1;
-        if let Some(u) = &self.uplink {
-            u.send_rq(r.clone());
-        }
         if self.json {
             let _ = self.out.write(r);
         }
@@ -217,9 +223,6 @@ impl Sink {
 
     fn on_io(&mut self, io: &GuestIo) {
         self.ios += 1;
-        if let Some(u) = &self.uplink {
-            u.send_io(io.clone());
-        }
         if self.json {
             let _ = self.out.write(io);
         }

@@ -83,6 +83,13 @@ impl Points {
         Self::default()
     }
 
+    /// Empty, with room for `n` points (one allocation per record).
+    pub fn with_capacity(n: usize) -> Self {
+        Points {
+            entries: Vec::with_capacity(n),
+        }
+    }
+
     /// Sets (or replaces) a point.
     pub fn set(&mut self, p: Point, ns: u64) {
         match self.entries.binary_search_by_key(&p, |e| e.0) {

@@ -103,7 +103,8 @@ fn cast<T: RawRecord>(b: &[u8]) -> Result<T, DecodeError> {
 /// NUL-terminated string in a fixed-size `char` field (lossy UTF-8).
 fn cstr(f: &[i8]) -> String {
     let bytes: Vec<u8> = f.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
-    String::from_utf8_lossy(&bytes).into_owned()
+    // One allocation when the name is valid UTF-8 (the usual case).
+    String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
 /// A decoded record.

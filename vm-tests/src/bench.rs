@@ -158,6 +158,9 @@ pub struct Costs {
     pub qemu_cpu_us_per_io: Vec<f64>,
     pub guest_agent_peak_rss_kib: Vec<u64>,
     pub host_agent_peak_rss_kib: Vec<u64>,
+    /// RSS at the end of the workload (steady state).
+    pub guest_agent_rss_kib: Vec<u64>,
+    pub host_agent_rss_kib: Vec<u64>,
     pub drops: Vec<u64>,
     /// Host agent uprobe/USDT hits per guest I/O (its `uprobe_hits` counter), when it reports them.
     pub host_uprobe_hits_per_io: Vec<f64>,
@@ -352,10 +355,12 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
             if let Some(u) = r.metrics.guest_agent {
                 c.guest_agent_cpu_us_per_io.push(per_io(u.cpu_secs));
                 c.guest_agent_peak_rss_kib.push(u.peak_rss_kib);
+                c.guest_agent_rss_kib.push(u.rss_kib);
             }
             if let Some(u) = r.metrics.host_agent {
                 c.host_agent_cpu_us_per_io.push(per_io(u.cpu_secs));
                 c.host_agent_peak_rss_kib.push(u.peak_rss_kib);
+                c.host_agent_rss_kib.push(u.rss_kib);
             }
             c.drops.push(drops(&r));
             if let Some(h) = host_counter(&r, "uprobe_hits") {
@@ -422,13 +427,13 @@ pub fn render(res: &BenchResult) -> String {
     }
     let _ = writeln!(
         s,
-        "\n{:<8} {:>16} {:>16} {:>16} {:>14} {:>14} {:>7}",
+        "\n{:<8} {:>16} {:>16} {:>16} {:>20} {:>20} {:>7}",
         "tracing",
         "guest µs CPU/IO",
         "host µs CPU/IO",
         "QEMU µs CPU/IO",
-        "guest RSS KiB",
-        "host RSS KiB",
+        "guest RSS peak/end",
+        "host RSS peak/end",
         "drops"
     );
     let qbase = res.costs.get("none").map(|c| median(&c.qemu_cpu_us_per_io));
@@ -440,7 +445,11 @@ pub fn render(res: &BenchResult) -> String {
         let qx = qbase
             .map(|b| format!("{q:.1} ({:+.1})", q - b))
             .unwrap_or_default();
-        let rss = |v: &Vec<u64>| v.iter().max().map(|x| x.to_string()).unwrap_or("-".into());
+        // KiB: the largest peak (VmHWM) and the largest end-of-workload RSS over rounds.
+        let rss = |peak: &Vec<u64>, end: &Vec<u64>| match (peak.iter().max(), end.iter().max()) {
+            (Some(p), Some(e)) => format!("{p}/{e}"),
+            _ => "-".into(),
+        };
         let us = |v: &Vec<f64>| {
             if v.is_empty() {
                 "-".to_string()
@@ -450,11 +459,11 @@ pub fn render(res: &BenchResult) -> String {
         };
         let _ = writeln!(
             s,
-            "{name:<8} {:>16} {:>16} {qx:>16} {:>14} {:>14} {:>7}",
+            "{name:<8} {:>16} {:>16} {qx:>16} {:>20} {:>20} {:>7}",
             us(&c.guest_agent_cpu_us_per_io),
             us(&c.host_agent_cpu_us_per_io),
-            rss(&c.guest_agent_peak_rss_kib),
-            rss(&c.host_agent_peak_rss_kib),
+            rss(&c.guest_agent_peak_rss_kib, &c.guest_agent_rss_kib),
+            rss(&c.host_agent_peak_rss_kib, &c.host_agent_rss_kib),
             c.drops.iter().sum::<u64>()
         );
     }
@@ -555,6 +564,36 @@ pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
         }
     }
     for (cond, c) in &res.costs {
+        let mut bound = |check: String, value: f64, bound: f64| {
+            v.push(Verdict {
+                check,
+                value,
+                bound,
+                pass: value <= bound,
+            })
+        };
+        if let Some(p) = c.guest_agent_peak_rss_kib.iter().max() {
+            bound(
+                format!("{cond}: guest agent peak RSS, MiB"),
+                *p as f64 / 1024.0,
+                8.0,
+            );
+        }
+        if let Some(e) = c.host_agent_rss_kib.iter().max() {
+            bound(
+                format!("{cond}: host agent RSS at the end, MiB"),
+                *e as f64 / 1024.0,
+                16.0,
+            );
+        }
+        if !c.host_agent_cpu_us_per_io.is_empty() {
+            let value = median(&c.host_agent_cpu_us_per_io);
+            bound(format!("{cond}: host agent µs CPU per I/O"), value, 1.0);
+        }
+        if !c.drops.is_empty() {
+            let value = c.drops.iter().sum::<u64>() as f64;
+            bound(format!("{cond}: drops of any kind"), value, 0.0);
+        }
         if !c.host_uprobe_hits_per_io.is_empty() {
             let value = median(&c.host_uprobe_hits_per_io);
             v.push(Verdict {

@@ -16,6 +16,17 @@ pub struct ProcSample {
     pub cpu_secs: f64,
     /// Peak resident set size (VmHWM), KiB.
     pub peak_rss_kib: u64,
+    /// Resident set size now (VmRSS), KiB.
+    pub rss_kib: u64,
+}
+
+fn status_kib(status: &str, key: &str) -> u64 {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 impl ProcSample {
@@ -27,15 +38,10 @@ impl ProcSample {
         // rest[0] is field 3 (state); utime is field 14, stime field 15.
         let utime: u64 = f.get(11)?.parse().ok()?;
         let stime: u64 = f.get(12)?.parse().ok()?;
-        let peak_rss_kib = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
         Some(ProcSample {
             cpu_secs: (utime + stime) as f64 / USER_HZ,
-            peak_rss_kib,
+            peak_rss_kib: status_kib(status, "VmHWM:"),
+            rss_kib: status_kib(status, "VmRSS:"),
         })
     }
 
@@ -61,6 +67,8 @@ pub struct Usage {
     pub cpu_secs: f64,
     /// Peak RSS at the end of the workload, KiB.
     pub peak_rss_kib: u64,
+    /// RSS at the end of the workload (the steady state), KiB.
+    pub rss_kib: u64,
 }
 
 impl Usage {
@@ -69,6 +77,7 @@ impl Usage {
         Some(Usage {
             cpu_secs: (e.cpu_secs - s.cpu_secs).max(0.0),
             peak_rss_kib: e.peak_rss_kib,
+            rss_kib: e.rss_kib,
         })
     }
 }
@@ -91,7 +100,7 @@ mod tests {
         let status = "Name:\tx\nVmHWM:\t   5120 kB\nVmRSS:\t 4000 kB\n";
         let s = ProcSample::parse(stat, status).unwrap();
         assert_eq!(s.cpu_secs, 3.0);
-        assert_eq!(s.peak_rss_kib, 5120);
+        assert_eq!((s.peak_rss_kib, s.rss_kib), (5120, 4000));
         assert!(ProcSample::parse("garbage", "").is_none());
     }
 
@@ -100,14 +109,16 @@ mod tests {
         let a = ProcSample {
             cpu_secs: 1.0,
             peak_rss_kib: 10,
+            rss_kib: 9,
         };
         let b = ProcSample {
             cpu_secs: 1.5,
             peak_rss_kib: 12,
+            rss_kib: 7,
         };
         let u = Usage::between(Some(a), Some(b)).unwrap();
         assert_eq!(u.cpu_secs, 0.5);
-        assert_eq!(u.peak_rss_kib, 12);
+        assert_eq!((u.peak_rss_kib, u.rss_kib), (12, 7));
         assert!(Usage::between(None, Some(b)).is_none());
     }
 }

@@ -176,6 +176,13 @@ pub struct BenchResult {
     /// condition → job → samples.
     pub jobs: BTreeMap<String, BTreeMap<String, Samples>>,
     pub costs: BTreeMap<String, Costs>,
+    /// Runs that did not finish: (condition, round, why).
+    pub failed_runs: Vec<(String, u32, String)>,
+}
+
+fn note_failure(res: &mut BenchResult, cond: &str, round: u32, why: String) {
+    eprintln!("bench: round {} condition {cond} FAILED: {why}", round + 1);
+    res.failed_runs.push((cond.to_string(), round, why));
 }
 
 fn workload(runtime: u32) -> String {
@@ -322,16 +329,20 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
                 round + 1,
                 cfg.rounds
             );
-            let r = lab
-                .run(&vm, &wl, &dir)
-                .with_context(|| format!("bench round {round} condition {name}"))?;
-            if r.workload_rc != 0 {
-                bail!(
-                    "bench workload failed (rc {}):\n{}",
-                    r.workload_rc,
-                    r.workload_log()
-                );
-            }
+            // A failed run (a hung guest, a crashed agent) is a finding: counted and
+            // reported, and the other runs go on.
+            let r = match lab.run(&vm, &wl, &dir) {
+                Ok(r) if r.workload_rc == 0 => r,
+                Ok(r) => {
+                    let why = format!("workload rc {}: {}", r.workload_rc, r.workload_log());
+                    note_failure(&mut res, &name, round, why);
+                    continue;
+                }
+                Err(e) => {
+                    note_failure(&mut res, &name, round, format!("{e:#}"));
+                    continue;
+                }
+            };
             let mut total_ios = 0u64;
             for j in JOBS {
                 let (iops, p50, p99, ios) = parse_fio(&dir.join(format!("fio-{}.json", j.name)))?;
@@ -467,6 +478,10 @@ pub fn render(res: &BenchResult) -> String {
             c.drops.iter().sum::<u64>()
         );
     }
+    for (cond, round, why) in &res.failed_runs {
+        let first = why.lines().next().unwrap_or_default();
+        let _ = writeln!(s, "FAILED run: {cond}, round {}: {first}", round + 1);
+    }
     s += &render_verdicts(&verdicts(res));
     for &name in CONDITIONS {
         let Some(c) = res.costs.get(name) else {
@@ -516,7 +531,12 @@ fn iops_ratio(res: &BenchResult, cond: &str, job: &str) -> Option<f64> {
 /// The issue-11 checks this run has the conditions for: guest BPF run time per I/O against
 /// the anchor's, and each condition's IOPS ratio against the anchor's ratio, per job.
 pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
-    let mut v = Vec::new();
+    let mut v = vec![Verdict {
+        check: "runs that did not finish".into(),
+        value: res.failed_runs.len() as f64,
+        bound: 0.0,
+        pass: res.failed_runs.is_empty(),
+    }];
     let bpf = |c: &str| {
         res.costs
             .get(c)
@@ -674,6 +694,26 @@ mod tests {
         // 0.70 < 0.90 − 0.10
         assert!(!get("both randread-4k-qd1").pass);
         assert!(render_verdicts(&v).contains("MISS"));
+        assert!(get("runs that did not finish").pass);
+        // A run that did not finish is reported and fails the run's checks.
+        note_failure(&mut res, "both", 1, "lab VM timed out\nserial".into());
+        assert!(!get_in(&verdicts(&res), "runs that did not finish").pass);
+        assert!(render(&res).contains("FAILED run: both, round 2: lab VM timed out"));
+        // Memory, host CPU and drop checks.
+        let c = res.costs.entry("both".into()).or_default();
+        c.guest_agent_peak_rss_kib = vec![9000];
+        c.host_agent_rss_kib = vec![15000];
+        c.host_agent_cpu_us_per_io = vec![1.5];
+        c.drops = vec![0, 2];
+        let v = verdicts(&res);
+        assert!(!get_in(&v, "both: guest agent peak RSS").pass);
+        assert!(get_in(&v, "both: host agent RSS at the end").pass);
+        assert!(!get_in(&v, "both: host agent µs CPU").pass);
+        assert!(!get_in(&v, "both: drops").pass);
+    }
+
+    fn get_in(v: &[Verdict], p: &str) -> Verdict {
+        v.iter().find(|x| x.check.starts_with(p)).unwrap().clone()
     }
 
     #[test]

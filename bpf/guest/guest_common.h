@@ -40,7 +40,7 @@ struct vt_io_event *vt_io_event_btf;
 #define MAX_RQS 8192
 #define MAX_VQS 256
 #define CHAIN_MAX 64
-#define KICK_SLOTS 64
+#define KICK_SLOTS 256
 #define VT_PF_IO_WORKER 0x00000010
 #define QBIOS 8
 

@@ -89,10 +89,19 @@ agent_sample() {
 	cat /proc/$AGENT_PID/status >/out/guest-agent.$1.status 2>/dev/null
 }
 agent_sample start
+# A workload still running near the run's deadline: the stacks of the blocked
+# tasks go to the console (sysrq w), so that a hang leaves evidence.
+DUMP_PID=
+if [ -n "$VIOTRACE_DUMP_AFTER" ]; then
+	(sleep "$VIOTRACE_DUMP_AFTER" && echo "VIOTRACE-HANG-DUMP (blocked tasks follow)" &&
+		echo 8 >/proc/sys/kernel/printk && echo w >/proc/sysrq-trigger) &
+	DUMP_PID=$!
+fi
 echo "VIOTRACE-WORKLOAD-START"
 cd /data
 (sh /viotrace/workload.sh; echo $? >/tmp/workload.rc) 2>&1 | tee /out/workload.log
 cd /
+[ -n "$DUMP_PID" ] && kill $DUMP_PID 2>/dev/null
 rc=$(cat /tmp/workload.rc 2>/dev/null || echo 255)
 echo "VIOTRACE-WORKLOAD-END rc=$rc"
 agent_sample end

@@ -234,6 +234,12 @@ impl Run<'_> {
             "VIOTRACE_GUEST_OUTPUT={}\n",
             if cfg.guest_json { "--json" } else { "" }
         );
+        // 30 s before the run's deadline the guest dumps its blocked tasks to the
+        // console, so that a hung workload leaves evidence in serial.log.
+        conf += &format!(
+            "VIOTRACE_DUMP_AFTER={}\n",
+            cfg.timeout.as_secs().saturating_sub(30).max(10)
+        );
         c.file("viotrace/config.sh", 0o644, conf.as_bytes())?;
         c.file(
             "viotrace/setup.sh",
@@ -556,7 +562,7 @@ impl Run<'_> {
         };
         format!(
             "lab VM {what}; QEMU and helpers stopped. Last serial lines:\n{}",
-            tail(&self.out.join("serial.log"), 25)
+            tail(&self.out.join("serial.log"), 60)
         )
     }
 

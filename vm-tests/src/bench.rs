@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::vm::{read_jsonl, Agents, Lab, RunResult, VmConfig};
+use crate::vm::{Agents, Lab, RunResult, VmConfig};
 
 /// One fio job of the bench.
 #[derive(Clone, Debug, Serialize)]
@@ -72,6 +72,8 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool) -> VmConfig {
         // bpftrace needs room; every condition gets the same memory.
         memory_mib: base.memory_mib.max(2048),
         guest_json: base.guest_json || cond == "capture",
+        // The host side as it is left on: tables, and in `both` the joined records.
+        host_json: base.host_json,
         ..base.clone()
     };
     if cond == "bpftrace" {
@@ -232,61 +234,58 @@ pub fn parse_fio(p: &Path) -> Result<(f64, f64, f64, u64)> {
     Ok((iops, p50, p99, ios))
 }
 
-/// Sums drop/loss counters from the agents' `"kind":"stats"` lines.
-fn drops(r: &RunResult) -> u64 {
-    let mut total = 0;
-    for f in ["guest.jsonl", "host.jsonl"] {
-        let Ok(lines) = read_jsonl(&r.path(f)) else {
-            continue;
-        };
-        // The last stats line carries the final counters.
-        if let Some(Value::Object(m)) = lines.iter().rev().find(|v| v["kind"] == "stats").cloned() {
-            total += sum_counters(&Value::Object(m));
+/// An agent's final counters, from the `counters:` line of its totals (printed
+/// to stdout in table mode, to stderr with `--json`): `name=value` pairs.
+fn final_counters(r: &RunResult, agent: &str) -> BTreeMap<String, u64> {
+    let mut last = None;
+    for f in [format!("{agent}.jsonl"), format!("{agent}.log")] {
+        if let Ok(text) = fs::read_to_string(r.path(&f)) {
+            if let Some(l) = text.lines().rev().find(|l| l.contains("counters: ")) {
+                last = Some(l.to_string());
+            }
         }
     }
-    total
+    parse_counters(last.as_deref().unwrap_or_default())
 }
 
-/// A counter of the host agent's final stats line, wherever it is nested.
+fn parse_counters(line: &str) -> BTreeMap<String, u64> {
+    line.split_whitespace()
+        .filter_map(|t| t.split_once('='))
+        .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
+        .collect()
+}
+
+/// A counter that counts lost or degraded data: dropped or lost records,
+/// state not tracked for a full map, records or lists cut short, records
+/// unacknowledged when an agent stopped.
+fn is_loss(name: &str) -> bool {
+    [
+        "drop",
+        "lost",
+        "full",
+        "truncated",
+        "unacked",
+        "evicted",
+        "errors",
+        "in_flight_at_stop",
+    ]
+    .iter()
+    .any(|w| name.contains(w))
+}
+
+/// Sums both agents' final loss counters (`is_loss`).
+fn drops(r: &RunResult) -> u64 {
+    ["guest", "host"]
+        .iter()
+        .flat_map(|a| final_counters(r, a))
+        .filter(|(k, _)| is_loss(k))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// A counter of the host agent's final totals.
 fn host_counter(r: &RunResult, name: &str) -> Option<u64> {
-    let lines = read_jsonl(&r.path("host.jsonl")).ok()?;
-    let last = lines.iter().rev().find(|v| v["kind"] == "stats")?;
-    find_counter(last, name)
-}
-
-fn find_counter(v: &Value, name: &str) -> Option<u64> {
-    match v {
-        Value::Object(m) => m.get(name).and_then(Value::as_u64).or_else(|| {
-            m.values()
-                .filter(|x| x.is_object() || x.is_array())
-                .find_map(|x| find_counter(x, name))
-        }),
-        // counters as [{"name":…,"value":…}]
-        Value::Array(a) => a.iter().find_map(|x| {
-            if x["name"] == name {
-                x["value"].as_u64()
-            } else {
-                find_counter(x, name)
-            }
-        }),
-        _ => None,
-    }
-}
-
-fn sum_counters(v: &Value) -> u64 {
-    match v {
-        Value::Object(m) => m
-            .iter()
-            .map(|(k, v)| match v {
-                Value::Number(n) if k.contains("drop") || k.contains("lost") => {
-                    n.as_u64().unwrap_or(0)
-                }
-                Value::Object(_) => sum_counters(v),
-                _ => 0,
-            })
-            .sum(),
-        _ => 0,
-    }
+    final_counters(r, "host").get(name).copied()
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -719,22 +718,16 @@ mod tests {
     }
 
     #[test]
-    fn finds_nested_counters() {
-        let v: Value = serde_json::from_str(
-            r#"{"kind":"stats","vms":[{"counters":[{"name":"uprobe_hits","value":7}]}]}"#,
-        )
-        .unwrap();
-        assert_eq!(find_counter(&v, "uprobe_hits"), Some(7));
-        assert_eq!(find_counter(&v, "nope"), None);
-    }
-
-    #[test]
-    fn sums_nested_drop_counters() {
-        let v: Value = serde_json::from_str(
-            r#"{"kind":"stats","ringbuf_drops":3,"maps":{"lost_full":2,"entries":9},"total":100}"#,
-        )
-        .unwrap();
-        assert_eq!(sum_counters(&v), 5);
+    fn final_counters_are_parsed_and_losses_summed() {
+        let c = parse_counters(
+            "  counters: ringbuf_drop_rq=2 rq_emitted=900 kick_slot_lost=1 map_full_bios=3 \
+             io_refs_truncated=1 uplink_unacked_at_exit=4 decode_errors=1 bios=x",
+        );
+        assert_eq!(c["rq_emitted"], 900);
+        assert!(!c.contains_key("bios"));
+        let losses: u64 = c.iter().filter(|(k, _)| is_loss(k)).map(|(_, v)| v).sum();
+        assert_eq!(losses, 2 + 1 + 3 + 1 + 4 + 1);
+        assert!(!is_loss("uplink_resent") && !is_loss("host_io_matched"));
     }
 
     #[test]

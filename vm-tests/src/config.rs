@@ -107,6 +107,9 @@ pub struct VmConfig {
     /// The guest agent writes JSON records to guest.jsonl (default). Off: it keeps only its
     /// periodic per-stage tables (guest.log) — the always-on configuration the bench measures.
     pub guest_json: bool,
+    /// The host agent writes a JSON line per element to host.jsonl (default). Off: per-stage
+    /// tables only (the host side of the always-on configuration the bench measures).
+    pub host_json: bool,
     /// Extra guest agent arguments: shell words evaluated by the guest's shell when the
     /// agent starts (after `setup`), so `--pid $(cat /run/x.pid)` works.
     pub guest_args: String,
@@ -151,6 +154,7 @@ impl Default for VmConfig {
             format: DiskFormat::Raw,
             agents: Agents::None,
             guest_json: true,
+            host_json: true,
             guest_args: String::new(),
             host_args: Vec::new(),
             host_env: Vec::new(),

@@ -202,7 +202,10 @@ impl Lab {
         if let Some(pid) = pid {
             cmd.arg("--pid").arg(pid.to_string());
         }
-        cmd.arg("--json").arg("--ready-file").arg(&ready);
+        if cfg.host_json {
+            cmd.arg("--json");
+        }
+        cmd.arg("--ready-file").arg(&ready);
         if cfg.agents == Agents::Both {
             match uds {
                 // Hybrid vsock: guest connections to the port arrive on <uds>_<port>.

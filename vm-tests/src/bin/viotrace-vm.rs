@@ -179,6 +179,7 @@ impl VmArgs {
             format: self.format,
             agents: self.agents.unwrap_or(default_agents),
             guest_json: !self.guest_tables_only,
+            host_json: true,
             guest_args: self.guest_args.clone(),
             host_args: split(&self.host_args, "host-args")?,
             host_env: Vec::new(),
@@ -272,6 +273,7 @@ fn real_main() -> Result<ExitCode> {
                 vm: VmConfig {
                     console: false,
                     guest_json: json,
+                    host_json: json,
                     ..vm.config(Agents::None, "viotrace-bench")?
                 },
             };

@@ -258,6 +258,19 @@ int bio_frontmerge(unsigned long long *ctx)
 
 static __always_inline void emit_rq(__u64 key, struct rq_state *st);
 
+/* The task a request is attributed to, and the syscall that caused it. */
+static __always_inline void rq_owner(struct rq_state *st, const struct ident *id, __u32 owner_tid,
+				     __u64 enter_ts)
+{
+	st->ev.pid = id->pid;
+	st->ev.tid = id->tid;
+	st->ev.cgroup_id = id->cgroup_id;
+	__builtin_memcpy(st->ev.comm, id->comm, VT_COMM);
+	st->ev.ts[P_SYSCALL_ENTER] = enter_ts;
+	st->owner_tid = owner_tid;
+	st->owner_enter_ts = enter_ts;
+}
+
 /*
  * The state of a request, created on first sight (insert, issue or queue_rq).
  * Identity: the first tracked bio in its chain; for a request without tracked
@@ -313,38 +326,20 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 	st->ev.kind = K_RQ;
 	st->ev.dev = disk_dev(disk);
 	if (q && s) {
-		st->ev.pid = s->id.pid;
-		st->ev.tid = s->id.tid;
-		st->ev.cgroup_id = s->id.cgroup_id;
-		__builtin_memcpy(st->ev.comm, s->id.comm, VT_COMM);
+		rq_owner(st, &s->id, tid, s->enter_ts);
 		st->ev.inode = q->inode;
 		st->ev.file_offset = q->offset;
 		st->ev.has_file_offset = q->has_offset;
-		st->ev.ts[P_SYSCALL_ENTER] = s->enter_ts;
 		st->ev.ts[P_BIO_QUEUE] = q->queue_ts;
-		st->owner_tid = tid;
-		st->owner_enter_ts = s->enter_ts;
 		q->bio = 0;
 	} else if (first) {
-		st->ev.pid = first->id.pid;
-		st->ev.tid = first->id.tid;
-		st->ev.cgroup_id = first->id.cgroup_id;
-		__builtin_memcpy(st->ev.comm, first->id.comm, VT_COMM);
+		rq_owner(st, &first->id, first->owner_tid, first->owner_enter_ts);
 		st->ev.inode = first->inode;
 		st->ev.file_offset = first->offset;
 		st->ev.has_file_offset = first->has_offset;
-		st->ev.ts[P_SYSCALL_ENTER] = first->owner_enter_ts;
-		st->owner_tid = first->owner_tid;
-		st->owner_enter_ts = first->owner_enter_ts;
 	} else if (s) {
-		st->ev.pid = s->id.pid;
-		st->ev.tid = s->id.tid;
-		st->ev.cgroup_id = s->id.cgroup_id;
-		__builtin_memcpy(st->ev.comm, s->id.comm, VT_COMM);
+		rq_owner(st, &s->id, tid, s->enter_ts);
 		st->ev.inode = s->inode;
-		st->ev.ts[P_SYSCALL_ENTER] = s->enter_ts;
-		st->owner_tid = tid;
-		st->owner_enter_ts = s->enter_ts;
 	}
 	return st;
 }

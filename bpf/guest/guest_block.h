@@ -256,7 +256,7 @@ int bio_frontmerge(unsigned long long *ctx)
 	return 0;
 }
 
-static __always_inline void emit_rq(__u64 key, struct rq_state *st);
+static __always_inline void emit_rq(struct rq_state *st);
 
 /* The task a request is attributed to, and the syscall that caused it. */
 static __always_inline void rq_owner(struct rq_state *st, const struct ident *id, __u32 owner_tid,
@@ -293,7 +293,7 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 			return live;
 		/* the tag was reused: the previous use completed unseen by the emitter */
 		stat_inc(S_RQ_LATE);
-		emit_rq(key, live);
+		emit_rq(live);
 	}
 	disk = rq_disk(rq);
 	if (!disk_ok(disk))
@@ -413,8 +413,7 @@ SEC("raw_tp/block_rq_issue")
 int BPF_PROG(rq_issue, struct request *rq)
 {
 	struct rq_state *st = rq_track(rq);
-
-	__u64 queued = stash_take(STASH_QUEUE_RQ, rq);
+	__u64 queued = queue_rq_stamp_take(rq);
 
 	if (!st)
 		return 0;
@@ -449,7 +448,7 @@ int BPF_PROG(rq_merge, struct request *rq)
 	return 0;
 }
 
-static __always_inline void emit_rq(__u64 key, struct rq_state *st)
+static __always_inline void emit_rq(struct rq_state *st)
 {
 	struct vt_rq_event *e;
 
@@ -499,7 +498,7 @@ int BPF_PROG(rq_complete, struct request *rq, int error, unsigned int nr_bytes)
 	 */
 	if ((emit_at_rq_complete || (have_driver_complete && !st->ev.ts[P_DRIVER_COMPLETE])) &&
 	    nr_bytes >= BPF_CORE_READ(rq, __data_len))
-		emit_rq(key, st);
+		emit_rq(st);
 	return 0;
 }
 
@@ -516,7 +515,7 @@ static __always_inline void update_done(struct request *rq, bool more)
 		return;
 	if (st->ev.bios)
 		st->ev.ts[P_BIO_COMPLETE] = bpf_ktime_get_ns();
-	emit_rq(key, st);
+	emit_rq(st);
 }
 
 SEC("?fexit/blk_update_request")

@@ -212,30 +212,26 @@ struct {
 } update_args SEC(".maps");
 
 /*
- * A point stamped by one program and taken by a later one in the same call
- * chain on the same CPU, so that the first needs no request map work:
- * virtio_queue_rq → block_rq_issue (inside it). Taken only for the same request.
+ * g.queue_rq, per CPU: stamped at virtio_queue_rq and taken by block_rq_issue,
+ * which fires inside it on the same CPU, so that virtio_queue_rq needs no
+ * request map work. Taken only for the same request.
  */
-enum stash_slot {
-	STASH_QUEUE_RQ = 0,
-	STASH_NR = 1,
-};
-
-struct stash {
+struct queue_rq_stamp {
 	__u64 rq;
 	__u64 ts;
 };
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, STASH_NR);
+	__uint(max_entries, 1);
 	__type(key, __u32);
-	__type(value, struct stash);
-} stash SEC(".maps");
+	__type(value, struct queue_rq_stamp);
+} queue_rq_stamps SEC(".maps");
 
-static __always_inline void stash_put(__u32 slot, void *rq)
+static __always_inline void queue_rq_stamp(void *rq)
 {
-	struct stash *s = bpf_map_lookup_elem(&stash, &slot);
+	__u32 zero = 0;
+	struct queue_rq_stamp *s = bpf_map_lookup_elem(&queue_rq_stamps, &zero);
 
 	if (!s)
 		return;
@@ -243,10 +239,11 @@ static __always_inline void stash_put(__u32 slot, void *rq)
 	s->ts = bpf_ktime_get_ns();
 }
 
-/* The stamp left for `rq` in `slot` (0 if none); the slot is emptied. */
-static __always_inline __u64 stash_take(__u32 slot, void *rq)
+/* The stamp left for `rq` (0 if none); the slot is emptied. */
+static __always_inline __u64 queue_rq_stamp_take(void *rq)
 {
-	struct stash *s = bpf_map_lookup_elem(&stash, &slot);
+	__u32 zero = 0;
+	struct queue_rq_stamp *s = bpf_map_lookup_elem(&queue_rq_stamps, &zero);
 	__u64 ts;
 
 	if (!s || s->rq != (__u64)rq)

@@ -21,7 +21,7 @@
 /* g.queue_rq: block_rq_issue, inside this call, takes the stamp (rq_issue). */
 static __always_inline void on_queue_rq(struct request *rq)
 {
-	stash_put(STASH_QUEUE_RQ, rq);
+	queue_rq_stamp(rq);
 }
 
 struct queue_rqs_walk {

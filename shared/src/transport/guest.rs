@@ -606,6 +606,18 @@ fn next_work(
     }
 }
 
+/// The end of a connection on which nothing arrived from the host for longer
+/// than `limit` (`when` completes the reason).
+fn host_silent(sh: &Shared, limit: Duration, when: &str) -> Option<Done> {
+    let silent = monotonic_ns().saturating_sub(sh.c.last_rx.load(Ordering::Relaxed));
+    (silent > limit.as_nanos() as u64).then(|| {
+        Done::Failed(ProtoError::Violation(format!(
+            "nothing from the host for {:.1} s{when}",
+            silent as f64 / 1e9
+        )))
+    })
+}
+
 fn writer_loop(
     cfg: &GuestSenderConfig,
     sh: &Arc<Shared>,
@@ -621,12 +633,8 @@ fn writer_loop(
                 "connection closed by host".into(),
             )));
         }
-        let silent = monotonic_ns().saturating_sub(sh.c.last_rx.load(Ordering::Relaxed));
-        if silent > cfg.dead_after.as_nanos() as u64 {
-            return Ok(Done::Failed(ProtoError::Violation(format!(
-                "nothing from the host for {:.1} s",
-                silent as f64 / 1e9
-            ))));
+        if let Some(dead) = host_silent(sh, cfg.dead_after, "") {
+            return Ok(dead);
         }
         out.clear();
         let w = next_work(cfg, sh, alive, last_probe, &mut out);
@@ -675,12 +683,8 @@ fn writer_loop(
             // one can still deliver the rest within the shutdown timeout.
             let mut q = sh.lock();
             while q.base < q.next_seq() && alive.load(Ordering::Relaxed) {
-                let silent = monotonic_ns().saturating_sub(sh.c.last_rx.load(Ordering::Relaxed));
-                if silent > CLOSING_DEAD_AFTER.as_nanos() as u64 {
-                    return Ok(Done::Failed(ProtoError::Violation(format!(
-                        "nothing from the host for {:.1} s while closing",
-                        silent as f64 / 1e9
-                    ))));
+                if let Some(dead) = host_silent(sh, CLOSING_DEAD_AFTER, " while closing") {
+                    return Ok(dead);
                 }
                 q = sh
                     .cv

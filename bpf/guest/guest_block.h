@@ -463,8 +463,12 @@ static __always_inline void emit_rq(struct rq_state *st)
 			if (k->seq == seq) {
 				st->ev.ts[P_KICK] = k->ts;
 				st->ev.kicked = k->notified ? KICK_NOTIFIED : KICK_SUPPRESSED;
-			} else if (v->kick_seq >= seq) {
+			} else if (k->seq > seq) {
+				/* a later kick took the slot */
 				stat_inc(S_KICK_LOST);
+			} else {
+				/* done before its batch's kick was recorded */
+				stat_inc(S_KICK_AFTER_DONE);
 			}
 		}
 	}

@@ -92,11 +92,17 @@ static __always_inline void on_kick_prepare(struct virtqueue *vq, bool notify)
 	if (!v)
 		return;
 	seq = v->kick_seq + 1;
-	v->kick_seq = seq;
 	k = &v->slots[seq & (KICK_SLOTS - 1)];
-	k->seq = seq;
+	/*
+	 * Slot first, sequence last: a completion can interrupt this program (the
+	 * device may have taken the batch without waiting for its kick) and must
+	 * see either the whole new kick or none of it.
+	 */
 	k->ts = bpf_ktime_get_ns();
 	k->notified = notify;
+	k->seq = seq;
+	asm volatile("" ::: "memory");
+	v->kick_seq = seq;
 }
 
 static __always_inline void on_notify(struct virtqueue *vq)

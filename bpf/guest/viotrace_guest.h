@@ -59,6 +59,7 @@ enum vt_kick {
 	X(S_RQ_LATE, "rq_late_emitted", completion seen: emitted only on tag reuse)      \
 	X(S_REFS_TRUNC, "io_refs_truncated", syscall caused more requests than listed)   \
 	X(S_KICK_LOST, "kick_slot_lost", kick slot overwritten before completion)        \
+	X(S_KICK_AFTER_DONE, "kick_after_completion", completed before its kick was recorded) \
 	X(S_CHAIN_TRUNC, "bio_chain_truncated", request with more bios than walked)
 
 #define VT_STAT_ENUM(id, name, what) id,

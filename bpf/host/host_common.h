@@ -250,7 +250,8 @@ static __always_inline struct vq_state *vq_get(struct qemu_layout *l, __u32 tgid
 		fd_register(tgid, n.kick_fd, vq, FD_KICK);
 		fd_register(tgid, read_fd(vq + l->vq_guest_notifier_wfd), vq, FD_IRQ);
 	}
-	bpf_map_update_elem(&vqs, &k, &n, BPF_NOEXIST);
+	if (!bpf_map_update_elem(&vqs, &k, &n, BPF_NOEXIST))
+		__sync_fetch_and_add(&l->vqs_known, 1);
 	return bpf_map_lookup_elem(&vqs, &k);
 }
 

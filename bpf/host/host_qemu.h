@@ -216,7 +216,14 @@ static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u
 	r->type = hdr.type;
 	r->sector = hdr.sector;
 	if (at_push) {
-		/* no blk_aio_* probe (LTO): the sizes from the element's scatter lists,
+		/* h.submit: QEMU's block accounting start, taken as virtio-blk parses
+		 * the request, just before its batch goes to the backend (reads,
+		 * writes, flushes only: other requests never set it, and the memory
+		 * may hold an earlier request's; push_submit_check drops it if the
+		 * request failed before it was set) */
+		if (hdr.type == 0 || hdr.type == 1 || hdr.type == 4)
+			r->ts[HP_SUBMIT] = read_u64(req + l->req_acct_start);
+		/* no blk_aio_* probe: the sizes from the element's scatter lists,
 		 * restored by QEMU before the push */
 		__u32 out_b = sg_bytes(read_u64(req + l->elem_out_sg), read_u32(req + l->elem_out_num));
 		__u32 in_b = sg_bytes(read_u64(req + l->elem_in_sg), read_u32(req + l->elem_in_num));
@@ -392,6 +399,70 @@ static __always_inline void io_release(__u32 tgid, __u64 id, struct host_rec *r)
 	bpf_map_delete_elem(&ios, &ik);
 }
 
+/* h.submit from the request's accounting start: only for a request that did not
+ * fail (an invalid one is completed before accounting starts) and that lies
+ * before its push within 10 s. */
+static __always_inline void push_submit_check(struct host_rec *r)
+{
+	__u64 t = r->ts[HP_SUBMIT], now = r->ts[HP_PUSH];
+	if (!t)
+		return;
+	if ((r->has_status && r->status) || t > now || now - t > 10000000000ULL)
+		r->ts[HP_SUBMIT] = 0;
+}
+
+struct push_chain_ctx {
+	struct qemu_layout *l;
+	__u32 tgid;
+	__u32 n;
+	__u64 req;
+	__u64 id;
+};
+
+static long push_chain_one(__u64 i, void *data)
+{
+	struct push_chain_ctx *c = data;
+	struct qemu_layout *l = c->l;
+	if (!l || !c->req)
+		return 1;
+	struct host_rec *m = elem_from_req(l, c->tgid, c->req, 1, 1);
+	if (m) {
+		m->merge_id = c->id;
+		m->flags |= HR_MERGED;
+		c->n++;
+	}
+	c->req = read_u64(c->req + l->req_mr_next);
+	return c->req ? 0 : 1;
+}
+
+/* At the push of a merged chain's head (push-only mode): its other requests,
+ * pushed right after it, are given its backend I/O (and its io state one
+ * reference each). */
+static __always_inline void push_take_chain(struct qemu_layout *l, __u32 tgid, __u64 head,
+					    struct host_rec *r)
+{
+	struct push_chain_ctx c = {
+		.l = l,
+		.tgid = tgid,
+		.req = read_u64(head + l->req_mr_next),
+		.id = r->merge_id,
+	};
+	r->flags |= HR_MERGED;
+	bpf_loop(MAX_CHAIN, push_chain_one, &c, 0);
+	if (c.req)
+		stat_inc(ST_CHAIN_LONG);
+	__u32 idx = ST_SUBMIT_MERGED;
+	__u64 *v = bpf_map_lookup_elem(&stats, &idx);
+	if (v)
+		__sync_fetch_and_add(v, c.n + 1);
+	if (!c.id)
+		return;
+	struct tg_ptr ik = { .tgid = tgid, .ptr = c.id };
+	struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
+	if (io)
+		io->refs += c.n;
+}
+
 SEC("uprobe")
 int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 {
@@ -429,6 +500,8 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 		if (in && !bpf_probe_read_user(&r->status, 1, (void *)in))
 			r->has_status = 1;
 	}
+	if (at_push)
+		push_submit_check(r);
 	if (at_push && !r->merge_id) {
 		/* fallback: the host I/O whose first buffer is the element's first data
 		 * buffer (reads: in_sg[0]; writes: after the 16-byte header in out_sg) */
@@ -445,6 +518,10 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 		__u64 *mid = bpf_map_lookup_elem(&io_by_buf, &bk);
 		if (mid && (buf || r->type == 4))
 			r->merge_id = *mid;
+		/* a merged backend request completes head first: its other
+		 * requests share its host I/O */
+		if ((l->flags & QL_HAVE_MR_NEXT) && read_u64((__u64)elem + l->req_mr_next))
+			push_take_chain(l, tgid, (__u64)elem, r);
 	}
 	if (r->merge_id)
 		io_release(tgid, r->merge_id, r);

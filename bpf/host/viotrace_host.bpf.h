@@ -39,6 +39,7 @@ struct qemu_layout {
 	__u32 req_qiov_size; /* qiov.size */
 	__u32 qiov_size;     /* QEMUIOVector.size */
 	__u32 req_mr_next;
+	__u32 req_acct_start; /* acct.start_time_ns (QEMU_CLOCK_REALTIME: CLOCK_MONOTONIC) */
 	/* LuringAIOCB: offset of the io_uring_sqe copy (its addr field is at +16) */
 	__u32 luring_sqe;
 	/* which optional parts are valid (QL_*) */
@@ -47,13 +48,17 @@ struct qemu_layout {
 	 * their device (vq->vdev == req->dev) and whose does not */
 	__u32 vdev_ok;
 	__u32 vdev_bad;
+	/* queues registered (vq_get): the agent detaches virtio_blk_handle_vq once
+	 * every queue of the process is known */
+	__u32 vqs_known;
+	__u32 pad;
 };
 
 #define QL_HAVE_NOTIFIER 1u /* notifier fds valid: h.notify/h.irq via eventfd read/write */
 #define QL_HAVE_MR_NEXT 2u  /* req_mr_next valid: multireq merge followed */
 #define QL_HAVE_LURING 4u   /* luring_sqe valid: io_uring I/O matched */
 #define QL_HAVE_REQ_IN 8u   /* req_in valid: status byte read at push */
-#define QL_NO_SUBMIT 16u    /* blk_aio_* never called (LTO): elements are taken at virtqueue_push */
+#define QL_NO_SUBMIT 16u    /* no blk_aio_* probes (default, or LTO): elements are taken at virtqueue_push */
 
 /* One finished virtqueue element (ring buffer record). */
 struct host_rec {

@@ -63,7 +63,7 @@ impl<'obj> App<'obj> {
         // QEMU threads' waits for a CPU: only for the verdicts (joined mode with -t).
         let sched =
             cli.threshold.is_some() && (!cli.listen_uds.is_empty() || cli.listen_vsock.is_some());
-        let tracer = Tracer::open(storage, cli.pop, sched)?;
+        let tracer = Tracer::open(storage, cli.pop, cli.submit, sched)?;
         for (what, e) in &tracer.missing_kernel {
             eprintln!("viotrace-host: warning: kernel probe {what} not attached: {e}");
         }
@@ -293,6 +293,9 @@ impl<'obj> App<'obj> {
         if now >= self.next_scan {
             self.next_scan = now + Duration::from_secs(1);
             self.scan(rb)?;
+            for n in self.tracer.drop_queue_probes() {
+                eprintln!("viotrace-host: {n}");
+            }
         }
         if let Some(j) = self.sink.joined.as_mut() {
             let notes = j.poll();

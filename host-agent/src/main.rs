@@ -55,6 +55,11 @@ pub(crate) struct Cli {
     /// scatter list): three more uprobe hits per request on QEMU's I/O thread.
     #[arg(long)]
     pop: bool,
+    /// Also probe blk_aio_* for the exact h.submit (the backend submit of a
+    /// possibly merged request) instead of QEMU's block accounting start: one
+    /// more uprobe hit per request.
+    #[arg(long)]
+    submit: bool,
     /// Create this file once the probes are attached.
     #[arg(long, value_name = "FILE")]
     ready_file: Option<PathBuf>,

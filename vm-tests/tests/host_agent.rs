@@ -48,6 +48,14 @@ fn check_known_io(r: &RunResult, backend: Backend) {
             v.ts.get(Point::HostPush)
                 .unwrap_or_else(|| panic!("h.push: {v:?}"));
         assert!(pop > 0 && pop <= push, "{v:?}");
+        // Every request here is a read or a write: h.submit (QEMU's block
+        // accounting start by default, the blk_aio_* call with --submit) lies
+        // between the kick handling and the host I/O.
+        let submit =
+            v.ts.get(Point::HostSubmit)
+                .unwrap_or_else(|| panic!("h.submit: {v:?}"));
+        let io = v.ts.get(Point::HostIoIssue).unwrap_or(push);
+        assert!(pop <= submit && submit <= io, "{v:?}");
         for (k, t) in v.ts.iter() {
             assert!(k.name().starts_with("h.") && t > 0, "{v:?}");
         }
@@ -101,14 +109,26 @@ fn qcow2_image() {
     check_known_io(&r, Backend::Threads);
 }
 
+/// QEMU's multireq merge, followed at the push of a merged request's head
+/// (default: one trap per request) and at its submit (--submit): every merged
+/// element shares the backend I/O and has its host I/O points.
 #[test]
 fn merged_sequential_writes_share_a_merge_id() {
+    check_merged("host-merge", Vec::new());
+    check_merged("host-merge-submit", vec!["--submit".into()]);
+}
+
+fn check_merged(name: &str, host_args: Vec<String>) {
     // The guest must not merge them itself, so QEMU's multireq merge does.
     let wl = "set -e\n\
         echo 2 >/sys/block/vdb/queue/nomerges\n\
         fio --name=seq --filename=/dev/vdb --rw=write --bs=4k --direct=1 --ioengine=libaio \
         --iodepth=16 --iodepth_batch_submit=16 --size=4M --output=/dev/null\n";
-    let r = run_host("host-merge", VmConfig::default(), wl);
+    let cfg = VmConfig {
+        host_args,
+        ..VmConfig::default()
+    };
+    let r = run_host(name, cfg, wl);
     let all = elems(&r);
     let writes: Vec<&HostElem> = all
         .iter()
@@ -129,13 +149,36 @@ fn merged_sequential_writes_share_a_merge_id() {
         "no merged backend I/O among {} groups",
         groups.len()
     );
-    for g in merged {
-        let mut s = g.clone();
+    for g in &merged {
+        let mut s = (*g).clone();
         s.sort();
         for w in s.windows(2) {
-            assert_eq!(w[1], w[0] + 8, "merged elements are contiguous: {s:?}");
+            assert_eq!(
+                w[1],
+                w[0] + 8,
+                "{name}: merged elements are contiguous: {s:?}"
+            );
         }
     }
+    let in_merges: Vec<&&HostElem> = writes
+        .iter()
+        .filter(|v| v.merge_id != 0 && groups[&v.merge_id].len() > 1)
+        .collect();
+    let with_io = in_merges
+        .iter()
+        .filter(|v| v.ts.get(Point::HostIoIssue).is_some() && v.ts.get(Point::HostSubmit).is_some())
+        .count();
+    eprintln!(
+        "{name}: {} writes, {} merged groups, {} merged elements, {with_io} with h.submit and host I/O",
+        writes.len(),
+        merged.len(),
+        in_merges.len()
+    );
+    assert_eq!(
+        with_io,
+        in_merges.len(),
+        "{name}: merged elements without host I/O"
+    );
 }
 
 #[test]
@@ -262,8 +305,9 @@ fn corrupted_request_queue_offset_is_refused() {
 }
 
 /// LTO builds (Ubuntu) inline blk_aio_* into their callers, so uprobes there never
-/// fire. Treated as such through the agent's test hook, every element is still
-/// recorded, taken at virtqueue_push (op, sector, bytes from the element).
+/// fire. Treated as such through the agent's test hook, `--submit` cannot trap
+/// them: every element is still recorded, taken at virtqueue_push (op, sector,
+/// bytes from the element, h.submit from QEMU's block accounting), as by default.
 #[test]
 fn fallback_without_blk_aio_call_sites_keeps_records_complete() {
     let r = run_host(
@@ -273,21 +317,19 @@ fn fallback_without_blk_aio_call_sites_keeps_records_complete() {
                 "VIOTRACE_HOST_ASSUME_INLINED".into(),
                 "vt-host-lto:blk_aio_preadv,blk_aio_pwritev,blk_aio_flush".into(),
             )],
+            host_args: vec!["--submit".into()],
             ..VmConfig::default()
         },
         KNOWN_IO,
     );
     let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
-    assert!(log.contains("fallback: blk_aio_preadv/pwritev"), "{log}");
+    assert!(
+        log.contains("--submit: blk_aio_preadv/pwritev are not probeable"),
+        "{log}"
+    );
     check_known_io(&r, Backend::Threads);
     let all = elems(&r);
     let recs = known_io_device(&all);
-    for v in &recs {
-        assert!(
-            v.ts.get(Point::HostSubmit).is_none(),
-            "no h.submit in fallback: {v:?}"
-        );
-    }
     // Host I/O found by the element's data buffer (psync and dd: no merging).
     let with_io = recs
         .iter()
@@ -299,13 +341,14 @@ fn fallback_without_blk_aio_call_sites_keeps_records_complete() {
 }
 
 /// --pop: h.pop from virtqueue_pop (uprobe + uretprobe on Debian's build, the USDT
-/// probe on dtrace-backend builds), before the element's submit.
+/// probe on dtrace-backend builds), before the element's submit (--submit: the
+/// blk_aio_* call).
 #[test]
 fn pop_probe_gives_h_pop() {
     let r = run_host(
         "host-pop",
         VmConfig {
-            host_args: vec!["--pop".into()],
+            host_args: vec!["--pop".into(), "--submit".into()],
             ..VmConfig::default()
         },
         KNOWN_IO,

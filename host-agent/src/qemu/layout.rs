@@ -24,6 +24,8 @@ pub struct Layout {
     pub req_out: u32,
     pub req_qiov_size: u32,
     pub req_mr_next: u32,
+    /// VirtIOBlockReq.acct.start_time_ns (h.submit without blk_aio_* probes).
+    pub req_acct_start: u32,
     pub qiov_size: u32,
     /// LuringAIOCB.sqeq (the SQE copy); None from 10.2 (LuringRequest, no copy).
     pub luring_sqe: Option<u32>,
@@ -74,6 +76,7 @@ fields! {
     req_out => "VirtIOBlockReq.out",
     req_qiov_size => "VirtIOBlockReq.qiov.size",
     req_mr_next => "VirtIOBlockReq.mr_next",
+    req_acct_start => "VirtIOBlockReq.acct.start_time_ns",
     qiov_size => "QEMUIOVector.size",
     vblk_blk => "VirtIOBlock.blk",
     blk_name => "BlockBackend.name",
@@ -113,13 +116,15 @@ const BASE: Layout = Layout {
     elem_in_sg: 0x28,
     elem_out_sg: 0x30,
     // struct VirtIOBlockReq: elem (56), sector_num, dev, vq (0x48), inhdr_undo,
-    // outhdr_undo, in (0x80), out (0x88), qiov (0x98, 40), in_len, next, mr_next.
+    // outhdr_undo, in (0x80), out (0x88), qiov (0x98, 40), in_len, next, mr_next,
+    // acct (BlockAcctCookie { bytes, start_time_ns, type }).
     req_dev: 0x40,
     req_vq: 0x48,
     req_in: 0x80,
     req_out: 0x88,
     req_qiov_size: 0x98 + 0x20,
     req_mr_next: 0xd0,
+    req_acct_start: 0xd8 + 8,
     // QEMUIOVector { iov; niov; union { { nalloc; local_iov }, { pad; size } } }
     qiov_size: 0x20,
     // struct LuringAIOCB: Coroutine *co; struct io_uring_sqe sqeq; …

@@ -60,10 +60,13 @@ fn to_bpf(l: &Layout, flags: u32) -> qemu_layout {
         req_qiov_size: l.req_qiov_size,
         qiov_size: l.qiov_size,
         req_mr_next: l.req_mr_next,
+        req_acct_start: l.req_acct_start,
         luring_sqe: l.luring_sqe.unwrap_or(0),
         flags,
         vdev_ok: 0,
         vdev_bad: 0,
+        vqs_known: 0,
+        pad: 0,
     }
 }
 
@@ -86,17 +89,19 @@ impl Tracer<'_> {
                 }
             );
         }
-        // LTO builds inline blk_aio_* into their callers: then every element is
-        // taken at virtqueue_push (sizes from its scatter lists), without h.submit.
-        let no_submit = !info.probeable("blk_aio_preadv") || !info.probeable("blk_aio_pwritev");
-        let flags = self.flags_and_warnings(&info, no_submit, &mut warn);
+        // By default every element is taken at virtqueue_push (one trap per
+        // request). With --submit, blk_aio_* trap too, unless the build inlines
+        // them (LTO).
+        let lto = !info.probeable("blk_aio_preadv") || !info.probeable("blk_aio_pwritev");
+        let no_submit = !self.submit || lto;
+        let flags = self.flags_and_warnings(&info, no_submit, lto, &mut warn);
         let ql = to_bpf(&layout, flags);
         self.skel
             .maps
             .qemu_procs
             .update(&pid.to_ne_bytes(), pod_bytes(&ql), MapFlags::ANY)
             .context("registering the process in qemu_procs")?;
-        let links = match self.attach_uprobes(&proc, &info, no_submit, &mut warn) {
+        let (links, queue_probe) = match self.attach_uprobes(&proc, &info, no_submit, &mut warn) {
             Ok(l) => l,
             Err(e) => {
                 let _ = self.skel.maps.qemu_procs.delete(&pid.to_ne_bytes());
@@ -111,6 +116,7 @@ impl Tracer<'_> {
             max_queues: proc.max_queues(),
             max_queue_size: proc.max_queue_size(),
         };
+        let queues_expected = proc.total_queues();
         let mut drive_ids: Vec<String> = proc.drives.iter().map(|d| d.id.clone()).collect();
         drive_ids.extend(proc.devices.iter().filter_map(|d| d.drive.clone()));
         self.targets.insert(
@@ -128,6 +134,8 @@ impl Tracer<'_> {
                 bounds,
                 drive_ids,
                 checked_vqs: HashSet::new(),
+                queue_probe,
+                queues_expected,
             },
         );
         Ok(warn)
@@ -139,13 +147,14 @@ impl Tracer<'_> {
         info: &BinaryInfo,
         no_submit: bool,
         warn: &mut Vec<String>,
-    ) -> Result<Vec<libbpf_rs::Link>> {
+    ) -> Result<(Vec<libbpf_rs::Link>, Option<libbpf_rs::Link>)> {
         let pid = proc.pid;
         let progs = &self.skel.progs;
         let mut links = Vec::new();
         let pid_i = i32::try_from(pid).context("pid out of range")?;
-        // Per guest request only blk_aio_* and virtqueue_push trap; h.notify and
-        // h.irq come from kernel tracepoints. --pop adds three traps per request.
+        // Per guest request only virtqueue_push traps (and blk_aio_* with
+        // --submit); h.notify and h.irq come from kernel tracepoints. --pop adds
+        // three traps per request.
         let mut attach_list: Vec<(&libbpf_rs::ProgramMut, &str, bool)> = vec![
             (&progs.submit_rw, "blk_aio_preadv", false),
             (&progs.submit_rw, "blk_aio_pwritev", false),
@@ -155,10 +164,28 @@ impl Tracer<'_> {
             (&progs.push, "virtqueue_push", false),
             (&progs.notify_direct, "virtio_notify", false),
         ];
-        if self.pop || no_submit {
-            // Without blk_aio_* probes, virtio_blk_handle_vq registers the queue
-            // before its first kick is read (h.notify).
+        // Without blk_aio_* probes, virtio_blk_handle_vq registers each queue
+        // before its first kick is read (h.notify). Only --pop needs it for
+        // good; else it is detached once every queue is known (queue_probe).
+        let mut queue_probe = None;
+        if self.pop {
             attach_list.push((&progs.handle_vq, "virtio_blk_handle_vq", false));
+        } else if no_submit && info.probeable("virtio_blk_handle_vq") {
+            let opts = UprobeOpts {
+                func_name: Some("virtio_blk_handle_vq".to_string()),
+                ..Default::default()
+            };
+            match progs
+                .handle_vq
+                .attach_uprobe_with_opts(pid_i, &proc.exe, 0, opts)
+            {
+                Ok(l) => queue_probe = Some(l),
+                Err(e) => warn.push(format!(
+                    "uprobe virtio_blk_handle_vq not attached ({e}): no {} before a queue's \
+                     first completion",
+                    Point::HostNotify
+                )),
+            }
         }
         // h.pop: the USDT probe when the build has it (one trap, no layout needed
         // for the element pointer), else a uprobe + uretprobe on virtqueue_pop.
@@ -212,7 +239,7 @@ impl Tracer<'_> {
                 }
             }
         }
-        Ok(links)
+        Ok((links, queue_probe))
     }
 }
 
@@ -248,17 +275,23 @@ impl Tracer<'_> {
         &self,
         info: &BinaryInfo,
         no_submit: bool,
+        lto: bool,
         warn: &mut Vec<String>,
     ) -> u32 {
         for (sym, what, why) in info.missing(self.pop) {
             warn.push(format!("not visible: {what} ({sym} {why})"));
         }
-        if no_submit {
+        if self.submit && lto {
             warn.push(format!(
-                "fallback: blk_aio_preadv/pwritev are not probeable: elements are read at \
-                     virtqueue_push (op, sector, bytes from the element), host I/O is matched by \
-                     the element's first data buffer (the first element of a merged request \
-                     only); no {} for this VM",
+                "--submit: blk_aio_preadv/pwritev are not probeable (inlined): elements are \
+                     read at virtqueue_push, {} from QEMU's block accounting",
+                Point::HostSubmit
+            ));
+        } else if no_submit {
+            warn.push(format!(
+                "one trap per request: elements are read at virtqueue_push (op, sector, \
+                     bytes from the element), {} is QEMU's block accounting start of the \
+                     request (add --submit to trap the backend submit: one more hit per request)",
                 Point::HostSubmit
             ));
         }

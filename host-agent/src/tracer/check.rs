@@ -118,6 +118,7 @@ impl Tracer<'_> {
             flags: u32_at(std::mem::offset_of!(qemu_layout, flags))?,
             vdev_ok: u32_at(std::mem::offset_of!(qemu_layout, vdev_ok))?,
             vdev_bad: u32_at(std::mem::offset_of!(qemu_layout, vdev_bad))?,
+            vqs_known: u32_at(std::mem::offset_of!(qemu_layout, vqs_known))?,
             ..Default::default()
         })
     }
@@ -167,6 +168,35 @@ impl Tracer<'_> {
             }
         }
         out
+    }
+
+    /// Detaches virtio_blk_handle_vq from the processes whose queues are all
+    /// registered (push-only mode: then kicks are followed through the kernel and
+    /// the probe would only cost a trap per batch). Returns a note per process.
+    pub fn drop_queue_probes(&mut self) -> Vec<String> {
+        let waiting: Vec<(u32, u32)> = self
+            .targets
+            .iter()
+            .filter(|(_, t)| t.queue_probe.is_some())
+            .filter_map(|(p, t)| Some((*p, t.queues_expected?)))
+            .collect();
+        let mut notes = Vec::new();
+        for (pid, expected) in waiting {
+            let Some(l) = self.layout_of(pid) else {
+                continue;
+            };
+            if l.vqs_known < expected {
+                continue;
+            }
+            if let Some(t) = self.targets.get_mut(&pid) {
+                t.queue_probe = None;
+                notes.push(format!(
+                    "pid {pid}: all {expected} virtio-blk queues known: virtio_blk_handle_vq \
+                     detached (one trap per request left)"
+                ));
+            }
+        }
+        notes
     }
 
     /// VMs refused since the last call, with the message.

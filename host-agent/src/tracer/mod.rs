@@ -51,6 +51,10 @@ pub struct Target {
     drive_ids: Vec<String>,
     /// Queues whose notifiers and device were checked in the process's memory.
     checked_vqs: HashSet<u64>,
+    /// virtio_blk_handle_vq while not every queue is registered (push-only mode).
+    queue_probe: Option<Link>,
+    /// The virtio-blk queues the command line gives the process (None: unknown).
+    queues_expected: Option<u32>,
 }
 
 pub struct Tracer<'obj> {
@@ -61,6 +65,8 @@ pub struct Tracer<'obj> {
     pub missing_kernel: Vec<(String, String)>,
     /// Also probe virtqueue_pop (h.pop) at three more traps per request.
     pub pop: bool,
+    /// Also probe blk_aio_* (exact h.submit, merges) at one more trap per request.
+    pub submit: bool,
     /// Elements emitted by [`Tracer::sweep_unnotified`].
     unnotified: u64,
     /// VMs whose layout the runtime check refused, not yet taken by the caller.
@@ -78,6 +84,7 @@ impl<'obj> Tracer<'obj> {
         let mut links = std::mem::take(&mut self._tp_links);
         for t in self.targets.values_mut() {
             links.append(&mut t.links);
+            links.extend(t.queue_probe.take());
         }
         std::thread::spawn(move || {
             std::thread::scope(|s| {
@@ -93,6 +100,7 @@ impl<'obj> Tracer<'obj> {
     pub fn open(
         storage: &'obj mut MaybeUninit<OpenObject>,
         pop: bool,
+        submit: bool,
         sched: bool,
     ) -> Result<Tracer<'obj>> {
         let mut open = ViotraceHostSkelBuilder::default()
@@ -129,6 +137,7 @@ impl<'obj> Tracer<'obj> {
             targets: HashMap::new(),
             missing_kernel,
             pop,
+            submit,
             unnotified: 0,
             refusals: Vec::new(),
             refused_dropped: 0,
@@ -141,6 +150,7 @@ impl<'obj> Tracer<'obj> {
         let mut t = self.targets.remove(&pid);
         if let Some(t) = t.as_mut() {
             t.links.clear(); // detaches the uprobes
+            t.queue_probe = None;
         }
         // A refused layout's records are garbage: none is emitted.
         let refused = t

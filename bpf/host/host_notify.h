@@ -45,6 +45,7 @@ SEC("uprobe")
 int BPF_KPROBE(notify_direct, void *vdev, void *vq)
 {
 	stat_inc(ST_UPROBE_HITS);
+	stat_inc(ST_NOTIFY_CALLS);
 	__u32 tgid;
 	struct qemu_layout *l = this_proc(&tgid);
 	if (!l || !(l->flags & QL_HAVE_NOTIFIER))

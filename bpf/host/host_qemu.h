@@ -474,14 +474,15 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 	struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
 	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
 	int at_push = (l->flags & QL_NO_SUBMIT) ? 1 : 0;
-	if (!st && !at_push)
-		return 0; /* not a virtio-blk queue (yet) */
+	if (!st && !at_push) {
+		stat_inc(ST_PUSH_OTHER); /* not a virtio-blk queue (yet) */
+		return 0;
+	}
 	struct tg_ptr ek = { .tgid = tgid, .ptr = (__u64)elem };
 	/* without blk_aio_* probes the element is first seen here (its queue too) */
 	struct host_rec *r = elem_from_req(l, tgid, (__u64)elem, at_push, at_push);
 	if (!r) {
-		if (st)
-			stat_inc(ST_PUSH_UNKNOWN);
+		stat_inc(st ? ST_PUSH_UNKNOWN : ST_PUSH_OTHER);
 		return 0;
 	}
 	if (!st) {

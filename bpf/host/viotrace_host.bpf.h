@@ -48,10 +48,6 @@ struct qemu_layout {
 	 * their device (vq->vdev == req->dev) and whose does not */
 	__u32 vdev_ok;
 	__u32 vdev_bad;
-	/* queues registered (vq_get): the agent detaches virtio_blk_handle_vq once
-	 * every queue of the process is known */
-	__u32 vqs_known;
-	__u32 pad;
 };
 
 #define QL_HAVE_NOTIFIER 1u /* notifier fds valid: h.notify/h.irq via eventfd read/write */
@@ -140,7 +136,9 @@ struct wait_rec {
 	X(ST_WAITS, "qemu_cpu_waits", QEMU thread waits for a CPU reported (>= 50 us))                    \
 	X(ST_WAIT_DROP, "qemu_cpu_waits_lost", QEMU CPU wait lost: its ring buffer full)                  \
 	X(ST_DEVS_FULL, "device_load_map_full", host block request not counted: device maps full)       \
-	X(ST_UPROBE_HITS, "uprobe_hits", QEMU uprobe and USDT probe hits (each a trap in a QEMU thread))
+	X(ST_UPROBE_HITS, "uprobe_hits", QEMU uprobe and USDT probe hits (each a trap in a QEMU thread))   \
+	X(ST_PUSH_OTHER, "push_other_device", virtqueue_push of an element of another device (ignored))    \
+	X(ST_NOTIFY_CALLS, "virtio_notify_calls", virtio_notify hits (synchronous guest notifications, any device))
 
 #define VH_STAT_ENUM(id, name, desc) id,
 enum {

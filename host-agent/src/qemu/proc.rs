@@ -154,16 +154,6 @@ impl QemuProc {
         (max > 0).then_some(max)
     }
 
-    /// The virtio-blk queues of all its devices together (a device's default:
-    /// one per vCPU, QEMU's default one vCPU), None without a virtio-blk device.
-    pub fn total_queues(&self) -> Option<u32> {
-        let mut n = 0u32;
-        for d in &self.devices {
-            n += u32::from(d.num_queues.or(self.smp).unwrap_or(1));
-        }
-        (n > 0).then_some(n)
-    }
-
     /// The largest virtqueue size of its virtio-blk devices (`queue-size`,
     /// default 256; at most 1024).
     pub fn max_queue_size(&self) -> u16 {

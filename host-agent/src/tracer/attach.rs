@@ -65,8 +65,6 @@ fn to_bpf(l: &Layout, flags: u32) -> qemu_layout {
         flags,
         vdev_ok: 0,
         vdev_bad: 0,
-        vqs_known: 0,
-        pad: 0,
     }
 }
 
@@ -101,7 +99,7 @@ impl Tracer<'_> {
             .qemu_procs
             .update(&pid.to_ne_bytes(), pod_bytes(&ql), MapFlags::ANY)
             .context("registering the process in qemu_procs")?;
-        let (links, queue_probe) = match self.attach_uprobes(&proc, &info, no_submit, &mut warn) {
+        let links = match self.attach_uprobes(&proc, &info, no_submit, &mut warn) {
             Ok(l) => l,
             Err(e) => {
                 let _ = self.skel.maps.qemu_procs.delete(&pid.to_ne_bytes());
@@ -116,7 +114,6 @@ impl Tracer<'_> {
             max_queues: proc.max_queues(),
             max_queue_size: proc.max_queue_size(),
         };
-        let queues_expected = proc.total_queues();
         let mut drive_ids: Vec<String> = proc.drives.iter().map(|d| d.id.clone()).collect();
         drive_ids.extend(proc.devices.iter().filter_map(|d| d.drive.clone()));
         self.targets.insert(
@@ -134,8 +131,6 @@ impl Tracer<'_> {
                 bounds,
                 drive_ids,
                 checked_vqs: HashSet::new(),
-                queue_probe,
-                queues_expected,
             },
         );
         Ok(warn)
@@ -147,7 +142,7 @@ impl Tracer<'_> {
         info: &BinaryInfo,
         no_submit: bool,
         warn: &mut Vec<String>,
-    ) -> Result<(Vec<libbpf_rs::Link>, Option<libbpf_rs::Link>)> {
+    ) -> Result<Vec<libbpf_rs::Link>> {
         let pid = proc.pid;
         let progs = &self.skel.progs;
         let mut links = Vec::new();
@@ -164,28 +159,11 @@ impl Tracer<'_> {
             (&progs.push, "virtqueue_push", false),
             (&progs.notify_direct, "virtio_notify", false),
         ];
-        // Without blk_aio_* probes, virtio_blk_handle_vq registers each queue
-        // before its first kick is read (h.notify). Only --pop needs it for
-        // good; else it is detached once every queue is known (queue_probe).
-        let mut queue_probe = None;
+        // --pop: virtio_blk_handle_vq registers each queue before its first
+        // element is popped. Otherwise a queue is registered at its first push
+        // (push-only) or submit: the kicks before it have no h.notify.
         if self.pop {
             attach_list.push((&progs.handle_vq, "virtio_blk_handle_vq", false));
-        } else if no_submit && info.probeable("virtio_blk_handle_vq") {
-            let opts = UprobeOpts {
-                func_name: Some("virtio_blk_handle_vq".to_string()),
-                ..Default::default()
-            };
-            match progs
-                .handle_vq
-                .attach_uprobe_with_opts(pid_i, &proc.exe, 0, opts)
-            {
-                Ok(l) => queue_probe = Some(l),
-                Err(e) => warn.push(format!(
-                    "uprobe virtio_blk_handle_vq not attached ({e}): no {} before a queue's \
-                     first completion",
-                    Point::HostNotify
-                )),
-            }
         }
         // h.pop: the USDT probe when the build has it (one trap, no layout needed
         // for the element pointer), else a uprobe + uretprobe on virtqueue_pop.
@@ -239,7 +217,7 @@ impl Tracer<'_> {
                 }
             }
         }
-        Ok((links, queue_probe))
+        Ok(links)
     }
 }
 

@@ -70,7 +70,10 @@ impl Tracer<'_> {
     /// The records to emit for a ring-buffer entry: none while the VM's layout is
     /// being checked (held), all held ones once it passes. None: not a traced VM.
     pub fn make_record(&mut self, r: &host_rec) -> Option<Vec<HostElem>> {
-        let notifiers = self.notifiers_in_use(r.tgid);
+        // (a map lookup, a system call: only for a queue not checked yet)
+        let notifiers = self.targets.get(&r.tgid).is_some_and(|t| {
+            matches!(t.probation.standing, Standing::Checking) && !t.checked_vqs.contains(&r.vq)
+        }) && self.notifiers_in_use(r.tgid);
         let t = self.targets.get_mut(&r.tgid)?;
         match t.probation.standing {
             Standing::Trusted => return Some(vec![Self::build(t, r)]),
@@ -118,7 +121,6 @@ impl Tracer<'_> {
             flags: u32_at(std::mem::offset_of!(qemu_layout, flags))?,
             vdev_ok: u32_at(std::mem::offset_of!(qemu_layout, vdev_ok))?,
             vdev_bad: u32_at(std::mem::offset_of!(qemu_layout, vdev_bad))?,
-            vqs_known: u32_at(std::mem::offset_of!(qemu_layout, vqs_known))?,
             ..Default::default()
         })
     }
@@ -168,35 +170,6 @@ impl Tracer<'_> {
             }
         }
         out
-    }
-
-    /// Detaches virtio_blk_handle_vq from the processes whose queues are all
-    /// registered (push-only mode: then kicks are followed through the kernel and
-    /// the probe would only cost a trap per batch). Returns a note per process.
-    pub fn drop_queue_probes(&mut self) -> Vec<String> {
-        let waiting: Vec<(u32, u32)> = self
-            .targets
-            .iter()
-            .filter(|(_, t)| t.queue_probe.is_some())
-            .filter_map(|(p, t)| Some((*p, t.queues_expected?)))
-            .collect();
-        let mut notes = Vec::new();
-        for (pid, expected) in waiting {
-            let Some(l) = self.layout_of(pid) else {
-                continue;
-            };
-            if l.vqs_known < expected {
-                continue;
-            }
-            if let Some(t) = self.targets.get_mut(&pid) {
-                t.queue_probe = None;
-                notes.push(format!(
-                    "pid {pid}: all {expected} virtio-blk queues known: virtio_blk_handle_vq \
-                     detached (one trap per request left)"
-                ));
-            }
-        }
-        notes
     }
 
     /// VMs refused since the last call, with the message.

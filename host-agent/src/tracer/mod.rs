@@ -51,10 +51,6 @@ pub struct Target {
     drive_ids: Vec<String>,
     /// Queues whose notifiers and device were checked in the process's memory.
     checked_vqs: HashSet<u64>,
-    /// virtio_blk_handle_vq while not every queue is registered (push-only mode).
-    queue_probe: Option<Link>,
-    /// The virtio-blk queues the command line gives the process (None: unknown).
-    queues_expected: Option<u32>,
 }
 
 pub struct Tracer<'obj> {
@@ -84,7 +80,6 @@ impl<'obj> Tracer<'obj> {
         let mut links = std::mem::take(&mut self._tp_links);
         for t in self.targets.values_mut() {
             links.append(&mut t.links);
-            links.extend(t.queue_probe.take());
         }
         std::thread::spawn(move || {
             std::thread::scope(|s| {
@@ -150,7 +145,6 @@ impl<'obj> Tracer<'obj> {
         let mut t = self.targets.remove(&pid);
         if let Some(t) = t.as_mut() {
             t.links.clear(); // detaches the uprobes
-            t.queue_probe = None;
         }
         // A refused layout's records are garbage: none is emitted.
         let refused = t

@@ -253,6 +253,8 @@ impl<'obj> App<'obj> {
                 .filter_map(|(pid, t)| joined::guest_cid_of(*pid).map(|c| (c, t.proc.vm.clone())))
                 .collect(),
             max_vm_rate: cli.max_vm_rate,
+            capture: cli.json,
+            sample_every: cli.sample_every,
         };
         let mut j = joined::Joined::start(&opts)?;
         eprintln!(

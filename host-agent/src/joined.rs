@@ -44,6 +44,11 @@ pub struct JoinOpts {
     /// Joined records written per second per VM, at most (a flooding guest
     /// must not fill the host's disk); the rest are counted.
     pub max_vm_rate: f64,
+    /// Capture mode (`--json`): every joined record is written. Always-on: only
+    /// those at or above the threshold and one in `sample_every` (0: none); every
+    /// record still counts in the statistics.
+    pub capture: bool,
+    pub sample_every: u64,
 }
 
 /// Per-connection bookkeeping.
@@ -65,6 +70,8 @@ pub struct VmReport {
     pub written: u64,
     /// Records not written because the VM exceeded its output rate.
     pub output_rate_limited: u64,
+    /// Always-on mode: records neither slow nor sampled, in the statistics only.
+    pub summarized: u64,
     /// Syscall-level records received (they stay in the guest's own output).
     pub syscall_records: u64,
 }
@@ -82,6 +89,10 @@ struct VmOut {
     bucket: TokenBucket,
     written: u64,
     rate_limited: u64,
+    /// Always-on: records neither slow nor sampled (statistics only).
+    summarized: u64,
+    /// Records offered to the output (for the 1-in-N sample).
+    offered: u64,
     /// Syscall-level records (they stay in the guest's own output).
     io_records: u64,
     /// Live guest connections, and since when there has been none.
@@ -97,6 +108,9 @@ pub struct Joined {
     accounts: host::AccountsHandle,
     vms: HashMap<String, VmOut>,
     max_vm_rate: f64,
+    /// See [`JoinOpts::capture`].
+    capture: bool,
+    sample_every: u64,
     engine: JoinEngine,
     out: JsonLines<Box<dyn Write>>,
     buf: Vec<JoinedIo>,
@@ -178,6 +192,8 @@ impl Joined {
             accounts,
             vms: HashMap::new(),
             max_vm_rate,
+            capture: opts.capture,
+            sample_every: opts.sample_every,
             engine: JoinEngine::new(JoinConfig::default()),
             out: JsonLines::new(out),
             buf: Vec::new(),
@@ -328,6 +344,8 @@ impl Joined {
             bucket: TokenBucket::new(rate, rate.min(1e12)),
             written: 0,
             rate_limited: 0,
+            summarized: 0,
+            offered: 0,
             io_records: 0,
             conns: 0,
             stalled_since: None,
@@ -399,9 +417,21 @@ impl Joined {
                     self.human.push(w);
                 }
             }
-            // Per-VM output rate: statistics above keep every record; the files
-            // get at most the VM's rate, the rest is counted.
+            // Always-on: the files get the slow and the sampled records; the
+            // statistics above keep every one.
+            let slow = match (self.threshold_ns, j.total_ns) {
+                (Some(th), Some(t)) => j.joined && t >= 0 && t as u64 >= th,
+                _ => false,
+            };
+            let (capture, every) = (self.capture, self.sample_every);
             let o = self.vm_out(&j.vm);
+            o.offered += 1;
+            if !capture && !slow && (every == 0 || !o.offered.is_multiple_of(every)) {
+                o.summarized += 1;
+                continue;
+            }
+            // Per-VM output rate: the files get at most the VM's rate, the rest
+            // is counted.
             if !o.bucket.try_take(1.0, Instant::now()) {
                 o.rate_limited += 1;
                 continue;
@@ -424,6 +454,7 @@ impl Joined {
                 VmReport {
                     written: o.map_or(0, |o| o.written),
                     output_rate_limited: o.map_or(0, |o| o.rate_limited),
+                    summarized: o.map_or(0, |o| o.summarized),
                     syscall_records: o.map_or(0, |o| o.io_records),
                     balanced: transport.balanced(),
                     transport,
@@ -499,9 +530,10 @@ impl Joined {
         self.vm_accounts()
             .into_iter()
             .map(|r| {
-                let (a, written, rl) = (&r.transport, r.written, r.output_rate_limited);
+                let (a, written, rl, sm) =
+                    (&r.transport, r.written, r.output_rate_limited, r.summarized);
                 format!(
-                    "viotrace-host: vm {}: guest records produced={} = before_this_host={} + delivered={} + lost_in_transit={} + in_flight={} ({}); guest buffer refused={}; connections={} rejected={} bad={}; clock samples={} rejected={} rate_limited={}; throttled={}ms backpressure={}ms; written={} output_rate_limited={}\n",
+                    "viotrace-host: vm {}: guest records produced={} = before_this_host={} + delivered={} + lost_in_transit={} + in_flight={} ({}); guest buffer refused={}; connections={} rejected={} bad={}; clock samples={} rejected={} rate_limited={}; throttled={}ms backpressure={}ms; written={} output_rate_limited={} summarized={}\n",
                     a.vm,
                     a.produced,
                     a.before_host,
@@ -519,7 +551,8 @@ impl Joined {
                     a.throttled_ms,
                     a.backpressure_ms,
                     written,
-                    rl
+                    rl,
+                    sm
                 )
             })
             .collect()

@@ -70,7 +70,8 @@ pub(crate) struct Cli {
     /// Joined mode: accept guest agents on this AF_VSOCK port (the VM is found from its CID).
     #[arg(long, value_name = "PORT")]
     listen_vsock: Option<u32>,
-    /// Joined mode: write the end-to-end records (`"kind":"io"`) here instead of stdout.
+    /// Joined mode: write the end-to-end records (`"kind":"io"`) here instead of stdout:
+    /// every one with --json (capture), else the slow (-t) and sampled ones.
     #[arg(long, value_name = "FILE")]
     joined_out: Option<PathBuf>,
     /// Joined mode: write a Chrome trace-event file (Perfetto) of the joined requests at exit.
@@ -80,6 +81,11 @@ pub(crate) struct Cli {
     /// rest still count in the statistics and are reported as output_rate_limited.
     #[arg(long, value_name = "N", default_value_t = 50_000.0)]
     max_vm_rate: f64,
+    /// Joined mode without --json (always-on): besides the records at or above
+    /// -t, write one joined record in N per VM (0: none). With --json every
+    /// record is written (capture).
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    sample_every: u64,
     /// Serve Prometheus metrics (per-stage histograms, counters, every drop
     /// counter) on this address, e.g. 127.0.0.1:9477 (GET /metrics).
     #[arg(long, value_name = "ADDR:PORT")]

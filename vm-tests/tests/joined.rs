@@ -103,6 +103,75 @@ fn mixed_workload_two_queues_is_joined() {
     assert_eq!(queues.into_iter().collect::<Vec<_>>(), vec![0, 1]);
 }
 
+/// Always-on (no --json): the joined output gets the records at or above the
+/// threshold and one in N; the statistics and the accounting keep every record.
+#[test]
+fn always_on_writes_the_slow_and_the_sampled_records() {
+    let r = run_both(
+        "joined-always-on",
+        VmConfig {
+            host_json: false,
+            host_args: vec![
+                "-t".into(),
+                "3ms".into(),
+                "--sample-every".into(),
+                "50".into(),
+            ],
+            ..VmConfig::default()
+        },
+        MIXED,
+    );
+    // (without --json the agent's tables and totals go to stdout: host.jsonl)
+    let hlog = ["host.log", "host.jsonl"]
+        .map(|f| std::fs::read_to_string(r.path(f)).unwrap_or_default())
+        .join("\n");
+    let line = hlog
+        .lines()
+        .find(|l| l.contains("vm vt-joined-always-on: guest records"))
+        .unwrap_or_else(|| panic!("no accounting line:\n{hlog}"));
+    let num = |k: &str| -> u64 {
+        let v = line
+            .split(&format!(" {k}="))
+            .nth(1)
+            .unwrap_or_else(|| panic!("{k}: {line}"));
+        v.split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (written, summarized, limited) = (
+        num("written"),
+        num("summarized"),
+        num("output_rate_limited"),
+    );
+    let joined = r.records("joined.jsonl").unwrap();
+    let ios = joined.ios();
+    let fast = ios
+        .iter()
+        .filter(|j| !(j.joined && j.total_ns.is_some_and(|t| t >= 3_000_000)))
+        .count();
+    let offered = written + summarized + limited;
+    eprintln!(
+        "always-on: {offered} records, {written} written ({fast} below 3 ms), {summarized} summarized"
+    );
+    assert_eq!(ios.len() as u64, written, "{line}");
+    assert!(
+        offered > 500,
+        "the workload makes over 500 requests: {line}"
+    );
+    assert!(summarized > 0 && written < offered / 2, "{line}");
+    // the fast ones written are the 1-in-50 sample (per VM)
+    assert!(
+        fast as u64 <= offered / 50 + 1,
+        "{fast} fast records written: {line}"
+    );
+    assert!(
+        fast as u64 >= offered / 50 / 2,
+        "the sample is written: {fast}: {line}"
+    );
+}
+
 fn sectors_in(recs: &Records, lo: u64, hi: u64) -> usize {
     recs.ios()
         .iter()

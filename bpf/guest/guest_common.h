@@ -131,9 +131,14 @@ struct kick_slot {
 	__u64 notified;
 };
 
+/* Kicks awaited by long requests (flushes): the ring may wrap under them. */
+#define KICK_WATCH 4
+
 struct vq_state {
 	__u64 kick_seq;
 	__u64 irq_ts;
+	__u64 watch_next;
+	struct kick_slot watch[KICK_WATCH];
 	struct kick_slot slots[KICK_SLOTS];
 };
 

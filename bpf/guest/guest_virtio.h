@@ -80,6 +80,14 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, void *data)
 	st->vq = vq;
 	v = map_create(&vqs, &vk, &zero_vq, S_FULL_VQ);
 	st->kick_seq = v ? v->kick_seq : 0;
+	/* A flush lasts as long as the host's sync: its kick is kept apart
+	 * (REQ_OP_FLUSH = 2 since 4.10; the low 8 bits of cmd_flags are the op). */
+	if (v && (st->ev.cmd_flags & 0xff) == 2) {
+		struct kick_slot *w = &v->watch[v->watch_next++ & (KICK_WATCH - 1)];
+
+		w->seq = v->kick_seq + 1;
+		w->ts = 0;
+	}
 }
 
 static __always_inline void on_kick_prepare(struct virtqueue *vq, bool notify)
@@ -101,6 +109,14 @@ static __always_inline void on_kick_prepare(struct virtqueue *vq, bool notify)
 	k->ts = bpf_ktime_get_ns();
 	k->notified = notify;
 	k->seq = seq;
+	for (int i = 0; i < KICK_WATCH; i++) {
+		struct kick_slot *w = &v->watch[i];
+
+		if (w->seq == seq && !w->ts) {
+			w->notified = notify;
+			w->ts = k->ts;
+		}
+	}
 	asm volatile("" ::: "memory");
 	v->kick_seq = seq;
 }
@@ -114,8 +130,15 @@ static __always_inline void on_notify(struct virtqueue *vq)
 	if (!v)
 		return;
 	k = &v->slots[v->kick_seq & (KICK_SLOTS - 1)];
-	if (k->seq == v->kick_seq && k->notified)
-		k->ts = bpf_ktime_get_ns();
+	if (k->seq != v->kick_seq || !k->notified)
+		return;
+	k->ts = bpf_ktime_get_ns();
+	for (int i = 0; i < KICK_WATCH; i++) {
+		struct kick_slot *w = &v->watch[i];
+
+		if (w->seq == k->seq)
+			w->ts = k->ts;
+	}
 }
 
 static __always_inline void on_interrupt(void *vq)

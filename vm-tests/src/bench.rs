@@ -376,7 +376,13 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
             if let Some(h) = host.get("uprobe_hits") {
                 let other = host.get("push_other_device").copied().unwrap_or(0)
                     + host.get("virtio_notify_calls").copied().unwrap_or(0);
-                let reqs = host.get("records_emitted").copied().unwrap_or(total_ios);
+                // (records: every element the agent got, also those taken from
+                // the pushed map at stop, which records_emitted leaves out)
+                let reqs = host
+                    .get("records")
+                    .or(host.get("records_emitted"))
+                    .copied()
+                    .unwrap_or(total_ios);
                 c.host_uprobe_hits_per_io
                     .push(h.saturating_sub(other) as f64 / reqs.max(1) as f64);
                 c.host_other_traps.push(other);

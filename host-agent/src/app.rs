@@ -58,6 +58,7 @@ pub struct App<'obj> {
     next_table: Instant,
     next_scan: Instant,
     next_sweep: Instant,
+    scans: u64,
 }
 
 impl<'obj> App<'obj> {
@@ -103,6 +104,7 @@ impl<'obj> App<'obj> {
             next_table: start + cli.interval,
             next_scan: start + Duration::from_secs(1),
             next_sweep: start + SWEEP_EVERY,
+            scans: 0,
             cli,
             tracer,
             sink,
@@ -317,9 +319,14 @@ impl<'obj> App<'obj> {
         Ok(())
     }
 
-    /// Once a second: metrics published, exited VMs let go, new VMs attached.
+    /// Once a second: metrics published, exited VMs let go, new VMs attached;
+    /// every 10 s, freed heap memory handed back.
     fn scan(&mut self, rb: &RingBuffer) -> Result<()> {
         self.publish_metrics();
+        self.scans += 1;
+        if self.scans.is_multiple_of(10) {
+            tracer::trim_heap();
+        }
         if let Some(j) = self.sink.joined.as_mut().filter(|j| j.verdicts.is_some()) {
             j.interfere
                 .refresh_issuers(self.tracer.device_issuers().into_iter());

@@ -445,8 +445,9 @@ pub fn ensure_tracefs() -> Result<()> {
 
 /// Gives the heap memory that loading freed (libbpf's parse of the kernel's BTF,
 /// about 10 MiB) back to the kernel: glibc would keep it, and it would stay in
-/// the agent's RSS for as long as it runs.
-fn trim_heap() {
+/// the agent's RSS for as long as it runs. Also run every 10 s (the join's
+/// bursts of buffered records are freed into every thread's arena).
+pub fn trim_heap() {
     #[cfg(target_env = "gnu")]
     // SAFETY: malloc_trim only releases free pages of glibc's own heap; it touches
     // no memory Rust owns.

@@ -21,6 +21,9 @@ struct tg_ptr {
 	__u64 ptr;
 };
 
+#define KICK_RING 16 /* recent kicks handled, per queue */
+#define PUSH_RING 64 /* recent pushes, per queue */
+
 struct vq_state {
 	__u64 dev;
 	__u64 last_kick;
@@ -29,7 +32,15 @@ struct vq_state {
 	__u16 queue;
 	__u16 pad;
 	__s32 kick_fd; /* host notifier rfd seen at registration */
+	/* push-only mode: an element's h.notify is found at its push from its
+	 * h.submit (the latest kick before it, if no push came in between) */
+	__u32 kick_n;
+	__u32 push_n;
+	__u64 kicks[KICK_RING];
+	__u64 pushes[PUSH_RING];
 };
+
+static struct vq_state vq_zero;
 
 struct fd_key {
 	__u32 tgid;
@@ -240,20 +251,74 @@ static __always_inline struct vq_state *vq_get(struct qemu_layout *l, __u32 tgid
 	struct vq_state *st = bpf_map_lookup_elem(&vqs, &k);
 	if (st || !vq)
 		return st;
-	struct vq_state n = { .dev = dev, .kick_fd = -1 };
 	__u16 qi = 0xffff;
+	__s32 kick_fd = -1;
 	bpf_probe_read_user(&qi, sizeof(qi), (void *)(vq + l->vq_queue_index));
 	if (qi >= 1024) { /* VIRTIO_QUEUE_MAX */
 		stat_inc(ST_BAD_QUEUE_INDEX);
 		qi = 0xffff;
 	}
-	n.queue = qi;
 	if (l->flags & QL_HAVE_NOTIFIER) {
-		n.kick_fd = read_fd(vq + l->vq_host_notifier_rfd);
-		fd_register(tgid, n.kick_fd, vq, FD_KICK);
+		kick_fd = read_fd(vq + l->vq_host_notifier_rfd);
+		fd_register(tgid, kick_fd, vq, FD_KICK);
 		fd_register(tgid, read_fd(vq + l->vq_guest_notifier_wfd), vq, FD_IRQ);
 	}
-	bpf_map_update_elem(&vqs, &k, &n, BPF_NOEXIST);
-	return bpf_map_lookup_elem(&vqs, &k);
+	/* (too large for the stack: created zeroed, then filled in) */
+	bpf_map_update_elem(&vqs, &k, &vq_zero, BPF_NOEXIST);
+	st = bpf_map_lookup_elem(&vqs, &k);
+	if (st && !st->dev) {
+		st->dev = dev;
+		st->queue = qi;
+		st->kick_fd = kick_fd;
+	}
+	return st;
+}
+
+/* A kick handled on the queue (h.notify of the requests it brings). */
+static __always_inline void vq_kick(struct vq_state *st, __u64 now)
+{
+	st->last_kick = now;
+	st->kicks[st->kick_n++ & (KICK_RING - 1)] = now;
+}
+
+struct notify_find {
+	struct vq_state *st;
+	__u64 submit;
+	__u64 push;  /* latest push before submit */
+	__u64 kick;  /* latest kick at or before submit */
+	__u32 older; /* pushes recorded at or after submit */
+};
+
+static long push_before(__u64 i, void *data)
+{
+	struct notify_find *f = data;
+	if (!f->st)
+		return 1;
+	__u64 t = f->st->pushes[i & (PUSH_RING - 1)];
+	if (t && t < f->submit && t > f->push)
+		f->push = t;
+	else if (t >= f->submit)
+		f->older++;
+	return 0;
+}
+
+/* The kick that brought a request QEMU took at `submit`: the latest kick at
+ * or before it, unless a push came in between (then QEMU found the request by
+ * polling the ring: no h.notify). 0 when the rings no longer tell. */
+static __always_inline __u64 vq_notify_of(struct vq_state *st, __u64 submit)
+{
+	struct notify_find f = { .st = st, .submit = submit };
+	if (!submit)
+		return 0;
+	bpf_loop(PUSH_RING, push_before, &f, 0);
+	/* every recorded push came after submit and the ring wrapped: unknown */
+	if (!f.push && f.older >= PUSH_RING)
+		return 0;
+	for (int i = 0; i < KICK_RING; i++) {
+		__u64 t = st->kicks[i];
+		if (t && t <= submit && t > f.kick)
+			f.kick = t;
+	}
+	return f.kick > f.push ? f.kick : 0;
 }
 

@@ -33,7 +33,7 @@ int kick_read(struct trace_event_raw_sys_enter *ctx)
 	struct tg_ptr vk = { .tgid = tgid, .ptr = v->vq };
 	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
 	if (st) {
-		st->last_kick = bpf_ktime_get_ns();
+		vq_kick(st, bpf_ktime_get_ns());
 		stat_inc(ST_KICKS);
 	}
 	return 0;

@@ -15,7 +15,7 @@ int BPF_KPROBE(handle_vq, void *s, void *vq)
 		return 0;
 	struct vq_state *st = vq_get(l, tgid, (__u64)vq, (__u64)s);
 	if (st && !(l->flags & QL_HAVE_NOTIFIER))
-		st->last_kick = bpf_ktime_get_ns();
+		vq_kick(st, bpf_ktime_get_ns());
 	return 0;
 }
 
@@ -501,8 +501,13 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 		if (in && !bpf_probe_read_user(&r->status, 1, (void *)in))
 			r->has_status = 1;
 	}
-	if (at_push)
+	if (at_push) {
 		push_submit_check(r);
+		/* taken at push, the element's h.notify is the kick before its
+		 * h.submit, not the queue's latest (a later batch's) */
+		r->ts[HP_NOTIFY] = vq_notify_of(st, r->ts[HP_SUBMIT]);
+		st->pushes[st->push_n++ & (PUSH_RING - 1)] = r->ts[HP_PUSH];
+	}
 	if (at_push && !r->merge_id) {
 		/* fallback: the host I/O whose first buffer is the element's first data
 		 * buffer (reads: in_sg[0]; writes: after the 16-byte header in out_sg) */

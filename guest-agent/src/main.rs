@@ -66,9 +66,11 @@ struct Cli {
     /// Create this file once every probe is attached.
     #[arg(long, value_name = "PATH")]
     ready_file: Option<PathBuf>,
-    /// Also stream the records to a host agent for the end-to-end join:
-    /// `vsock[:CID]:PORT` (host CID 2, default port 5515), `unix:PATH` or `/PATH`.
-    /// Reconnects with back-off; records are buffered (bounded) while disconnected.
+    /// Also stream the block request records to a host agent for the end-to-end
+    /// join: `vsock[:CID]:PORT` (host CID 2, default port 5515), `unix:PATH` or
+    /// `/PATH`. Reconnects with back-off; records are buffered (bounded) while
+    /// disconnected. Syscall-level records stay in this agent's own output (the
+    /// join does not use them; each request record carries its syscall's entry).
     #[arg(long, value_name = "ENDPOINT")]
     connect: Option<viotrace_shared::transport::Endpoint>,
 }

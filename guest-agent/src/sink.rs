@@ -193,10 +193,9 @@ impl Sink {
                 if let Some(v) = self.verdicts.as_mut() {
                     v.judge(&mut io);
                 }
+                // (not streamed: the join has no use for it, and it would be
+                // half the uplink's cost)
                 self.on_io(&io);
-                if let Some(u) = &self.uplink {
-                    u.send_io(*io);
-                }
             }
         }
     }

@@ -504,6 +504,7 @@ impl Joined {
                 ("guest_throttled_ms", a.throttled_ms),
                 ("guest_backpressure_ms", a.backpressure_ms),
                 ("output_rate_limited", rl),
+                ("joined_summarized", r.summarized),
             ] {
                 *sum.entry(k).or_default() += n;
             }

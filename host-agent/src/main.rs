@@ -74,7 +74,8 @@ pub(crate) struct Cli {
     /// every one with --json (capture), else the slow (-t) and sampled ones.
     #[arg(long, value_name = "FILE")]
     joined_out: Option<PathBuf>,
-    /// Joined mode: write a Chrome trace-event file (Perfetto) of the joined requests at exit.
+    /// Joined mode: write a Chrome trace-event file (Perfetto) of the joined requests it
+    /// writes (streamed as the run goes).
     #[arg(long, value_name = "FILE")]
     chrome_trace: Option<PathBuf>,
     /// Joined mode: most joined records written per second per VM (0: no limit); the

@@ -22,7 +22,7 @@ use crate::proto::{
     self, batch_frame, encode_frame_into, encode_record, GuestRecord, GuestStats, Hello, Message,
     ProtoError, PROTOCOL_VERSION,
 };
-use crate::record::{GuestIo, GuestRq};
+use crate::record::GuestRq;
 
 pub use super::stream::WRITE_CHUNK;
 /// Largest batch frame the guest builds (the host refuses batch frames above
@@ -280,10 +280,6 @@ impl GuestSender {
 
     pub fn send_rq(&self, rq: GuestRq) {
         self.send(&GuestRecord::Rq(rq));
-    }
-
-    pub fn send_io(&self, io: GuestIo) {
-        self.send(&GuestRecord::Io(io));
     }
 
     /// Queues a statistics snapshot (replaces an unsent one); the sender's own

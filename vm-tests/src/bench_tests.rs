@@ -1,0 +1,101 @@
+//! Unit tests of bench.rs (the parsers and the checks against the anchor).
+use super::*;
+
+fn samples(iops: f64) -> Samples {
+    Samples {
+        iops: vec![iops],
+        ..Default::default()
+    }
+}
+
+#[test]
+fn verdicts_compare_with_the_anchor_within_the_run() {
+    let mut res = BenchResult::default();
+    for (cond, iops) in [
+        ("none", 100.0),
+        ("guest", 86.0),
+        ("bpftrace", 90.0),
+        ("both", 70.0),
+    ] {
+        res.jobs
+            .entry(cond.into())
+            .or_default()
+            .insert("randread-4k-qd1".into(), samples(iops));
+    }
+    for (cond, ns) in [
+        ("guest", 20_000.0),
+        ("bpftrace", 10_000.0),
+        ("capture", 31_000.0),
+    ] {
+        res.costs
+            .entry(cond.into())
+            .or_default()
+            .guest_bpf_ns_per_io = vec![ns];
+    }
+    let v = verdicts(&res);
+    let get = |p: &str| v.iter().find(|x| x.check.starts_with(p)).unwrap().clone();
+    let g = get("guest: guest BPF");
+    assert!(g.pass && (g.value - 2.0).abs() < 1e-9);
+    assert!(!get("capture: guest BPF").pass);
+    // 0.86 ≥ 0.90 − 0.05
+    assert!(get("guest randread-4k-qd1").pass);
+    // 0.70 < 0.90 − 0.10
+    assert!(!get("both randread-4k-qd1").pass);
+    assert!(render_verdicts(&v).contains("MISS"));
+    assert!(get("runs that did not finish").pass);
+    // A run that did not finish is reported and fails the run's checks.
+    note_failure(&mut res, "both", 1, "lab VM timed out\nserial".into());
+    assert!(!get_in(&verdicts(&res), "runs that did not finish").pass);
+    assert!(render(&res).contains("FAILED run: both, round 2: lab VM timed out"));
+    // Memory, host CPU and drop checks.
+    let c = res.costs.entry("both".into()).or_default();
+    c.guest_agent_peak_rss_kib = vec![9000];
+    c.host_agent_rss_kib = vec![15000];
+    c.host_agent_cpu_us_per_io = vec![1.5];
+    c.drops = vec![0, 2];
+    let v = verdicts(&res);
+    assert!(!get_in(&v, "both: guest agent peak RSS").pass);
+    assert!(get_in(&v, "both: host agent RSS at the end").pass);
+    assert!(!get_in(&v, "both: host agent µs CPU").pass);
+    assert!(!get_in(&v, "both: drops").pass);
+}
+
+fn get_in(v: &[Verdict], p: &str) -> Verdict {
+    v.iter().find(|x| x.check.starts_with(p)).unwrap().clone()
+}
+
+#[test]
+fn final_counters_are_parsed_and_losses_summed() {
+    let c = parse_counters(
+        "  counters: ringbuf_drop_rq=2 rq_emitted=900 kick_slot_lost=1 map_full_bios=3 \
+         io_refs_truncated=1 uplink_unacked_at_exit=4 decode_errors=1 bios=x",
+    );
+    assert_eq!(c["rq_emitted"], 900);
+    assert!(!c.contains_key("bios"));
+    assert_eq!(losses(&c), 2 + 1 + 3 + 1 + 4 + 1);
+    assert!(!is_loss("uplink_resent") && !is_loss("host_io_matched"));
+}
+
+#[test]
+fn parses_bpftool_prog_show() {
+    let t = "6: raw_tracepoint  name sys_enter  tag 52f2b8cbe0cd2fd9  gpl run_time_ns 1000 run_cnt 10\n\
+             8: tracing  name fe_io_submit_one  tag 440df2c7d8f14a3a  gpl\n\
+             \tloaded_at 2026-11-22T12:00:00+0000  uid 0\n";
+    let m = parse_bpf_progs(t);
+    assert_eq!(m.get("sys_enter"), Some(&(1000, 10)));
+    assert_eq!(m.len(), 1);
+}
+
+#[test]
+fn median_of_samples() {
+    assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+    assert!(median(&[]).is_nan());
+}
+
+#[test]
+fn workload_runs_every_job() {
+    let w = workload(3);
+    for j in JOBS {
+        assert!(w.contains(&format!("--output=/out/fio-{}.json", j.name)));
+    }
+}

@@ -168,16 +168,19 @@ int BPF_USDT(usdt_pop, void *vq, void *elem, unsigned int in_num, unsigned int o
 /*
  * Element state from a VirtIOBlockReq seen for the first time at submit or push
  * (default mode: no virtqueue_pop probe). The header comes from the request's
- * own copy (req->out). Returns the tracked state or NULL.
+ * own copy (req->out). push_vq: the queue virtqueue_push was given (0: not at
+ * push); there it is the element's queue, whatever VirtIOBlockReq.vq reads.
+ * Returns the tracked state or NULL.
  */
 static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u32 tgid, __u64 req,
-						      int create_vq, int at_push)
+						      int create_vq, __u64 push_vq)
 {
 	struct tg_ptr ek = { .tgid = tgid, .ptr = req };
 	struct host_rec *r = bpf_map_lookup_elem(&elems, &ek);
 	if (r)
 		return r;
-	__u64 vq = read_u64(req + l->req_vq);
+	int at_push = push_vq != 0;
+	__u64 vq = at_push ? push_vq : read_u64(req + l->req_vq);
 	struct vq_state *st;
 	if (create_vq) {
 		/* blk_aio_* serve every device model: a VirtIOBlockReq's queue belongs
@@ -417,6 +420,7 @@ struct push_chain_ctx {
 	__u32 n;
 	__u64 req;
 	__u64 id;
+	__u64 vq;
 };
 
 static long push_chain_one(__u64 i, void *data)
@@ -425,7 +429,7 @@ static long push_chain_one(__u64 i, void *data)
 	struct qemu_layout *l = c->l;
 	if (!l || !c->req)
 		return 1;
-	struct host_rec *m = elem_from_req(l, c->tgid, c->req, 1, 1);
+	struct host_rec *m = elem_from_req(l, c->tgid, c->req, 1, c->vq);
 	if (m) {
 		m->merge_id = c->id;
 		m->flags |= HR_MERGED;
@@ -446,6 +450,7 @@ static __always_inline void push_take_chain(struct qemu_layout *l, __u32 tgid, _
 		.tgid = tgid,
 		.req = read_u64(head + l->req_mr_next),
 		.id = r->merge_id,
+		.vq = r->vq,
 	};
 	r->flags |= HR_MERGED;
 	bpf_loop(MAX_CHAIN, push_chain_one, &c, 0);
@@ -480,7 +485,7 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 	}
 	struct tg_ptr ek = { .tgid = tgid, .ptr = (__u64)elem };
 	/* without blk_aio_* probes the element is first seen here (its queue too) */
-	struct host_rec *r = elem_from_req(l, tgid, (__u64)elem, at_push, at_push);
+	struct host_rec *r = elem_from_req(l, tgid, (__u64)elem, at_push, at_push ? (__u64)vq : 0);
 	if (!r) {
 		stat_inc(st ? ST_PUSH_UNKNOWN : ST_PUSH_OTHER);
 		return 0;

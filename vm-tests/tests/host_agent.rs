@@ -279,6 +279,8 @@ fn corrupted_layout_is_refused_naming_the_field() {
 /// such requests the layout is refused naming the request's queue field.
 #[test]
 fn corrupted_request_queue_offset_is_refused() {
+    // VirtIOBlockReq.vq is read at blk_aio_* (--submit); at virtqueue_push the
+    // queue is the function's own argument.
     let r = run_host(
         "host-refuse-vq",
         VmConfig {
@@ -286,6 +288,7 @@ fn corrupted_request_queue_offset_is_refused() {
                 "VIOTRACE_HOST_LAYOUT_OVERRIDE".into(),
                 "vt-host-refuse-vq:req_vq=0x50".into(),
             )],
+            host_args: vec!["--submit".into()],
             ..VmConfig::default()
         },
         KNOWN_IO,

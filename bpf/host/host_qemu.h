@@ -186,15 +186,14 @@ static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u
 		/* blk_aio_* serve every device model: a VirtIOBlockReq's queue belongs
 		 * to the request's device (vq->vdev == req->dev). */
 		__u64 dev = read_u64(req + l->req_dev);
-		/* Counted for the runtime check at submit only: every virtio device
-		 * pushes through virtqueue_push, other block devices rarely use blk_aio_*. */
+		/* Counted for the runtime check (refusal) at submit only: every virtio
+		 * device pushes through virtqueue_push, other block devices rarely use
+		 * blk_aio_*. At push they are counted apart, for a warning. */
 		if (!vq || !dev || read_u64(vq + l->vq_vdev) != dev) {
-			if (!at_push)
-				__sync_fetch_and_add(&l->vdev_bad, 1);
+			__sync_fetch_and_add(at_push ? &l->push_bad : &l->vdev_bad, 1);
 			return NULL;
 		}
-		if (!at_push)
-			__sync_fetch_and_add(&l->vdev_ok, 1);
+		__sync_fetch_and_add(at_push ? &l->push_ok : &l->vdev_ok, 1);
 		st = vq_get(l, tgid, vq, dev);
 	} else {
 		struct tg_ptr vk = { .tgid = tgid, .ptr = vq };

@@ -48,6 +48,10 @@ struct qemu_layout {
 	 * their device (vq->vdev == req->dev) and whose does not */
 	__u32 vdev_ok;
 	__u32 vdev_bad;
+	/* the same at virtqueue_push (push-only mode), where other devices'
+	 * elements fail it too: only a warning when none ever passes */
+	__u32 push_ok;
+	__u32 push_bad;
 };
 
 #define QL_HAVE_NOTIFIER 1u /* notifier fds valid: h.notify/h.irq via eventfd read/write */

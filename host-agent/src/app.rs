@@ -297,6 +297,9 @@ impl<'obj> App<'obj> {
         // The runtime layout check: held records released, refused VMs let go.
         let released = self.tracer.poll_probation();
         released.iter().for_each(|e| self.sink.elem(e));
+        for n in self.tracer.take_notes() {
+            eprintln!("viotrace-host: warning: {n}");
+        }
         for (pid, msg) in self.tracer.take_refusals() {
             eprintln!("viotrace-host: pid {pid}: {msg}");
             self.detach(pid, "layout refused");

@@ -307,6 +307,35 @@ fn corrupted_request_queue_offset_is_refused() {
     assert_eq!(n, 0);
 }
 
+/// Push-only mode with VirtIOBlockReq.dev read at a wrong offset: no element's
+/// device is its queue's, so none is taken (other devices' elements fail that
+/// check too, so it cannot refuse); the agent says so instead of staying silent.
+#[test]
+fn corrupted_device_offset_is_reported_in_push_mode() {
+    let r = run_host(
+        "host-warn-dev",
+        VmConfig {
+            host_env: vec![(
+                "VIOTRACE_HOST_LAYOUT_OVERRIDE".into(),
+                "vt-host-warn-dev:req_dev=0x50".into(),
+            )],
+            ..VmConfig::default()
+        },
+        KNOWN_IO,
+    );
+    let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
+    assert!(
+        log.contains("virtqueue_push calls and none of a virtio-blk request"),
+        "{log}"
+    );
+    let n = r
+        .records("host.jsonl")
+        .expect("host.jsonl")
+        .host_elems()
+        .len();
+    assert_eq!(n, 0);
+}
+
 /// LTO builds (Ubuntu) inline blk_aio_* into their callers, so uprobes there never
 /// fire. Treated as such through the agent's test hook, `--submit` cannot trap
 /// them: every element is still recorded, taken at virtqueue_push (op, sector,

@@ -11,6 +11,8 @@ pub const PROBATION_MAX_WAIT: Duration = Duration::from_secs(1);
 /// blk_aio_* requests whose queue did not belong to their device, with none
 /// that did, before the request offsets are refused.
 pub const VDEV_MISMATCH_LIMIT: u32 = 64;
+/// Pushes without one virtio-blk element before the push-only mode warns.
+pub const PUSH_MISMATCH_WARN: u32 = 256;
 /// The largest plausible data size of one virtio-blk element.
 const MAX_ELEM_BYTES: u32 = 64 << 20;
 /// Sectors of the largest plausible disk (1 PiB).

@@ -65,6 +65,8 @@ fn to_bpf(l: &Layout, flags: u32) -> qemu_layout {
         flags,
         vdev_ok: 0,
         vdev_bad: 0,
+        push_ok: 0,
+        push_bad: 0,
     }
 }
 
@@ -131,6 +133,7 @@ impl Tracer<'_> {
                 bounds,
                 drive_ids,
                 checked_vqs: HashSet::new(),
+                warned_no_block_push: false,
             },
         );
         Ok(warn)

@@ -12,7 +12,8 @@ use super::{Target, Tracer, HR_HAVE_BYTES, HR_HDR_FAULT, QL_HAVE_NOTIFIER};
 use crate::bpf::types::{host_rec, qemu_layout};
 use crate::qemu::proc::{fd_target, read_i32, read_ptr};
 use crate::qemu::verify::{
-    check_record, check_view, Failure, ProcView, Seen, Standing, VDEV_MISMATCH_LIMIT,
+    check_record, check_view, Failure, ProcView, Seen, Standing, PUSH_MISMATCH_WARN,
+    VDEV_MISMATCH_LIMIT,
 };
 use crate::qemu::{self};
 
@@ -121,6 +122,8 @@ impl Tracer<'_> {
             flags: u32_at(std::mem::offset_of!(qemu_layout, flags))?,
             vdev_ok: u32_at(std::mem::offset_of!(qemu_layout, vdev_ok))?,
             vdev_bad: u32_at(std::mem::offset_of!(qemu_layout, vdev_bad))?,
+            push_ok: u32_at(std::mem::offset_of!(qemu_layout, push_ok))?,
+            push_bad: u32_at(std::mem::offset_of!(qemu_layout, push_bad))?,
             ..Default::default()
         })
     }
@@ -147,6 +150,7 @@ impl Tracer<'_> {
         let mut out = Vec::new();
         for pid in checking {
             if let Some(l) = self.layout_of(pid) {
+                self.warn_no_block_push(pid, &l);
                 if l.vdev_ok == 0 && l.vdev_bad >= VDEV_MISMATCH_LIMIT {
                     let f = Failure {
                         field: "VirtIOBlockReq.vq",
@@ -170,6 +174,32 @@ impl Tracer<'_> {
             }
         }
         out
+    }
+
+    /// Push-only mode: many pushes and not one of a virtio-blk request whose
+    /// device is its queue's (VirtIOBlockReq.dev, VirtQueue.vdev). Other devices'
+    /// elements fail that check too, so this warns (once) instead of refusing.
+    fn warn_no_block_push(&mut self, pid: u32, l: &qemu_layout) {
+        if l.push_ok > 0 || l.push_bad < PUSH_MISMATCH_WARN {
+            return;
+        }
+        if let Some(t) = self.targets.get_mut(&pid) {
+            if !t.warned_no_block_push {
+                t.warned_no_block_push = true;
+                self.notes.push(format!(
+                    "pid {pid}: {} virtqueue_push calls and none of a virtio-blk request of \
+                     this process (VirtIOBlockReq.dev == VirtQueue.vdev): the VM has done no \
+                     block I/O yet, or that layout is wrong (QEMU {})",
+                    l.push_bad,
+                    t.info.version.as_deref().unwrap_or("of unknown version")
+                ));
+            }
+        }
+    }
+
+    /// Notes for the log since the last call.
+    pub fn take_notes(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.notes)
     }
 
     /// VMs refused since the last call, with the message.

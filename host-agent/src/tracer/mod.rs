@@ -51,6 +51,8 @@ pub struct Target {
     drive_ids: Vec<String>,
     /// Queues whose notifiers and device were checked in the process's memory.
     checked_vqs: HashSet<u64>,
+    /// Whether the push-only "no block element" warning was given.
+    warned_no_block_push: bool,
 }
 
 pub struct Tracer<'obj> {
@@ -67,6 +69,8 @@ pub struct Tracer<'obj> {
     unnotified: u64,
     /// VMs whose layout the runtime check refused, not yet taken by the caller.
     refusals: Vec<(u32, String)>,
+    /// Warnings of the runtime check, not yet taken by the caller.
+    notes: Vec<String>,
     /// Records of refused layouts that were dropped (VMs already let go).
     refused_dropped: u64,
 }
@@ -135,6 +139,7 @@ impl<'obj> Tracer<'obj> {
             submit,
             unnotified: 0,
             refusals: Vec::new(),
+            notes: Vec::new(),
             refused_dropped: 0,
         })
     }

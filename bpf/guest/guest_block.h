@@ -23,27 +23,31 @@ enum page_kind {
 };
 
 /* What a bio's first page is; for page-cache pages, its inode and byte offset. */
-static __always_inline int bio_page_file(struct bio *bio, __u64 *ino, __u64 *off)
+static __always_inline int bio_page_file(struct bio_vec *vec, __u64 *ino, __u64 *off)
 {
-	struct page *page = BPF_CORE_READ(bio, bi_io_vec, bv_page);
+	struct bio_vec bv = {};
 	struct address_space *mapping;
+	struct sys_info fi = {};
 	struct inode *host;
 
-	if (!page)
+	/* struct bio_vec { page, len, offset }: one read */
+	if (!vec || bpf_probe_read_kernel(&bv, sizeof(bv), vec) || !bv.bv_page)
 		return PG_OTHER;
-	mapping = page_mapping_of(page);
+	mapping = page_mapping_of(bv.bv_page);
 	/* low bits set: anonymous / movable / KSM, not a file mapping */
 	if (!mapping || ((unsigned long)mapping & 3))
 		return PG_OTHER;
 	host = BPF_CORE_READ(mapping, host);
 	if (!host)
 		return PG_OTHER;
-	*ino = BPF_CORE_READ(host, i_ino);
-	*off = (page_index_of(page) << VT_PAGE_SHIFT) +
-	       BPF_CORE_READ(bio, bi_io_vec, bv_offset);
-	if ((BPF_CORE_READ(host, i_mode) & VT_S_IFMT) == VT_S_IFBLK)
+	*off = (page_index_of(bv.bv_page) << VT_PAGE_SHIFT) + bv.bv_offset;
+	switch (inode_kind(host, ino)) {
+	case VT_S_IFREG:
+		return PG_FILE;
+	case VT_S_IFBLK:
 		return PG_BDEV;
-	return PG_FILE;
+	}
+	return PG_OTHER;
 }
 
 /* The slot of `bio` among the syscall's queued bios, or -1. */
@@ -101,16 +105,22 @@ SEC("raw_tp/block_bio_queue")
 int bio_queue(unsigned long long *ctx)
 {
 	struct bio *bio = TP_BIO_QUEUE_BIO(ctx);
-	struct gendisk *disk = bio_disk(bio);
 	__u64 pt = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)pt;
+	struct bio_head bh = {};
 	struct sys_state *s;
 	struct bio_state b = {};
 	__u64 key = (__u64)bio;
 	__u64 pino = 0, poff = 0;
 	int kind;
 
-	if (!disk_ok(disk) || (pt >> 32) == self_pid)
+	struct gendisk *disk;
+
+	if ((pt >> 32) == self_pid || !bio_head_read(bio, &bh))
+		return 0;
+	/* a local: a CO-RE read of bh.disk would relocate bio_head's field too */
+	disk = bh.disk;
+	if (!disk_ok(disk))
 		return 0;
 	/* only blk-mq disks produce requests */
 	if (!BPF_CORE_READ(disk, queue, mq_ops))
@@ -119,7 +129,7 @@ int bio_queue(unsigned long long *ctx)
 	b.queue_ts = bpf_ktime_get_ns();
 	s = sys_get(&tid);
 	/* direct I/O inside a traced syscall takes the syscall's file: no page walk */
-	kind = (s && s->cur.direct) ? PG_OTHER : bio_page_file(bio, &pino, &poff);
+	kind = (s && s->cur.direct) ? PG_OTHER : bio_page_file(bh.vec, &pino, &poff);
 	/* buffered I/O on the block device node itself: its pages are the file */
 	if (kind == PG_BDEV && s && s->cur.inode == pino)
 		kind = PG_FILE;
@@ -138,7 +148,7 @@ int bio_queue(unsigned long long *ctx)
 				b.offset = s->cur.offset + s->dio_queued;
 				b.has_offset = 1;
 			}
-			s->dio_queued += BPF_CORE_READ(bio, bi_iter.bi_size);
+			s->dio_queued += bh.size;
 		}
 		/* PG_BDEV: metadata I/O done for the syscall: no file */
 	} else {
@@ -285,6 +295,7 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 	struct qbio *q = NULL;
 	struct sys_state *s;
 	struct gendisk *disk;
+	struct rq_head h;
 	struct bio *bio;
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 
@@ -295,12 +306,14 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 		stat_inc(S_RQ_LATE);
 		emit_rq(live);
 	}
-	disk = rq_disk(rq);
+	if (!rq_head_read(rq, &h))
+		return NULL;
+	disk = rq_disk_of(rq, h.q);
 	if (!disk_ok(disk))
 		return NULL;
 	/* the running syscall, whose queued bios are most requests' first ones */
 	s = sys_get(&tid);
-	bio = BPF_CORE_READ(rq, bio);
+	bio = h.bio;
 	for (int i = 0; i < CHAIN_MAX && bio; i++) {
 		__u64 bk = (__u64)bio;
 		int qi = qbio_find(s, bk);
@@ -370,13 +383,17 @@ static __always_inline void add_ref(__u32 owner_tid, __u64 owner_enter_ts, struc
 /* At issue: final geometry, and the request absorbs its bios' state. */
 static __always_inline void rq_absorb(struct request *rq, struct rq_state *st)
 {
-	struct bio *bio = BPF_CORE_READ(rq, bio);
+	struct rq_head h;
+	struct bio *bio;
 	__u32 n = 0;
 	int i;
 
-	st->ev.sector = BPF_CORE_READ(rq, __sector);
-	st->ev.bytes = BPF_CORE_READ(rq, __data_len);
-	st->ev.cmd_flags = BPF_CORE_READ(rq, cmd_flags);
+	if (!rq_head_read(rq, &h))
+		return;
+	bio = h.bio;
+	st->ev.sector = h.sector;
+	st->ev.bytes = h.bytes;
+	st->ev.cmd_flags = h.cmd_flags;
 	if (st->owner_tid)
 		add_ref(st->owner_tid, st->owner_enter_ts, st);
 	for (i = 0; i < CHAIN_MAX && bio; i++) {

@@ -31,10 +31,10 @@
 
 _Static_assert(__builtin_offsetof(struct fdtable, fd) == 8, "fdtable starts with max_fds, fd");
 
+/* The open file behind fd of the current task, or NULL. */
 static __always_inline struct file *fd_file(int fd)
 {
-	struct task_struct *t = (struct task_struct *)bpf_get_current_task();
-	struct fdtable *fdt = BPF_CORE_READ(t, files, fdt);
+	struct fdtable *fdt;
 	/* struct fdtable { unsigned int max_fds; struct file **fd; …}: both in one read */
 	struct {
 		unsigned int max_fds;
@@ -42,30 +42,93 @@ static __always_inline struct file *fd_file(int fd)
 	} head = {};
 	struct file *f = NULL;
 
-	if (!fdt || fd < 0 || bpf_probe_read_kernel(&head, sizeof(head), fdt))
+	if (fd < 0)
 		return NULL;
+	if (bpf_core_enum_value_exists(enum bpf_func_id, BPF_FUNC_get_current_task_btf)) {
+		/* 5.11+: a typed task, whose files and fd table are plain loads */
+		struct task_struct *t = bpf_get_current_task_btf();
+		struct files_struct *files = t->files;
+
+		if (!files)
+			return NULL;
+		fdt = files->fdt;
+		if (!fdt)
+			return NULL;
+		head.max_fds = fdt->max_fds;
+		head.fd = fdt->fd;
+	} else {
+		struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+
+		fdt = BPF_CORE_READ(t, files, fdt);
+		if (!fdt || bpf_probe_read_kernel(&head, sizeof(head), fdt))
+			return NULL;
+	}
 	if ((unsigned int)fd >= head.max_fds || !head.fd)
 		return NULL;
 	bpf_probe_read_kernel(&f, sizeof(f), &head.fd[fd]);
 	return f;
 }
 
+/* An inode's type (i_mode & S_IFMT, 0 if unreadable) and number: one window read. */
+static __always_inline __u16 inode_kind(struct inode *ino, __u64 *nr)
+{
+	__u32 o_mode = bpf_core_field_offset(struct inode, i_mode);
+	__u32 o_ino = bpf_core_field_offset(struct inode, i_ino);
+	__u32 lo = WIN_MIN(o_mode, o_ino);
+	__u32 hi = WIN_MAXOF(o_mode + 2, o_ino + 8);
+	__u8 w[WIN_MAX];
+	__u16 mode;
+
+	if (WIN_FITS(w, lo, hi)) {
+		if (WIN_READ(w, ino, lo, hi))
+			return 0;
+		mode = WIN_GET(w, __u16, o_mode, lo);
+		*nr = WIN_GET(w, __u64, o_ino, lo);
+	} else {
+		mode = BPF_CORE_READ(ino, i_mode);
+		*nr = BPF_CORE_READ(ino, i_ino);
+	}
+	return mode & VT_S_IFMT;
+}
+
 /* Fills inode/offset/direct from an open file; false when it is not a file or disk. */
 static __always_inline bool file_info(struct sys_info *s, struct file *f, bool use_pos)
 {
+	/* struct file: f_inode, f_flags, f_pos; struct inode: i_mode … i_ino (windows) */
+	__u32 fo_ino = bpf_core_field_offset(struct file, f_inode);
+	__u32 fo_flags = bpf_core_field_offset(struct file, f_flags);
+	__u32 fo_pos = bpf_core_field_offset(struct file, f_pos);
+	__u32 flo = WIN_MIN(fo_ino, WIN_MIN(fo_flags, fo_pos));
+	__u32 fhi = WIN_MAXOF(fo_ino + 8, WIN_MAXOF(fo_flags + 4, fo_pos + 8));
+	__u8 w[WIN_MAX];
 	struct inode *ino;
+	__u64 ino_nr;
+	__u32 flags;
+	__u64 pos;
 	__u16 mode;
 
 	if (!f)
 		return false;
-	ino = BPF_CORE_READ(f, f_inode);
-	mode = BPF_CORE_READ(ino, i_mode) & VT_S_IFMT;
+	if (WIN_FITS(w, flo, fhi)) {
+		if (WIN_READ(w, f, flo, fhi))
+			return false;
+		ino = WIN_GET(w, struct inode *, fo_ino, flo);
+		flags = WIN_GET(w, __u32, fo_flags, flo);
+		pos = WIN_GET(w, __u64, fo_pos, flo);
+	} else {
+		ino = BPF_CORE_READ(f, f_inode);
+		flags = BPF_CORE_READ(f, f_flags);
+		pos = BPF_CORE_READ(f, f_pos);
+	}
+	if (!ino)
+		return false;
+	mode = inode_kind(ino, &ino_nr);
 	if (mode != VT_S_IFREG && mode != VT_S_IFBLK)
 		return false;
-	s->inode = BPF_CORE_READ(ino, i_ino);
-	s->direct = (BPF_CORE_READ(f, f_flags) & VT_O_DIRECT) != 0;
+	s->inode = ino_nr;
+	s->direct = (flags & VT_O_DIRECT) != 0;
 	if (use_pos) {
-		s->offset = BPF_CORE_READ(f, f_pos);
+		s->offset = pos;
 		s->has_offset = 1;
 	}
 	return true;

@@ -173,7 +173,8 @@ static __always_inline void on_driver_complete(struct request *rq)
 SEC("?fentry/virtio_queue_rq")
 int BPF_PROG(fe_queue_rq, struct blk_mq_hw_ctx *hctx, const struct blk_mq_queue_data *bd)
 {
-	on_queue_rq(BPF_CORE_READ(bd, rq));
+	/* a typed argument: a plain load, no probe read */
+	on_queue_rq(bd->rq);
 	return 0;
 }
 

@@ -181,6 +181,7 @@ fn load(plan: &Plan, f: &Filters) -> Result<ViotraceGuestSkel<'static>> {
 pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
     let mut plan = plan::plan(mode, facts);
     plan.off_cpu = f.off_cpu;
+    plan.exact_kick = f.exact_kick;
     let mut failed: BTreeMap<String, String> = BTreeMap::new();
     let skel = loop {
         LOAD_FAILED

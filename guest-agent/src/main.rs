@@ -60,6 +60,11 @@ struct Cli {
     /// JSON lines on stdout (records and stats); tables and waterfalls go to stderr.
     #[arg(long)]
     json: bool,
+    /// Also trap virtqueue_notify, for the exact time of each notification.
+    /// Without it, g.kick is when virtqueue_kick_prepare returned true, just
+    /// before the driver notifies (one trap less per request).
+    #[arg(long)]
+    exact_kick: bool,
     /// Attach mode.
     #[arg(long, value_enum, default_value_t = Mode::Auto)]
     mode: Mode,
@@ -85,6 +90,8 @@ pub(crate) struct Filters {
     disk: Option<(i32, i32)>,
     /// Account traced syscalls' off-CPU time (for the verdicts, `-t`).
     off_cpu: bool,
+    /// Trap virtqueue_notify too (`--exact-kick`).
+    exact_kick: bool,
 }
 
 fn resolve_filters(cli: &Cli) -> Result<Filters> {
@@ -92,6 +99,7 @@ fn resolve_filters(cli: &Cli) -> Result<Filters> {
         pid: cli.pid.unwrap_or(0),
         tid: cli.tid.unwrap_or(0),
         off_cpu: cli.threshold.is_some(),
+        exact_kick: cli.exact_kick,
         ..Default::default()
     };
     if let Some(c) = &cli.comm {

@@ -97,6 +97,10 @@ pub struct Plan {
     pub blind: Vec<String>,
     /// Load the off-CPU accounting (the agent sets it for `-t`).
     pub off_cpu: bool,
+    /// Also trap `virtqueue_notify` for the exact time of each notification
+    /// (`--exact-kick`); otherwise `g.kick` is when `virtqueue_kick_prepare`
+    /// returned, just before the driver notifies.
+    pub exact_kick: bool,
 }
 
 impl Plan {
@@ -105,6 +109,7 @@ impl Plan {
         let mut p: BTreeSet<&'static str> = self
             .hooks
             .iter()
+            .filter(|c| self.exact_kick || c.hook.target != EXACT_KICK_TARGET)
             .flat_map(|c| c.programs().iter().copied())
             .collect();
         if let Ok(u) = self.uring {
@@ -280,8 +285,12 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
         notes,
         blind,
         off_cpu: false,
+        exact_kick: false,
     }
 }
+
+/// The hook only `--exact-kick` attaches: the kick point has a cheaper source.
+pub const EXACT_KICK_TARGET: &str = "virtqueue_notify";
 
 /// Hooks each point depends on: the point is blind unless all of them run.
 const POINT_NEEDS: &[(Point, &[&str])] = &[
@@ -342,8 +351,18 @@ pub fn report(
         notes: plan.notes.clone(),
         ..Report::default()
     };
+    if !plan.exact_kick && plan.choice("virtqueue_kick_prepare").is_some_and(is_live) {
+        r.notes.push(
+            "g.kick: when virtqueue_kick_prepare returned (the driver notifies right after; \
+             --exact-kick traps virtqueue_notify for its own time)"
+                .into(),
+        );
+    }
     for c in &plan.hooks {
-        if is_live(c) || c.path_absent(f) {
+        if is_live(c)
+            || c.path_absent(f)
+            || (!plan.exact_kick && c.hook.target == EXACT_KICK_TARGET)
+        {
             continue;
         }
         let why = c

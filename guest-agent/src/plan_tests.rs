@@ -193,8 +193,9 @@ fn linux_5_10_tracepoint_mode_is_blind_to_the_driver_points_only() {
     assert!(p.variants.tp_bio_has_queue && !p.variants.vvq_assume_layout);
     let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
     assert_eq!(r.blind_points, DRIVER_POINTS);
-    // One line per hook that exists on this kernel; none for the absent batched path.
-    assert_eq!(r.blind.len(), HOOKS.len() - 1, "{:#?}", r.blind);
+    // One line per hook that exists on this kernel; none for the absent batched
+    // path, nor for virtqueue_notify, which only --exact-kick attaches.
+    assert_eq!(r.blind.len(), HOOKS.len() - 2, "{:#?}", r.blind);
     assert!(r.blind.iter().all(|l| !l.contains("batched")));
 }
 
@@ -331,4 +332,24 @@ fn a_refused_program_is_dropped_with_its_hook_only() {
         .iter()
         .any(|l| l.contains("program krp_kick_prepare refused")));
     assert!(r.blind.iter().any(|l| l.starts_with(URING_SEES)));
+}
+
+#[test]
+fn virtqueue_notify_is_trapped_only_for_exact_kicks() {
+    let f = k6_1();
+    let mut p = plan(Mode::Fentry, &f);
+    let progs = p.programs();
+    assert!(progs.contains("fx_kick_prepare") && !progs.contains("fe_notify"));
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert_eq!(r.blind_points, Vec::<Point>::new());
+    assert_eq!(r.blind, Vec::<String>::new());
+    assert!(
+        r.notes.iter().any(|n| n.contains("--exact-kick")),
+        "{:#?}",
+        r.notes
+    );
+    p.exact_kick = true;
+    assert!(p.programs().contains("fe_notify"));
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert!(r.notes.iter().all(|n| !n.contains("--exact-kick")));
 }

@@ -78,6 +78,7 @@ static __always_inline void qbio_spill(struct sys_state *s, __u32 tid, int i)
 	b.inode = q->inode;
 	b.offset = q->offset;
 	b.has_offset = q->has_offset;
+	b.dev = q->dev;
 	b.owner_tid = tid;
 	b.owner_enter_ts = s->enter_ts;
 	q->bio = 0;
@@ -98,7 +99,57 @@ static __always_inline void qbio_put(struct sys_state *s, __u32 tid, __u64 bio,
 	q->inode = b->inode;
 	q->offset = b->offset;
 	q->has_offset = b->has_offset;
+	q->dev = b->dev;
 	s->qbio_next = i + 1;
+}
+
+/*
+ * The disk of a bio about to be tracked: its dev, and whether to track it at
+ * all (a blk-mq disk that passes the disk filter). From the disk cache, or
+ * three probe reads that refill it.
+ */
+static __always_inline bool bio_disk_info(const struct bio_head *bh, __u64 now, __u32 *dev)
+{
+	/* locals: a CO-RE read of bh->devp would relocate bio_head's field too */
+	void *devp = bh->devp;
+	bool bdev = bh->bdev;
+	__u64 key = (__u64)devp;
+	__u32 i = ptr_slot(key, DISK_SLOTS);
+	struct disk_slot *d = bpf_map_lookup_elem(&disks, &i);
+	struct gendisk *disk;
+	__u32 dv, ok;
+
+	if (!d)
+		return false;
+	if (d->key == key) {
+		__u64 filled = d->filled_ts;
+
+		dv = d->dev;
+		ok = d->mq;
+		asm volatile("" ::: "memory");
+		if (d->key == key && now - filled < DISK_TTL_NS) {
+			*dev = dv;
+			return ok;
+		}
+	}
+	disk = bdev ? BPF_CORE_READ((struct block_device *)devp, bd_disk) : devp;
+	if (!disk)
+		return false;
+	dv = disk_dev(disk);
+	/* only blk-mq disks produce requests */
+	ok = BPF_CORE_READ(disk, queue, mq_ops) != NULL &&
+	     (!filter_disk_on ||
+	      dv == (((__u32)filter_disk_major << 20) | (__u32)filter_disk_minor));
+	d->key = 0;
+	asm volatile("" ::: "memory");
+	d->disk = (__u64)disk;
+	d->dev = dv;
+	d->mq = ok;
+	d->filled_ts = now;
+	asm volatile("" ::: "memory");
+	d->key = key;
+	*dev = dv;
+	return ok;
 }
 
 SEC("raw_tp/block_bio_queue")
@@ -114,19 +165,12 @@ int bio_queue(unsigned long long *ctx)
 	__u64 pino = 0, poff = 0;
 	int kind;
 
-	struct gendisk *disk;
 
 	if ((pt >> 32) == self_pid || !bio_head_read(bio, &bh))
 		return 0;
-	/* a local: a CO-RE read of bh.disk would relocate bio_head's field too */
-	disk = bh.disk;
-	if (!disk_ok(disk))
-		return 0;
-	/* only blk-mq disks produce requests */
-	if (!BPF_CORE_READ(disk, queue, mq_ops))
-		return 0;
-
 	b.queue_ts = bpf_ktime_get_ns();
+	if (!bio_disk_info(&bh, b.queue_ts, &b.dev))
+		return 0;
 	s = sys_get(&tid);
 	/* direct I/O inside a traced syscall takes the syscall's file: no page walk */
 	kind = (s && s->cur.direct) ? PG_OTHER : bio_page_file(bh.vec, &pino, &poff);
@@ -217,6 +261,7 @@ int bio_split(unsigned long long *ctx)
 		b.inode = q->inode;
 		b.offset = q->offset;
 		b.has_offset = q->has_offset;
+		b.dev = q->dev;
 		if (q->has_offset)
 			q->offset += BPF_CORE_READ(split, bi_iter.bi_size);
 		qbio_put(s, tid, key, &b);
@@ -297,6 +342,7 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 	struct gendisk *disk;
 	struct rq_head h;
 	struct bio *bio;
+	__u32 dev;
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 
 	if (live) {
@@ -307,9 +353,6 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 		emit_rq(live);
 	}
 	if (!rq_head_read(rq, &h))
-		return NULL;
-	disk = rq_disk_of(rq, h.q);
-	if (!disk_ok(disk))
 		return NULL;
 	/* the running syscall, whose queued bios are most requests' first ones */
 	s = sys_get(&tid);
@@ -327,6 +370,17 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 			break;
 		bio = BPF_CORE_READ(bio, bi_next);
 	}
+	/* a tracked bio names the disk (and passed its filter); else read it */
+	if (q) {
+		dev = q->dev;
+	} else if (first) {
+		dev = first->dev;
+	} else {
+		disk = rq_disk_of(rq, h.q);
+		if (!disk_ok(disk))
+			return NULL;
+		dev = disk_dev(disk);
+	}
 	if (!first && !s && task_filter_on())
 		return NULL;
 	if (st)
@@ -337,13 +391,14 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 		return NULL;
 	st->active = 1;
 	st->ev.kind = K_RQ;
-	st->ev.dev = disk_dev(disk);
+	st->ev.dev = dev;
 	if (q && s) {
 		rq_owner(st, &s->id, tid, s->enter_ts);
 		st->ev.inode = q->inode;
 		st->ev.file_offset = q->offset;
 		st->ev.has_file_offset = q->has_offset;
 		st->ev.ts[P_BIO_QUEUE] = q->queue_ts;
+		st->first_bio = q->bio;
 		q->bio = 0;
 	} else if (first) {
 		rq_owner(st, &first->id, first->owner_tid, first->owner_enter_ts);
@@ -398,7 +453,8 @@ static __always_inline void rq_absorb(struct request *rq, struct rq_state *st)
 		add_ref(st->owner_tid, st->owner_enter_ts, st);
 	for (i = 0; i < CHAIN_MAX && bio; i++) {
 		__u64 bk = (__u64)bio;
-		struct bio_state *b = bpf_map_lookup_elem(&bios, &bk);
+		/* the one taken from the syscall's queued bios has no map entry */
+		struct bio_state *b = bk == st->first_bio ? NULL : bpf_map_lookup_elem(&bios, &bk);
 
 		n++;
 		if (b) {

@@ -67,7 +67,7 @@ struct qbio {
 	__u64 inode;
 	__u64 offset;
 	__u32 has_offset;
-	__u32 pad;
+	__u32 dev;		/* its disk (disk_dev) */
 };
 
 struct sys_state {
@@ -114,6 +114,8 @@ struct bio_state {
 	__u32 owner_tid;
 	__u8 has_offset;
 	__u8 pad[3];
+	__u32 dev;		/* its disk (disk_dev) */
+	__u32 pad2;
 };
 
 struct rq_state {
@@ -123,6 +125,7 @@ struct rq_state {
 	__u64 owner_enter_ts;
 	__u32 owner_tid;
 	__u32 active;		/* 0: a finished use; the entry waits for the next */
+	__u64 first_bio;	/* taken from the syscall's queued bios: in no map */
 };
 
 struct kick_slot {
@@ -136,7 +139,6 @@ struct kick_slot {
 
 struct vq_state {
 	__u64 kick_seq;
-	__u64 irq_ts;
 	__u64 watch_next;
 	struct kick_slot watch[KICK_WATCH];
 	struct kick_slot slots[KICK_SLOTS];
@@ -192,6 +194,38 @@ struct {
 	__type(key, __u64);	/* struct virtqueue * */
 	__type(value, struct vq_state);
 } vqs SEC(".maps");
+
+/*
+ * What bio_queue needs of a bio's disk (the gendisk, its dev, whether it is
+ * blk-mq) costs three dependent probe reads; it is the same for every bio of a
+ * disk. A direct-mapped cache, keyed by the bio's device pointer (bi_bdev, or
+ * bi_disk before 5.12), in an array map (lookups are inlined, no helper call).
+ * An entry is refilled after DISK_TTL_NS, so a device pointer reused by
+ * another disk after a hot-unplug is not believed for long. The key is written
+ * last and 0 while an entry is being filled: a reader that sees the same key
+ * before and after copying the entry has a consistent one (x86-64 keeps
+ * stores, and loads, in program order).
+ */
+#define DISK_SLOTS 64
+#define DISK_TTL_NS 1000000000ULL
+struct disk_slot {
+	__u64 key;
+	__u64 disk;
+	__u64 filled_ts;
+	__u32 dev;
+	__u32 mq;
+};
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, DISK_SLOTS);
+	__type(key, __u32);
+	__type(value, struct disk_slot);
+} disks SEC(".maps");
+
+static __always_inline __u32 ptr_slot(__u64 p, __u32 slots)
+{
+	return (__u32)((p >> 6) ^ (p >> 12) ^ (p >> 20)) & (slots - 1);
+}
 
 /* Last buffered writer of an inode: write-back is attributed to it. A cache. */
 struct {
@@ -257,6 +291,22 @@ static __always_inline __u64 queue_rq_stamp_take(void *rq)
 	s->rq = 0;
 	return ts;
 }
+
+/*
+ * g.irq, per CPU: the virtqueue interrupt's time, stamped at vring_interrupt
+ * and taken by blk_mq_complete_request, which the vq's callback calls inside
+ * it on the same CPU (hard interrupts do not nest): no virtqueue map work.
+ */
+struct irq_stamp {
+	__u64 vq;
+	__u64 ts;
+};
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct irq_stamp);
+} irq_stamps SEC(".maps");
 
 /* Zero values used to create map entries without big stack copies. */
 const struct sys_state zero_sys = {};

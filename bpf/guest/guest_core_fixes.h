@@ -49,9 +49,10 @@ struct bio___old {
 
 /* What bio_queue needs of a bio, from one window read where the fields lie close. */
 struct bio_head {
-	struct gendisk *disk;
+	void *devp;		/* bi_bdev (5.12+) or bi_disk */
 	struct bio_vec *vec;	/* bi_io_vec */
 	__u32 size;		/* bi_iter.bi_size */
+	bool bdev;		/* devp is a block_device */
 };
 
 /* bio_head_read() with the offset of the bio's device field (bi_bdev or bi_disk). */
@@ -65,6 +66,7 @@ static __always_inline bool bio_head_at(struct bio *bio, struct bio_head *h, __u
 	__u8 w[WIN_MAX];
 	void *dev = NULL;
 
+	h->bdev = bdev;
 	if (WIN_FITS(w, lo, hi)) {
 		if (WIN_READ(w, bio, lo, hi))
 			return false;
@@ -76,9 +78,8 @@ static __always_inline bool bio_head_at(struct bio *bio, struct bio_head *h, __u
 		h->size = BPF_CORE_READ(bio, bi_iter.bi_size);
 		h->vec = BPF_CORE_READ(bio, bi_io_vec);
 	}
-	/* 5.12+: the bio names its block_device, whose disk it is */
-	h->disk = bdev ? BPF_CORE_READ((struct block_device *)dev, bd_disk) : dev;
-	return h->disk != NULL;
+	h->devp = dev;
+	return dev != NULL;
 }
 
 static __always_inline bool bio_head_read(struct bio *bio, struct bio_head *h)

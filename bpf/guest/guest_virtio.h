@@ -143,29 +143,29 @@ static __always_inline void on_notify(struct virtqueue *vq)
 
 static __always_inline void on_interrupt(void *vq)
 {
-	__u64 vk = (__u64)vq;
-	struct vq_state *v = bpf_map_lookup_elem(&vqs, &vk);
+	__u32 zero = 0;
+	struct irq_stamp *i = bpf_map_lookup_elem(&irq_stamps, &zero);
 
-	if (v)
-		v->irq_ts = bpf_ktime_get_ns();
+	if (i) {
+		i->vq = (__u64)vq;
+		i->ts = bpf_ktime_get_ns();
+	}
 }
 
 static __always_inline void on_driver_complete(struct request *rq)
 {
 	__u64 key = (__u64)rq;
 	struct rq_state *st = rq_get(&key);
+	struct irq_stamp *i;
+	__u32 zero = 0;
 
 	if (!st)
 		return;
 	st->ev.ts[P_DRIVER_COMPLETE] = bpf_ktime_get_ns();
-	if (st->vq) {
-		__u64 vk = (__u64)st->vq;
-		struct vq_state *v = bpf_map_lookup_elem(&vqs, &vk);
-
-		/* called from the vq callback inside vring_interrupt */
-		if (v && v->irq_ts >= st->ev.ts[P_VQ_ADD])
-			st->ev.ts[P_IRQ] = v->irq_ts;
-	}
+	/* called from the vq callback inside vring_interrupt, on this CPU */
+	i = bpf_map_lookup_elem(&irq_stamps, &zero);
+	if (i && st->vq && i->vq == (__u64)st->vq && i->ts >= st->ev.ts[P_VQ_ADD])
+		st->ev.ts[P_IRQ] = i->ts;
 }
 
 /* ---- fentry / fexit flavour ---- */

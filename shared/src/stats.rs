@@ -76,14 +76,25 @@ struct LabelStats {
 
 impl LabelStats {
     fn stage_mut(&mut self, stage: &str) -> &mut StageHist {
-        let i = match self.stages.iter().position(|(s, _)| s == stage) {
+        let i = self.stage_index(stage, 0);
+        &mut self.stages[i].1
+    }
+
+    /// Index of `stage` (added if new). `hint` is where it likely is: a
+    /// record's stages come in the same order every time, so checking the
+    /// slot after the previous stage's first makes a record's lookups one
+    /// comparison each instead of a scan per stage.
+    fn stage_index(&mut self, stage: &str, hint: usize) -> usize {
+        if self.stages.get(hint).is_some_and(|(s, _)| s == stage) {
+            return hint;
+        }
+        match self.stages.iter().position(|(s, _)| s == stage) {
             Some(i) => i,
             None => {
                 self.stages.push((stage.to_owned(), StageHist::new()));
                 self.stages.len() - 1
             }
-        };
-        &mut self.stages[i].1
+        }
     }
 }
 
@@ -120,11 +131,15 @@ impl Aggregator {
     /// as 0) and total under `label`.
     pub fn record_breakdown(&mut self, label: &str, bd: &Breakdown) {
         let ls = self.label_mut(label);
+        let mut hint = 0;
         for (name, ns) in bd.stages.iter() {
-            ls.stage_mut(name).record(ns.max(0) as u64);
+            let i = ls.stage_index(name, hint);
+            ls.stages[i].1.record(ns.max(0) as u64);
+            hint = i + 1;
         }
         if let Some(t) = bd.total_ns {
-            ls.stage_mut(TOTAL_STAGE).record(t.max(0) as u64);
+            let i = ls.stage_index(TOTAL_STAGE, hint);
+            ls.stages[i].1.record(t.max(0) as u64);
         }
     }
 
@@ -387,6 +402,38 @@ mod tests {
         );
         assert_eq!(a.get("h", "host_io").unwrap().count, 1);
         assert_eq!(a.get("h", "total").unwrap().max_ns, 30);
+    }
+
+    #[test]
+    fn records_with_different_stage_sets_keep_each_stage_apart() {
+        // The lookup hint (the slot after the previous stage) must not mix up
+        // stages when a record skips one or brings a new one.
+        let mut a = Aggregator::new();
+        let full = pts(&[
+            (Point::RqIssue, 100),
+            (Point::VqAdd, 150),
+            (Point::RqComplete, 400),
+        ]);
+        let short = pts(&[(Point::RqIssue, 100), (Point::RqComplete, 300)]);
+        for _ in 0..3 {
+            a.record_points("vda", &full);
+            a.record_points("vda", &short);
+        }
+        let stages = |a: &Aggregator| {
+            a.summaries()
+                .into_iter()
+                .map(|s| (s.stage, s.summary.count))
+                .collect::<Vec<_>>()
+        };
+        let got = stages(&a);
+        let total = got.iter().find(|(s, _)| s == TOTAL_STAGE).map(|x| x.1);
+        assert_eq!(total, Some(6), "{got:?}");
+        // every stage name appears once, and the counts add up per record kind
+        let mut names: Vec<&str> = got.iter().map(|(s, _)| s.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), got.len(), "{got:?}");
+        assert!(got.iter().all(|(_, n)| *n == 3 || *n == 6), "{got:?}");
     }
 
     #[test]

@@ -321,8 +321,18 @@ pub fn tools_overlay(cache: &Path, tools: &[String]) -> Result<PathBuf> {
             format!("`{t}` is not installed on this host (it is copied into the guest)")
         })?)?;
         let md = fs::metadata(&bin)?;
-        key += &format!("{}:{}:{:?};", bin.display(), md.len(), md.modified().ok());
-        bins.push((t.clone(), bin));
+        // In the guest under its own name: `perf` and `/usr/bin/perf` are both /usr/bin/perf.
+        let name = Path::new(t)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .with_context(|| format!("guest tool `{t}` has no file name"))?;
+        key += &format!(
+            "{name}={}:{}:{:?};",
+            bin.display(),
+            md.len(),
+            md.modified().ok()
+        );
+        bins.push((name, bin));
     }
     let path = cache.join(format!("tools-{:016x}.cpio", fnv1a(key.as_bytes())));
     if path.exists() {

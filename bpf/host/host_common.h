@@ -9,10 +9,11 @@
 #define MAX_PENDING 256 /* pushed elements waiting for a notification, per queue */
 #define MAX_IOCBS 128   /* iocbs looked at per io_submit */
 #define VIRTIO_BLK_OUTHDR 16
-/* 2 MiB (its pages are mapped twice in the agent: 4 MiB of its RSS once written
- * through): ~12 000 records, over a second at 10 000 I/Os per second; the
- * agent is woken at 256 KiB, else it polls every 100 ms. */
-#define RB_SIZE (2 << 20)
+/* 1 MiB (its pages are mapped twice in the agent: 2 MiB of its RSS once written
+ * through): ~6 000 records, 0.6 s at 10 000 I/Os per second; the agent is
+ * woken at 128 KiB (~750 records, a few ms of its work), else it polls every
+ * 100 ms. A record that does not fit is counted (ringbuf_drop). */
+#define RB_SIZE (1 << 20)
 #define RB_WAKE_BYTES (RB_SIZE / 8)
 
 struct tg_ptr {

@@ -374,7 +374,7 @@ impl<'obj> App<'obj> {
                 t = j.interval.render_table(&format!(
                     "== viotrace end-to-end (guest + host, host clock): last {every}"
                 ));
-                j.interval.clear();
+                j.interval.drain_into(&mut j.total);
             }
             let title =
                 format!("== viotrace why-slow: causes of the slow I/Os of the last {every}");
@@ -391,7 +391,7 @@ impl<'obj> App<'obj> {
                 self.start.elapsed().as_secs_f64()
             ));
             s.human(&t);
-            s.interval.clear();
+            s.interval.drain_into(&mut s.total);
         }
         let _ = s.out.flush();
     }
@@ -424,6 +424,7 @@ impl<'obj> App<'obj> {
             for n in notes {
                 self.sink.human(&n);
             }
+            j.interval.drain_into(&mut j.total);
             let t = j.total.render_table(&format!(
                 "== viotrace end-to-end totals ({} records)",
                 j.records
@@ -458,6 +459,7 @@ impl<'obj> App<'obj> {
     ) -> Result<()> {
         let unattributed = self.unattributed();
         let s = &mut self.sink;
+        s.interval.drain_into(&mut s.total);
         let t = s.total.render_table(&format!(
             "== viotrace-host: totals over {:.1}s ({why})",
             self.start.elapsed().as_secs_f64()

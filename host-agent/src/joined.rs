@@ -16,7 +16,7 @@ use viotrace_shared::join::{JoinConfig, JoinEngine, JoinStats};
 use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::proto::GuestRecord;
 use viotrace_shared::record::{HostElem, JoinedIo};
-use viotrace_shared::stats::{fmt_ns, render_waterfall, Aggregator, TOTAL_STAGE};
+use viotrace_shared::stats::{fmt_ns, render_waterfall, Aggregator};
 use viotrace_shared::transport::host::{
     self, ClockSample, EventKind, Inbox, Listen, Origin, Server, TokenBucket, VmAccount,
 };
@@ -378,15 +378,8 @@ impl Joined {
                 }
             }
             if j.joined {
-                for (stage, ns) in j.stages.iter() {
-                    let ns = ns.max(0) as u64;
-                    self.interval.record(&label, stage, ns);
-                    self.total.record(&label, stage, ns);
-                }
-                if let Some(t) = j.total_ns {
-                    self.interval.record(&label, TOTAL_STAGE, t.max(0) as u64);
-                    self.total.record(&label, TOTAL_STAGE, t.max(0) as u64);
-                }
+                // into the interval only: the totals take whole intervals (drain_into)
+                self.interval.record_stages(&label, &j.stages, j.total_ns);
             }
             if let (Some(th), Some(t)) = (self.threshold_ns, j.total_ns) {
                 if j.joined && t >= 0 && t as u64 >= th {

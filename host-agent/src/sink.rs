@@ -45,8 +45,8 @@ impl Sink {
             );
         }
         let label = format!("{}/{}", e.vm, e.device);
+        // into the interval only: the totals take whole intervals (drain_into)
         self.interval.record_breakdown(&label, &b);
-        self.total.record_breakdown(&label, &b);
         if self.json {
             let _ = self.out.write(e);
         }

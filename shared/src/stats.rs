@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use hdrhistogram::Histogram;
 
 use crate::record::{Point, Points, StageSummary};
-use crate::stages::{Breakdown, DEVICE_STAGE, STAGE_NAMES};
+use crate::stages::{Breakdown, Stages, DEVICE_STAGE, STAGE_NAMES};
 
 /// Highest value a histogram tracks exactly (1 hour in ns); larger values saturate.
 const HIST_HIGH_NS: u64 = 3_600_000_000_000;
@@ -130,17 +130,31 @@ impl Aggregator {
     /// Records a derived breakdown's stages (a negative cross-clock stage counts
     /// as 0) and total under `label`.
     pub fn record_breakdown(&mut self, label: &str, bd: &Breakdown) {
+        self.record_stages(label, &bd.stages, bd.total_ns);
+    }
+
+    /// Records stages (a negative cross-clock stage counts as 0) and a total
+    /// under `label`: one label lookup for all of them.
+    pub fn record_stages(&mut self, label: &str, stages: &Stages, total_ns: Option<i64>) {
         let ls = self.label_mut(label);
         let mut hint = 0;
-        for (name, ns) in bd.stages.iter() {
+        for (name, ns) in stages.iter() {
             let i = ls.stage_index(name, hint);
             ls.stages[i].1.record(ns.max(0) as u64);
             hint = i + 1;
         }
-        if let Some(t) = bd.total_ns {
+        if let Some(t) = total_ns {
             let i = ls.stage_index(TOTAL_STAGE, hint);
             ls.stages[i].1.record(t.max(0) as u64);
         }
+    }
+
+    /// Moves this aggregator's values into `total` and clears it: an agent
+    /// records each value once, into its interval, and the totals take whole
+    /// intervals (a histogram merge per stage, not a second record per value).
+    pub fn drain_into(&mut self, total: &mut Aggregator) {
+        total.merge(self);
+        self.clear();
     }
 
     pub fn is_empty(&self) -> bool {
@@ -434,6 +448,25 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), got.len(), "{got:?}");
         assert!(got.iter().all(|(_, n)| *n == 3 || *n == 6), "{got:?}");
+    }
+
+    #[test]
+    fn totals_from_drained_intervals_equal_recording_every_value_twice() {
+        let mut direct = Aggregator::new();
+        let (mut interval, mut total) = (Aggregator::new(), Aggregator::new());
+        for i in 1..=1000u64 {
+            let stage = if i % 3 == 0 { "host_io" } else { "guest_queue" };
+            direct.record("vm/vda", stage, i * 7);
+            interval.record("vm/vda", stage, i * 7);
+            if i % 250 == 0 {
+                interval.drain_into(&mut total);
+                assert!(interval.is_empty());
+            }
+        }
+        interval.record("vm/vdb", "total", 5);
+        direct.record("vm/vdb", "total", 5);
+        interval.drain_into(&mut total);
+        assert_eq!(total.summaries(), direct.summaries());
     }
 
     #[test]

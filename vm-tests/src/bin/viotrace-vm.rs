@@ -120,6 +120,10 @@ struct VmArgs {
     /// The guest agent prints only its per-stage tables (guest.log), no JSON records.
     #[arg(long)]
     guest_tables_only: bool,
+    /// The host agent runs always-on (no --json): its files get only the slow
+    /// and the sampled records, every record still counts in its statistics.
+    #[arg(long)]
+    host_always_on: bool,
     /// Extra guest agent arguments, as shell words evaluated in the guest.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     guest_args: String,
@@ -179,7 +183,7 @@ impl VmArgs {
             format: self.format,
             agents: self.agents.unwrap_or(default_agents),
             guest_json: !self.guest_tables_only,
-            host_json: true,
+            host_json: !self.host_always_on,
             guest_args: self.guest_args.clone(),
             host_args: split(&self.host_args, "host-args")?,
             host_env: Vec::new(),

@@ -105,8 +105,8 @@ static __always_inline void qbio_put(struct sys_state *s, __u32 tid, __u64 bio,
 
 /*
  * The disk of a bio about to be tracked: its dev, and whether to track it at
- * all (a blk-mq disk that passes the disk filter). From the disk cache, or
- * three probe reads that refill it.
+ * all (a blk-mq disk that passes the disk filter). From this CPU's disk cache,
+ * or three probe reads that refill it.
  */
 static __always_inline bool bio_disk_info(const struct bio_head *bh, __u64 now, __u32 *dev)
 {
@@ -121,16 +121,9 @@ static __always_inline bool bio_disk_info(const struct bio_head *bh, __u64 now, 
 
 	if (!d)
 		return false;
-	if (d->key == key) {
-		__u64 filled = d->filled_ts;
-
-		dv = d->dev;
-		ok = d->mq;
-		asm volatile("" ::: "memory");
-		if (d->key == key && now - filled < DISK_TTL_NS) {
-			*dev = dv;
-			return ok;
-		}
+	if (d->key == key && now - d->filled_ts < DISK_TTL_NS) {
+		*dev = d->dev;
+		return d->mq;
 	}
 	disk = bdev ? BPF_CORE_READ((struct block_device *)devp, bd_disk) : devp;
 	if (!disk)
@@ -140,14 +133,11 @@ static __always_inline bool bio_disk_info(const struct bio_head *bh, __u64 now, 
 	ok = BPF_CORE_READ(disk, queue, mq_ops) != NULL &&
 	     (!filter_disk_on ||
 	      dv == (((__u32)filter_disk_major << 20) | (__u32)filter_disk_minor));
-	d->key = 0;
-	asm volatile("" ::: "memory");
+	d->key = key;
 	d->disk = (__u64)disk;
 	d->dev = dv;
 	d->mq = ok;
 	d->filled_ts = now;
-	asm volatile("" ::: "memory");
-	d->key = key;
 	*dev = dv;
 	return ok;
 }

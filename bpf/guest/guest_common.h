@@ -199,12 +199,11 @@ struct {
  * What bio_queue needs of a bio's disk (the gendisk, its dev, whether it is
  * blk-mq) costs three dependent probe reads; it is the same for every bio of a
  * disk. A direct-mapped cache, keyed by the bio's device pointer (bi_bdev, or
- * bi_disk before 5.12), in an array map (lookups are inlined, no helper call).
- * An entry is refilled after DISK_TTL_NS, so a device pointer reused by
- * another disk after a hot-unplug is not believed for long. The key is written
- * last and 0 while an entry is being filled: a reader that sees the same key
- * before and after copying the entry has a consistent one (x86-64 keeps
- * stores, and loads, in program order).
+ * bi_disk before 5.12), one per CPU: an entry's only writer is bio_queue on
+ * that CPU (newer kernels skip a nested run of a program; on older ones only a
+ * bio submitted from an interrupt during a refill, at most once a second per
+ * entry, could interleave). An entry is refilled after DISK_TTL_NS, so a device
+ * pointer reused by another disk after a hot-unplug is not believed for long.
  */
 #define DISK_SLOTS 64
 #define DISK_TTL_NS 1000000000ULL
@@ -216,7 +215,7 @@ struct disk_slot {
 	__u32 mq;
 };
 struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, DISK_SLOTS);
 	__type(key, __u32);
 	__type(value, struct disk_slot);

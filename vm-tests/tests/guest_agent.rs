@@ -143,12 +143,33 @@ fn fentry_mode_sees_every_request_down_to_the_virtqueue() {
             io.ts.get(Point::SyscallEnter).is_some() && io.ts.get(Point::SyscallExit).is_some()
         );
     }
-    // The agent is honest about what it sees.
+    // The agent is honest about what it sees, and says where g.kick comes from.
+    let log = guest_log(&r);
+    assert!(log.to_lowercase().contains("fentry"), "{log}");
     assert!(
-        guest_log(&r).to_lowercase().contains("fentry"),
-        "{}",
-        guest_log(&r)
+        log.contains("g.kick: when virtqueue_kick_prepare returned"),
+        "{log}"
     );
+}
+
+#[test]
+fn exact_kick_also_traps_virtqueue_notify() {
+    let r = run_guest(
+        "guest-exact-kick",
+        VmConfig {
+            guest_args: "--mode fentry --exact-kick".into(),
+            ..VmConfig::default()
+        },
+        KNOWN_IO,
+    );
+    check_known_io(&r, true);
+    let log = guest_log(&r);
+    // virtqueue_notify attached: no note about the cheaper source, nothing blind about it
+    assert!(
+        !log.contains("g.kick: when virtqueue_kick_prepare returned"),
+        "{log}"
+    );
+    assert!(!log.contains("exact g.kick time"), "{log}");
 }
 
 #[test]

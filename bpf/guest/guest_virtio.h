@@ -6,10 +6,10 @@
  *
  *   virtio_queue_rq / virtio_queue_rqs  g.queue_rq (both blk-mq submit paths)
  *   virtqueue_add_sgs                   g.vq_add, queue index, descriptor head
- *   virtqueue_kick_prepare (return)     kick sequence; notify or suppressed
- *   virtqueue_notify                    g.kick (the real notification)
- *   vring_interrupt                     per-virtqueue interrupt time
- *   blk_mq_complete_request             g.driver_complete (+ g.irq of its vq)
+ *   virtqueue_kick_prepare (return)     kick sequence; notify or suppressed; g.kick
+ *   virtqueue_notify                    g.kick's exact time (only with --exact-kick)
+ *   vring_interrupt                     interrupt time, stamped per CPU
+ *   blk_mq_complete_request             g.driver_complete (+ g.irq: this CPU's stamp)
  *
  * Kicks are per virtqueue (many adds, one kick): each vq keeps a kick sequence
  * number and a small ring of recent kicks; a request remembers the sequence at

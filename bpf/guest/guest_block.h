@@ -27,7 +27,6 @@ static __always_inline int bio_page_file(struct bio_vec *vec, __u64 *ino, __u64 
 {
 	struct bio_vec bv = {};
 	struct address_space *mapping;
-	struct sys_info fi = {};
 	struct inode *host;
 
 	/* struct bio_vec { page, len, offset }: one read */
@@ -130,11 +129,8 @@ static __always_inline bool bio_disk_info(const struct bio_head *bh, __u64 now, 
 		return false;
 	dv = disk_dev(disk);
 	/* only blk-mq disks produce requests */
-	ok = BPF_CORE_READ(disk, queue, mq_ops) != NULL &&
-	     (!filter_disk_on ||
-	      dv == (((__u32)filter_disk_major << 20) | (__u32)filter_disk_minor));
+	ok = BPF_CORE_READ(disk, queue, mq_ops) != NULL && dev_ok(dv);
 	d->key = key;
-	d->disk = (__u64)disk;
 	d->dev = dv;
 	d->mq = ok;
 	d->filled_ts = now;
@@ -154,7 +150,6 @@ int bio_queue(unsigned long long *ctx)
 	__u64 key = (__u64)bio;
 	__u64 pino = 0, poff = 0;
 	int kind;
-
 
 	if ((pt >> 32) == self_pid || !bio_head_read(bio, &bh))
 		return 0;
@@ -476,7 +471,7 @@ SEC("raw_tp/block_rq_issue")
 int BPF_PROG(rq_issue, struct request *rq)
 {
 	struct rq_state *st = rq_track(rq);
-	__u64 queued = queue_rq_stamp_take(rq);
+	__u64 queued = cpu_stamp_get(&queue_rq_stamps, rq, true);
 
 	if (!st)
 		return 0;

@@ -209,7 +209,6 @@ struct {
 #define DISK_TTL_NS 1000000000ULL
 struct disk_slot {
 	__u64 key;
-	__u64 disk;
 	__u64 filled_ts;
 	__u32 dev;
 	__u32 mq;
@@ -250,12 +249,17 @@ struct {
 } update_args SEC(".maps");
 
 /*
- * g.queue_rq, per CPU: stamped at virtio_queue_rq and taken by block_rq_issue,
- * which fires inside it on the same CPU, so that virtio_queue_rq needs no
- * request map work. Taken only for the same request.
+ * Per-CPU stamps: a time taken by one hook for an object (a request, a
+ * virtqueue), read by a later hook that runs inside it on the same CPU, so the
+ * first needs no map work keyed by the object.
+ *   g.queue_rq: stamped at virtio_queue_rq, taken by block_rq_issue (which
+ *               fires inside it) for the same request only;
+ *   g.irq:      stamped at vring_interrupt, read by blk_mq_complete_request,
+ *               which the vq's callback calls inside it (hard interrupts do not
+ *               nest), for a request of the same virtqueue.
  */
-struct queue_rq_stamp {
-	__u64 rq;
+struct cpu_stamp {
+	__u64 obj;
 	__u64 ts;
 };
 
@@ -263,49 +267,41 @@ struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);
 	__type(key, __u32);
-	__type(value, struct queue_rq_stamp);
+	__type(value, struct cpu_stamp);
 } queue_rq_stamps SEC(".maps");
 
-static __always_inline void queue_rq_stamp(void *rq)
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct cpu_stamp);
+} irq_stamps SEC(".maps");
+
+/* Stamps `obj` with the time now, in this CPU's slot of `map`. */
+static __always_inline void cpu_stamp_set(void *map, void *obj)
 {
 	__u32 zero = 0;
-	struct queue_rq_stamp *s = bpf_map_lookup_elem(&queue_rq_stamps, &zero);
+	struct cpu_stamp *s = bpf_map_lookup_elem(map, &zero);
 
 	if (!s)
 		return;
-	s->rq = (__u64)rq;
+	s->obj = (__u64)obj;
 	s->ts = bpf_ktime_get_ns();
 }
 
-/* The stamp left for `rq` (0 if none); the slot is emptied. */
-static __always_inline __u64 queue_rq_stamp_take(void *rq)
+/* The time stamped for `obj` on this CPU (0 if another object's); with `take`,
+ * the slot is emptied. */
+static __always_inline __u64 cpu_stamp_get(void *map, void *obj, bool take)
 {
 	__u32 zero = 0;
-	struct queue_rq_stamp *s = bpf_map_lookup_elem(&queue_rq_stamps, &zero);
-	__u64 ts;
+	struct cpu_stamp *s = bpf_map_lookup_elem(map, &zero);
 
-	if (!s || s->rq != (__u64)rq)
+	if (!s || !obj || s->obj != (__u64)obj)
 		return 0;
-	ts = s->ts;
-	s->rq = 0;
-	return ts;
+	if (take)
+		s->obj = 0;
+	return s->ts;
 }
-
-/*
- * g.irq, per CPU: the virtqueue interrupt's time, stamped at vring_interrupt
- * and taken by blk_mq_complete_request, which the vq's callback calls inside
- * it on the same CPU (hard interrupts do not nest): no virtqueue map work.
- */
-struct irq_stamp {
-	__u64 vq;
-	__u64 ts;
-};
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct irq_stamp);
-} irq_stamps SEC(".maps");
 
 /* Zero values used to create map entries without big stack copies. */
 const struct sys_state zero_sys = {};
@@ -395,13 +391,19 @@ static __always_inline __u32 disk_dev(struct gendisk *disk)
 	return ((__u32)mm.major << 20) | (__u32)mm.first_minor;
 }
 
+/* A disk's dev passes the disk filter. */
+static __always_inline bool dev_ok(__u32 dev)
+{
+	return !filter_disk_on ||
+	       dev == (((__u32)filter_disk_major << 20) | (__u32)filter_disk_minor);
+}
+
 static __always_inline bool disk_ok(struct gendisk *disk)
 {
 	if (!disk)
 		return false;
-	if (!filter_disk_on)
-		return true;
-	return disk_dev(disk) == (((__u32)filter_disk_major << 20) | (__u32)filter_disk_minor);
+	/* (the filter is checked first: no read of the disk without one) */
+	return !filter_disk_on || dev_ok(disk_dev(disk));
 }
 
 static __always_inline void current_ident(struct ident *id)

@@ -21,7 +21,7 @@
 /* g.queue_rq: block_rq_issue, inside this call, takes the stamp (rq_issue). */
 static __always_inline void on_queue_rq(struct request *rq)
 {
-	queue_rq_stamp(rq);
+	cpu_stamp_set(&queue_rq_stamps, rq);
 }
 
 struct queue_rqs_walk {
@@ -143,29 +143,22 @@ static __always_inline void on_notify(struct virtqueue *vq)
 
 static __always_inline void on_interrupt(void *vq)
 {
-	__u32 zero = 0;
-	struct irq_stamp *i = bpf_map_lookup_elem(&irq_stamps, &zero);
-
-	if (i) {
-		i->vq = (__u64)vq;
-		i->ts = bpf_ktime_get_ns();
-	}
+	cpu_stamp_set(&irq_stamps, vq);
 }
 
 static __always_inline void on_driver_complete(struct request *rq)
 {
 	__u64 key = (__u64)rq;
 	struct rq_state *st = rq_get(&key);
-	struct irq_stamp *i;
-	__u32 zero = 0;
+	__u64 irq;
 
 	if (!st)
 		return;
 	st->ev.ts[P_DRIVER_COMPLETE] = bpf_ktime_get_ns();
 	/* called from the vq callback inside vring_interrupt, on this CPU */
-	i = bpf_map_lookup_elem(&irq_stamps, &zero);
-	if (i && st->vq && i->vq == (__u64)st->vq && i->ts >= st->ev.ts[P_VQ_ADD])
-		st->ev.ts[P_IRQ] = i->ts;
+	irq = cpu_stamp_get(&irq_stamps, st->vq, false);
+	if (irq && irq >= st->ev.ts[P_VQ_ADD])
+		st->ev.ts[P_IRQ] = irq;
 }
 
 /* ---- fentry / fexit flavour ---- */

@@ -24,6 +24,26 @@ fn run_host(name: &str, cfg: VmConfig, workload: &str) -> RunResult {
     r
 }
 
+/// `run_host` on the known workload with one offset of this VM's layout
+/// overridden through the agent's test hook (scoped to the VM's name, `vt-NAME`:
+/// other tests' VMs are not affected); the result and the agent's log.
+fn run_with_layout_override(name: &str, spec: &str, host_args: &[&str]) -> (RunResult, String) {
+    let r = run_host(
+        name,
+        VmConfig {
+            host_env: vec![(
+                "VIOTRACE_HOST_LAYOUT_OVERRIDE".into(),
+                format!("vt-{name}:{spec}"),
+            )],
+            host_args: host_args.iter().map(|a| a.to_string()).collect(),
+            ..VmConfig::default()
+        },
+        KNOWN_IO,
+    );
+    let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
+    (r, log)
+}
+
 fn check_known_io(r: &RunResult, backend: Backend) {
     let all = elems(r);
     let recs = known_io_device(&all);
@@ -233,19 +253,7 @@ fn agent_attaches_to_a_running_vm_without_disturbing_it() {
 /// the field, emits none of the garbage, stops tracing the VM and keeps running.
 #[test]
 fn corrupted_layout_is_refused_naming_the_field() {
-    // Scoped to this VM's name: other tests' VMs are not affected.
-    let r = run_host(
-        "host-refuse",
-        VmConfig {
-            host_env: vec![(
-                "VIOTRACE_HOST_LAYOUT_OVERRIDE".into(),
-                "vt-host-refuse:req_out=0x90".into(),
-            )],
-            ..VmConfig::default()
-        },
-        KNOWN_IO,
-    );
-    let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
+    let (r, log) = run_with_layout_override("host-refuse", "req_out=0x90", &[]);
     assert!(log.contains("TEST OVERRIDE"), "{log}");
     assert!(
         log.contains("layout REFUSED: VirtIOBlockReq.out looks wrong"),
@@ -281,19 +289,7 @@ fn corrupted_layout_is_refused_naming_the_field() {
 fn corrupted_request_queue_offset_is_refused() {
     // VirtIOBlockReq.vq is read at blk_aio_* (--submit); at virtqueue_push the
     // queue is the function's own argument.
-    let r = run_host(
-        "host-refuse-vq",
-        VmConfig {
-            host_env: vec![(
-                "VIOTRACE_HOST_LAYOUT_OVERRIDE".into(),
-                "vt-host-refuse-vq:req_vq=0x50".into(),
-            )],
-            host_args: vec!["--submit".into()],
-            ..VmConfig::default()
-        },
-        KNOWN_IO,
-    );
-    let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
+    let (r, log) = run_with_layout_override("host-refuse-vq", "req_vq=0x50", &["--submit"]);
     assert!(
         log.contains("layout REFUSED: VirtIOBlockReq.vq looks wrong: on all"),
         "{log}"
@@ -312,18 +308,7 @@ fn corrupted_request_queue_offset_is_refused() {
 /// check too, so it cannot refuse); the agent says so instead of staying silent.
 #[test]
 fn corrupted_device_offset_is_reported_in_push_mode() {
-    let r = run_host(
-        "host-warn-dev",
-        VmConfig {
-            host_env: vec![(
-                "VIOTRACE_HOST_LAYOUT_OVERRIDE".into(),
-                "vt-host-warn-dev:req_dev=0x50".into(),
-            )],
-            ..VmConfig::default()
-        },
-        KNOWN_IO,
-    );
-    let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
+    let (r, log) = run_with_layout_override("host-warn-dev", "req_dev=0x50", &[]);
     assert!(
         log.contains("virtqueue_push calls and none of a virtio-blk request"),
         "{log}"

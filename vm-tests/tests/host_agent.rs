@@ -44,6 +44,14 @@ fn run_with_layout_override(name: &str, spec: &str, host_args: &[&str]) -> (RunR
     (r, log)
 }
 
+/// Host elements the run's agent recorded.
+fn host_elem_count(r: &RunResult) -> usize {
+    r.records("host.jsonl")
+        .expect("host.jsonl")
+        .host_elems()
+        .len()
+}
+
 fn check_known_io(r: &RunResult, backend: Backend) {
     let all = elems(r);
     let recs = known_io_device(&all);
@@ -295,12 +303,7 @@ fn corrupted_request_queue_offset_is_refused() {
         "{log}"
     );
     assert!(log.contains("(layout refused)"), "{log}");
-    let n = r
-        .records("host.jsonl")
-        .expect("host.jsonl")
-        .host_elems()
-        .len();
-    assert_eq!(n, 0);
+    assert_eq!(host_elem_count(&r), 0);
 }
 
 /// Push-only mode with VirtIOBlockReq.dev read at a wrong offset: no element's
@@ -313,12 +316,7 @@ fn corrupted_device_offset_is_reported_in_push_mode() {
         log.contains("virtqueue_push calls and none of a virtio-blk request"),
         "{log}"
     );
-    let n = r
-        .records("host.jsonl")
-        .expect("host.jsonl")
-        .host_elems()
-        .len();
-    assert_eq!(n, 0);
+    assert_eq!(host_elem_count(&r), 0);
 }
 
 /// LTO builds (Ubuntu) inline blk_aio_* into their callers, so uprobes there never

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use thiserror::Error;
-use viotrace_shared::record::{GuestIo, GuestRq, OffCpu, Op, Point, Points, RqRef};
+use viotrace_shared::record::{GuestIo, GuestRq, Name, OffCpu, Op, Point, Points, RqRef};
 
 use crate::bpf::types::{vt_io_event, vt_rq_event};
 
@@ -118,7 +118,7 @@ pub enum Record {
 pub struct Decoder {
     /// The off-CPU programs are loaded: syscall records carry their `off_cpu`.
     pub off_cpu: bool,
-    disks: HashMap<u32, String>,
+    disks: HashMap<u32, Name>,
     /// The point of each `ts[]` slot of a request record (from `C_POINTS`).
     slots: Vec<Option<Point>>,
 }
@@ -150,12 +150,12 @@ impl Decoder {
     /// Names a disk ahead of its records (tests; a name `/sys` does not have).
     #[cfg(test)]
     pub fn name_disk(&mut self, dev: u32, name: &str) {
-        self.disks.insert(dev, name.to_owned());
+        self.disks.insert(dev, name.into());
     }
 
     /// Names a kernel dev_t (`major << 20 | minor`) from `/sys/dev/block`, once
     /// per disk (the BPF side sends only the dev_t), else `major:minor`.
-    fn disk_name(&mut self, dev: u32) -> String {
+    fn disk_name(&mut self, dev: u32) -> Name {
         if let Some(n) = self.disks.get(&dev) {
             return n.clone();
         }
@@ -167,6 +167,7 @@ impl Decoder {
                     .find_map(|l| l.strip_prefix("DEVNAME=").map(str::to_owned))
             })
             .unwrap_or_else(|| format!("{maj}:{min}"));
+        let name = Name::from(name);
         self.disks.insert(dev, name.clone());
         name
     }
@@ -206,7 +207,7 @@ impl Decoder {
             head: (r.has_head != 0).then_some(r.head),
             pid: r.pid,
             tid: r.tid,
-            comm: cstr(&r.comm),
+            comm: cstr(&r.comm).into(),
             cgroup_id: r.cgroup_id,
             inode: r.inode,
             file_offset: (r.has_file_offset != 0).then_some(r.file_offset),

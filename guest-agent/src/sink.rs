@@ -31,7 +31,7 @@ pub struct Sink {
     total: Aggregator,
     /// (disk, sector) → points of recently finished requests, and whether
     /// their waterfall was printed (then their syscall's is not).
-    recent: HashMap<(String, u64), (Points, bool)>,
+    recent: HashMap<(viotrace_shared::record::Name, u64), (Points, bool)>,
     pub rqs: u64,
     pub ios: u64,
     pub decode_errors: u64,

@@ -83,6 +83,7 @@ impl<'obj> App<'obj> {
             records: 0,
             joined: None,
             metrics: None,
+            label: Default::default(),
         };
         let metrics = (cli.metrics_listen.is_some() || cli.otlp.is_some())
             .then(|| Metrics::new("viotrace-host"));
@@ -170,7 +171,7 @@ impl<'obj> App<'obj> {
         let mut recs = std::mem::take(&mut self.queue.borrow_mut().recs);
         for r in &recs {
             match self.tracer.make_record(r) {
-                Some(v) => v.iter().for_each(|e| self.sink.elem(e)),
+                Some(v) => v.into_iter().for_each(|e| self.sink.elem(e)),
                 None => self.unknown += 1,
             }
         }
@@ -289,14 +290,14 @@ impl<'obj> App<'obj> {
                 .sweep_unnotified(viotrace_shared::clock::monotonic_ns(), UNNOTIFIED_AFTER_NS);
             for r in stale {
                 match self.tracer.make_record(&r) {
-                    Some(v) => v.iter().for_each(|e| self.sink.elem(e)),
+                    Some(v) => v.into_iter().for_each(|e| self.sink.elem(e)),
                     None => self.unknown += 1,
                 }
             }
         }
         // The runtime layout check: held records released, refused VMs let go.
         let released = self.tracer.poll_probation();
-        released.iter().for_each(|e| self.sink.elem(e));
+        released.into_iter().for_each(|e| self.sink.elem(e));
         for n in self.tracer.take_notes() {
             eprintln!("viotrace-host: warning: {n}");
         }
@@ -580,7 +581,7 @@ impl<'obj> App<'obj> {
         }
         for r in &leftover {
             let e = Tracer::record_of_gone(&t, r);
-            self.sink.elem(&e);
+            self.sink.elem(e);
         }
         let cpu = match (t.cpu_ticks_start, qemu::cpu_ticks(pid)) {
             (Some(a), Some(b)) => format!(", QEMU CPU {} ticks", b.saturating_sub(a)),

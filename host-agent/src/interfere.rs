@@ -10,7 +10,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use viotrace_shared::interference::overlap_ns;
-use viotrace_shared::record::{ClockDomain, JoinedIo, Point};
+use viotrace_shared::record::{ClockDomain, JoinedIo, Name, Point};
 
 use crate::bpf::types::{dev_user, rq_owner, wait_rec};
 
@@ -50,7 +50,7 @@ pub struct Interfere {
     /// Traced QEMU processes and their VM labels (to name a neighbour VM).
     pub vms: HashMap<u32, String>,
     /// Per (VM, queue): the windows (first, last point) of its recent joined requests.
-    windows: HashMap<(String, u16), VecDeque<(u64, u64)>>,
+    windows: HashMap<(Name, u16), VecDeque<(u64, u64)>>,
 }
 
 /// A joined record's window in the host's clock: its first and last point.
@@ -359,10 +359,7 @@ mod tests {
         for k in 0..(MAX_WINDOWS_PER_QUEUE as u64 + 5) {
             rq(&mut f, 1000 + k, 1001 + k, 2, "vm1");
         }
-        assert_eq!(
-            f.windows[&("vm1".to_string(), 2)].len(),
-            MAX_WINDOWS_PER_QUEUE
-        );
+        assert_eq!(f.windows[&("vm1".into(), 2)].len(), MAX_WINDOWS_PER_QUEUE);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use viotrace_shared::join::{JoinConfig, JoinEngine, JoinStats};
 use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::proto::GuestRecord;
 use viotrace_shared::record::{HostElem, JoinedIo};
-use viotrace_shared::stats::{fmt_ns, render_waterfall, Aggregator};
+use viotrace_shared::stats::{fmt_ns, render_waterfall, Aggregator, PairLabel};
 use viotrace_shared::transport::host::{
     self, ClockSample, EventKind, Inbox, Listen, Origin, Server, TokenBucket, VmAccount,
 };
@@ -116,6 +116,7 @@ pub struct Joined {
     buf: Vec<JoinedIo>,
     pub interval: Aggregator,
     pub total: Aggregator,
+    label: PairLabel,
     threshold_ns: Option<u64>,
     /// The Chrome trace, streamed as records are written, and its first write error.
     chrome: Option<(
@@ -199,6 +200,7 @@ impl Joined {
             buf: Vec::new(),
             interval: Aggregator::new(),
             total: Aggregator::new(),
+            label: PairLabel::default(),
             threshold_ns: opts.threshold_ns,
             chrome: match &opts.chrome {
                 Some(p) => {
@@ -221,8 +223,8 @@ impl Joined {
     }
 
     /// Feeds one of this agent's host elements.
-    pub fn host_elem(&mut self, e: &HostElem) {
-        self.engine.push_host(e.clone(), &mut self.buf);
+    pub fn host_elem(&mut self, e: HostElem) {
+        self.engine.push_host(e, &mut self.buf);
         self.emit();
     }
 
@@ -339,6 +341,10 @@ impl Joined {
     }
 
     fn vm_out(&mut self, vm: &str) -> &mut VmOut {
+        // (no key allocation per record: the entry exists after the first)
+        if self.vms.contains_key(vm) {
+            return self.vms.get_mut(vm).expect("checked above");
+        }
         let rate = self.max_vm_rate;
         self.vms.entry(vm.to_string()).or_insert_with(|| VmOut {
             bucket: TokenBucket::new(rate, rate.min(1e12)),
@@ -363,23 +369,25 @@ impl Joined {
                 }
                 v.judge(&mut j);
             }
-            let label = format!(
-                "{}/{}",
-                j.vm,
-                j.disk.as_deref().or(j.device.as_deref()).unwrap_or("?")
-            );
             if let Some(m) = self.metrics.as_mut() {
                 let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("");
                 m.record(
                     "joined", &j.vm, disk, j.queue, j.op, j.bytes, &j.stages, j.total_ns, j.joined,
                 );
                 if let Some(u) = j.clock_uncertainty_ns {
-                    self.clock_uncertainty.insert(j.vm.clone(), u);
+                    match self.clock_uncertainty.get_mut(j.vm.as_str()) {
+                        Some(x) => *x = u,
+                        None => {
+                            self.clock_uncertainty.insert(j.vm.to_string(), u);
+                        }
+                    }
                 }
             }
             if j.joined {
+                let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("?");
+                let label = self.label.get(&j.vm, disk);
                 // into the interval only: the totals take whole intervals (drain_into)
-                self.interval.record_stages(&label, &j.stages, j.total_ns);
+                self.interval.record_stages(label, &j.stages, j.total_ns);
             }
             if let (Some(th), Some(t)) = (self.threshold_ns, j.total_ns) {
                 if j.joined && t >= 0 && t as u64 >= th {

@@ -5,7 +5,7 @@ use std::io::Write;
 
 use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::record::HostElem;
-use viotrace_shared::stats::{render_waterfall, Aggregator};
+use viotrace_shared::stats::{render_waterfall, Aggregator, PairLabel};
 
 use crate::joined;
 
@@ -19,6 +19,7 @@ pub struct Sink {
     pub records: u64,
     pub joined: Option<joined::Joined>,
     pub metrics: Option<viotrace_shared::metrics::Recorder>,
+    pub label: PairLabel,
 }
 
 impl Sink {
@@ -30,12 +31,10 @@ impl Sink {
         }
     }
 
-    pub fn elem(&mut self, e: &HostElem) {
+    /// One host element: statistics, outputs, then the join (which keeps it).
+    pub fn elem(&mut self, e: HostElem) {
         self.records += 1;
-        if let Some(j) = self.joined.as_mut() {
-            j.host_elem(e);
-        }
-        let b = viotrace_shared::join::host_breakdown(e);
+        let b = viotrace_shared::join::host_breakdown(&e);
         // In joined mode the end-to-end records carry these stages (source="joined"):
         // recording them per element too would double the exporter's cost.
         if let Some(m) = self.metrics.as_mut().filter(|_| self.joined.is_none()) {
@@ -44,11 +43,11 @@ impl Sink {
                 "host", &e.vm, &e.device, q, op, e.bytes, &b.stages, b.total_ns, true,
             );
         }
-        let label = format!("{}/{}", e.vm, e.device);
+        let label = self.label.get(&e.vm, &e.device);
         // into the interval only: the totals take whole intervals (drain_into)
-        self.interval.record_breakdown(&label, &b);
+        self.interval.record_breakdown(label, &b);
         if self.json {
-            let _ = self.out.write(e);
+            let _ = self.out.write(&e);
         }
         if let Some(th) = self.threshold_ns {
             if b.total_ns.is_some_and(|t| t >= 0 && t as u64 >= th) {
@@ -69,6 +68,9 @@ impl Sink {
                 let w = render_waterfall(&header, &e.ts);
                 self.human(&w);
             }
+        }
+        if let Some(j) = self.joined.as_mut() {
+            j.host_elem(e);
         }
     }
 }

@@ -250,7 +250,7 @@ impl<W: Write> ChromeTrace<W> {
             start,
             seq: self.seq,
             end,
-            vm: io.vm.clone(),
+            vm: io.vm.to_string(),
             track,
             name: format!("{} {}", io.op.name(), io.bytes),
             args,

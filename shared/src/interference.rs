@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 pub struct Interference {
     /// The host block device of the backend I/O: `vda (254:0)`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub host_disk: Option<String>,
+    pub host_disk: Option<crate::record::Name>,
     /// Block requests of other issuers (host processes, other VMs) in flight on
     /// that device when this request's first block request was issued.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -71,11 +71,43 @@ impl fmt::Display for Point {
     }
 }
 
+/// Number of points: the size of a [`Points`] set.
+const SLOTS: usize = Point::ALL.len();
+
+/// Each point id's slot in a [`Points`] set (`u8::MAX`: no such point).
+/// Slots follow the ids, so iterating the slots in order is path order.
+const SLOT_OF_ID: [u8; 64] = {
+    let mut t = [u8::MAX; 64];
+    let mut i = 0;
+    while i < SLOTS {
+        let id = Point::ALL[i] as usize;
+        assert!(id < 64, "point ids must fit a u64 mask");
+        assert!(
+            i == 0 || (Point::ALL[i - 1] as usize) < id,
+            "ALL must be in id order"
+        );
+        t[id] = i as u8;
+        i += 1;
+    }
+    t
+};
+
 /// A set of timestamps (ns) keyed by [`Point`]. Unset points are absent.
+///
+/// Inline (a presence mask and one slot per point): setting, reading and
+/// copying a set never allocates.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Points {
-    // Small and sorted by point id; a record holds at most a dozen points.
-    entries: Vec<(Point, u64)>,
+    /// Bit `slot` set: the point is present. An absent point's slot is 0.
+    mask: u32,
+    vals: [u64; SLOTS],
+}
+
+const _: () = assert!(SLOTS <= 32, "Points::mask has 32 bits");
+
+#[inline]
+fn slot(p: Point) -> usize {
+    SLOT_OF_ID[p as usize & 63] as usize
 }
 
 impl Points {
@@ -83,59 +115,69 @@ impl Points {
         Self::default()
     }
 
-    /// Empty, with room for `n` points (one allocation per record).
-    pub fn with_capacity(n: usize) -> Self {
-        Points {
-            entries: Vec::with_capacity(n),
-        }
+    /// Empty (kept for callers that size their sets; a set is inline).
+    pub fn with_capacity(_n: usize) -> Self {
+        Self::default()
     }
 
     /// Sets (or replaces) a point.
+    #[inline]
     pub fn set(&mut self, p: Point, ns: u64) {
-        match self.entries.binary_search_by_key(&p, |e| e.0) {
-            Ok(i) => self.entries[i].1 = ns,
-            Err(i) => self.entries.insert(i, (p, ns)),
-        }
+        let i = slot(p);
+        self.mask |= 1 << i;
+        self.vals[i] = ns;
     }
 
     /// Sets a point when `ns` is non-zero (BPF uses 0 for "not seen").
+    #[inline]
     pub fn set_nonzero(&mut self, p: Point, ns: u64) {
         if ns != 0 {
             self.set(p, ns);
         }
     }
 
+    #[inline]
     pub fn get(&self, p: Point) -> Option<u64> {
-        self.entries
-            .binary_search_by_key(&p, |e| e.0)
-            .ok()
-            .map(|i| self.entries[i].1)
+        let i = slot(p);
+        (self.mask & (1 << i) != 0).then(|| self.vals[i])
     }
 
     pub fn remove(&mut self, p: Point) -> Option<u64> {
-        self.entries
-            .binary_search_by_key(&p, |e| e.0)
-            .ok()
-            .map(|i| self.entries.remove(i).1)
+        let i = slot(p);
+        let v = self.get(p)?;
+        self.mask &= !(1 << i);
+        self.vals[i] = 0;
+        Some(v)
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.mask == 0
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.mask.count_ones() as usize
     }
 
     /// Iterates over the present points in path order.
     pub fn iter(&self) -> impl Iterator<Item = (Point, u64)> + '_ {
-        self.entries.iter().copied()
+        let mut m = self.mask;
+        std::iter::from_fn(move || {
+            if m == 0 {
+                return None;
+            }
+            let i = m.trailing_zeros() as usize;
+            m &= m - 1;
+            Some((Point::ALL[i], self.vals[i]))
+        })
     }
 
     /// Adds `delta` ns (possibly negative) to every point, saturating at 0.
     pub fn shift(&mut self, delta: i64) {
-        for e in &mut self.entries {
-            e.1 = e.1.saturating_add_signed(delta);
+        let mut m = self.mask;
+        while m != 0 {
+            let i = m.trailing_zeros() as usize;
+            m &= m - 1;
+            self.vals[i] = self.vals[i].saturating_add_signed(delta);
         }
     }
 }
@@ -143,7 +185,7 @@ impl Points {
 impl fmt::Debug for Points {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_map()
-            .entries(self.entries.iter().map(|(p, t)| (p.name(), t)))
+            .entries(self.iter().map(|(p, t)| (p.name(), t)))
             .finish()
     }
 }
@@ -161,15 +203,15 @@ impl FromIterator<(Point, u64)> for Points {
 impl Serialize for Points {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         if s.is_human_readable() {
-            let mut m = s.serialize_map(Some(self.entries.len()))?;
-            for (p, t) in &self.entries {
-                m.serialize_entry(p.name(), t)?;
+            let mut m = s.serialize_map(Some(self.len()))?;
+            for (p, t) in self.iter() {
+                m.serialize_entry(p.name(), &t)?;
             }
             m.end()
         } else {
-            let mut q = s.serialize_seq(Some(self.entries.len()))?;
-            for (p, t) in &self.entries {
-                q.serialize_element(&(*p as u8, *t))?;
+            let mut q = s.serialize_seq(Some(self.len()))?;
+            for (p, t) in self.iter() {
+                q.serialize_element(&(p as u8, t))?;
             }
             q.end()
         }

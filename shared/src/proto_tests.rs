@@ -280,7 +280,7 @@ fn batch_frames_from_pre_encoded_records_equal_postcard() {
     );
     // A single record too large for any frame is refused.
     let mut big = rq(0);
-    big.comm = "x".repeat(MAX_FRAME);
+    big.comm = "x".repeat(MAX_FRAME).into();
     assert!(matches!(
         encode_record(&GuestRecord::Rq(big)),
         Err(ProtoError::Oversized { .. })

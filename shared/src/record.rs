@@ -70,11 +70,15 @@ impl fmt::Display for Op {
     }
 }
 
+/// A short label: VM, disk, device or task name. Inline up to 24 bytes, so a
+/// record's labels cost no allocation on the per-I/O path.
+pub type Name = compact_str::CompactString;
+
 /// One finished block request in the guest (`"kind":"guest_rq"`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GuestRq {
     /// Disk name, e.g. `vdb`.
-    pub disk: String,
+    pub disk: Name,
     /// Wall-clock time (RFC 3339 UTC) of the record's first point: the host's
     /// `CLOCK_REALTIME` for host and joined records, the guest's for guest records
     /// (see `walltime`). Absent when no point could be mapped.
@@ -91,7 +95,7 @@ pub struct GuestRq {
     /// Task that caused the I/O (the submitter; for write-back, the dirtier when known).
     pub pid: u32,
     pub tid: u32,
-    pub comm: String,
+    pub comm: Name,
     pub cgroup_id: u64,
     /// Inode of the file the I/O belongs to (0 when unknown, e.g. metadata).
     pub inode: u64,
@@ -151,7 +155,7 @@ pub struct OffCpu {
 /// A reference from a syscall-level record to a block request it caused.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RqRef {
-    pub disk: String,
+    pub disk: Name,
     pub sector: u64,
     pub bytes: u32,
 }
@@ -170,7 +174,7 @@ pub enum Backend {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct HostElem {
     /// VM label (QEMU `-name`, else `qemu-<pid>`).
-    pub vm: String,
+    pub vm: Name,
     /// Wall-clock time (RFC 3339 UTC) of the record's first point: the host's
     /// `CLOCK_REALTIME` for host and joined records, the guest's for guest records
     /// (see `walltime`). Absent when no point could be mapped.
@@ -178,7 +182,7 @@ pub struct HostElem {
     pub time: Option<crate::walltime::WallTime>,
     pub qemu_pid: u32,
     /// virtio-blk device label (QEMU drive/device id when known).
-    pub device: String,
+    pub device: Name,
     pub queue: u16,
     pub head: u16,
     pub op: Op,
@@ -232,16 +236,16 @@ pub enum ClockDomain {
 /// its host element, or an unmatched one of either side (`joined: false`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JoinedIo {
-    pub vm: String,
+    pub vm: Name,
     /// Wall-clock time (RFC 3339 UTC) of the record's first point: the host's
     /// `CLOCK_REALTIME` for host and joined records, the guest's for guest records
     /// (see `walltime`). Absent when no point could be mapped.
     #[serde(default)]
     pub time: Option<crate::walltime::WallTime>,
     /// Guest disk name (`vda`), when the guest side is present.
-    pub disk: Option<String>,
+    pub disk: Option<Name>,
     /// Host virtio-blk device label, when the host side is present.
-    pub device: Option<String>,
+    pub device: Option<Name>,
     pub queue: Option<u16>,
     pub head: Option<u16>,
     pub op: Op,
@@ -250,7 +254,7 @@ pub struct JoinedIo {
     // Guest attribution (absent for host-only records).
     pub pid: Option<u32>,
     pub tid: Option<u32>,
-    pub comm: Option<String>,
+    pub comm: Option<Name>,
     pub cgroup_id: Option<u64>,
     pub inode: Option<u64>,
     pub file_offset: Option<u64>,
@@ -333,6 +337,9 @@ pub struct Stats {
 /// Any JSON-lines record, tagged with `"kind"` (written by [`crate::jsonl::JsonLines`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
+// Records are inline (points and stages too): one is read or written at a
+// time, and boxing the large variants would add an allocation per record.
+#[allow(clippy::large_enum_variant)]
 pub enum Record {
     GuestRq(GuestRq),
     GuestIo(GuestIo),

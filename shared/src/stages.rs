@@ -49,6 +49,7 @@ use std::sync::OnceLock;
 use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use smallvec::SmallVec;
 
 use crate::record::{Point, Points};
 
@@ -86,6 +87,8 @@ pub const STAGE_NAMES: &[&str] = &[
 
 /// Name of the merged stage for the guest's view of the device.
 pub const DEVICE_STAGE: &str = "device";
+
+const _: () = assert!(STAGE_NAMES.len() <= INLINE_STAGES && SUBSTAGES.len() <= INLINE_STAGES);
 
 const KICK: usize = 3;
 const IRQ: usize = 8;
@@ -135,9 +138,19 @@ fn stage_name(i: usize, j: usize) -> &'static str {
     }
 }
 
+/// Room for every stage (or sub-stage) of one request without allocating.
+const INLINE_STAGES: usize = 10;
+
 /// An ordered list of named durations (ns). JSON: an object in path order.
+/// Inline: deriving a request's stages does not allocate.
 #[derive(Clone, Default, PartialEq, Eq)]
-pub struct Stages(pub Vec<(Cow<'static, str>, i64)>);
+pub struct Stages(pub SmallVec<[(Cow<'static, str>, i64); INLINE_STAGES]>);
+
+impl FromIterator<(Cow<'static, str>, i64)> for Stages {
+    fn from_iter<I: IntoIterator<Item = (Cow<'static, str>, i64)>>(iter: I) -> Self {
+        Stages(iter.into_iter().collect())
+    }
+}
 
 impl Stages {
     pub fn get(&self, name: &str) -> Option<i64> {
@@ -182,7 +195,7 @@ impl<'de> Deserialize<'de> for Stages {
                 f.write_str("a map of stage name to ns")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Stages, A::Error> {
-                let mut v = Vec::new();
+                let mut v = SmallVec::new();
                 while let Some((k, n)) = a.next_entry::<String, i64>()? {
                     v.push((Cow::Owned(k), n));
                 }
@@ -211,12 +224,7 @@ fn diff(a: u64, b: u64) -> i64 {
 /// Derives the breakdown from a point set (joined, guest-only or host-only;
 /// all points must be in one clock domain).
 pub fn derive(ts: &Points) -> Breakdown {
-    // Point ids are < 64: one pass into a lookup table.
-    let mut at: [Option<u64>; 64] = [None; 64];
-    for (p, t) in ts.iter() {
-        at[(p as usize) & 63] = Some(t);
-    }
-    let get = |p: Point| at[(p as usize) & 63];
+    let get = |p: Point| ts.get(p);
     // Resolve anchors (with stand-ins, each point used at most once).
     let mut present: [Option<u64>; 11] = [None; 11];
     let mut used: [Option<Point>; 11] = [None; 11];
@@ -238,7 +246,7 @@ pub fn derive(ts: &Points) -> Breakdown {
             }
         }
     }
-    let mut stages = Vec::with_capacity(STAGE_NAMES.len());
+    let mut stages = SmallVec::new();
     let mut first: Option<(usize, u64)> = None;
     let mut prev: Option<(usize, u64)> = None;
     for (j, t) in present.iter().enumerate() {
@@ -255,7 +263,7 @@ pub fn derive(ts: &Points) -> Breakdown {
         (Some((i, a)), Some((j, b))) if j > i => Some(diff(a, b)),
         _ => None,
     };
-    let mut substages = Vec::with_capacity(SUBSTAGES.len());
+    let mut substages = SmallVec::new();
     for (name, a, b) in SUBSTAGES {
         if let (Some(x), Some(y)) = (get(*a), get(*b)) {
             substages.push((Cow::Borrowed(*name), diff(x, y)));

@@ -68,6 +68,27 @@ pub struct Summary {
     pub max_ns: u64,
 }
 
+/// A table label `a/b` (VM and disk or device), formatted again only when the
+/// pair changes: the per-record path does not format or allocate.
+#[derive(Clone, Debug, Default)]
+pub struct PairLabel {
+    pair: Option<(crate::record::Name, crate::record::Name)>,
+    label: String,
+}
+
+impl PairLabel {
+    pub fn get(&mut self, a: &str, b: &str) -> &str {
+        if !matches!(&self.pair, Some((x, y)) if x == a && y == b) {
+            self.label.clear();
+            self.label.push_str(a);
+            self.label.push('/');
+            self.label.push_str(b);
+            self.pair = Some((a.into(), b.into()));
+        }
+        &self.label
+    }
+}
+
 /// Histograms of one label, stages in first-seen order.
 #[derive(Clone, Debug, Default)]
 struct LabelStats {
@@ -331,6 +352,16 @@ mod tests {
 
     fn pts(v: &[(Point, u64)]) -> Points {
         v.iter().copied().collect()
+    }
+
+    #[test]
+    fn pair_label_follows_the_pair() {
+        let mut l = PairLabel::default();
+        assert_eq!(l.get("vm1", "vda"), "vm1/vda");
+        assert_eq!(l.get("vm1", "vda"), "vm1/vda");
+        assert_eq!(l.get("vm1", "vdb"), "vm1/vdb");
+        assert_eq!(l.get("vm2", "vdb"), "vm2/vdb");
+        assert_eq!(l.get("vm", "2/vdb"), "vm/2/vdb");
     }
 
     #[test]

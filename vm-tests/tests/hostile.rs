@@ -132,7 +132,7 @@ fn a_hostile_guest_cannot_hurt_the_host_agent_or_another_vm() {
     let joined = Records::read(&dir.join("joined.jsonl")).unwrap();
     let mut per_vm: BTreeMap<String, Vec<&JoinedIo>> = BTreeMap::new();
     for j in joined.ios() {
-        per_vm.entry(j.vm.clone()).or_default().push(j);
+        per_vm.entry(j.vm.to_string()).or_default().push(j);
     }
     let mine = per_vm.remove("vt-hostile-b").unwrap_or_default();
     let guest = rb.records("guest.jsonl").unwrap();

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, OpenObject};
 use viotrace_shared::interference::Interference;
-use viotrace_shared::record::{Backend, HostElem, Op, Point, Points};
+use viotrace_shared::record::{Backend, HostElem, Name, Op, Point, Points};
 
 use crate::bpf::types::{dev_user, host_rec, qemu_layout, rq_owner, wait_rec};
 use crate::bpf::{ViotraceHostSkel, ViotraceHostSkelBuilder};
@@ -39,9 +39,9 @@ pub struct Target {
     pub layout: Layout,
     links: Vec<Link>,
     /// VirtIODevice pointer → device label.
-    dev_names: HashMap<u64, (String, Backend)>,
+    dev_names: HashMap<u64, (Name, Backend)>,
     /// Host block device (MKDEV) → label (`vda (254:0)`), read from /sys once per device.
-    disk_labels: HashMap<u32, String>,
+    disk_labels: HashMap<u32, Name>,
     pub cpu_ticks_start: Option<u64>,
     pub elems: u64,
     /// The runtime check of the layout on the first requests.
@@ -293,7 +293,7 @@ impl<'obj> Tracer<'obj> {
         let disk = (r.disk_dev != 0).then(|| {
             t.disk_labels
                 .entry(r.disk_dev)
-                .or_insert_with(|| crate::interfere::disk_label(r.disk_dev))
+                .or_insert_with(|| crate::interfere::disk_label(r.disk_dev).into())
                 .clone()
         });
         make_elem(r, &t.proc.vm, device, backend, disk)
@@ -308,26 +308,27 @@ impl<'obj> Tracer<'obj> {
             .unwrap_or_else(|| fallback_device(t));
         let disk = (r.disk_dev != 0).then(|| {
             (t.disk_labels.get(&r.disk_dev).cloned())
-                .unwrap_or_else(|| crate::interfere::disk_label(r.disk_dev))
+                .unwrap_or_else(|| crate::interfere::disk_label(r.disk_dev).into())
         });
         make_elem(r, &t.proc.vm, device, backend, disk)
     }
 }
 
-fn fallback_device(t: &Target) -> (String, Backend) {
+fn fallback_device(t: &Target) -> (Name, Backend) {
     match t.proc.devices.as_slice() {
         [only] => (
             only.id
-                .clone()
-                .or_else(|| only.drive.clone())
-                .unwrap_or_else(|| "virtio-blk".into()),
+                .as_deref()
+                .or(only.drive.as_deref())
+                .unwrap_or("virtio-blk")
+                .into(),
             t.proc.backend_of(Some(only)),
         ),
         _ => ("virtio-blk".into(), t.proc.backend_of(None)),
     }
 }
 
-fn name_device(t: &Target, vdev: u64) -> (String, Backend) {
+fn name_device(t: &Target, vdev: u64) -> (Name, Backend) {
     match qemu::device_drive(t.proc.pid, vdev, &t.layout) {
         Some(drive) => {
             let dev = t
@@ -340,12 +341,12 @@ fn name_device(t: &Target, vdev: u64) -> (String, Backend) {
                 Some(d) => d.backend,
                 None => t.proc.backend_of(dev),
             };
-            (label, backend)
+            (label.into(), backend)
         }
         None => {
             let (name, b) = fallback_device(t);
             if t.proc.devices.len() > 1 {
-                (format!("virtio-blk@{vdev:#x}"), b)
+                (compact_str::format_compact!("virtio-blk@{vdev:#x}"), b)
             } else {
                 (name, b)
             }
@@ -357,9 +358,9 @@ fn name_device(t: &Target, vdev: u64) -> (String, Backend) {
 fn make_elem(
     r: &host_rec,
     vm: &str,
-    device: String,
+    device: Name,
     backend: Backend,
-    host_disk: Option<String>,
+    host_disk: Option<Name>,
 ) -> HostElem {
     let mut ts = Points::new();
     for (p, &t) in ts_points().iter().zip(r.ts.iter()) {
@@ -369,7 +370,7 @@ fn make_elem(
     }
     HostElem {
         time: viotrace_shared::walltime::of_points(&ts),
-        vm: vm.to_string(),
+        vm: vm.into(),
         qemu_pid: r.tgid,
         device,
         queue: r.queue,
@@ -386,7 +387,7 @@ fn make_elem(
 }
 
 /// The host device load of a record's backend I/O.
-fn device_load(r: &host_rec, host_disk: String) -> Interference {
+fn device_load(r: &host_rec, host_disk: Name) -> Interference {
     Interference {
         host_disk: Some(host_disk),
         neighbour_inflight: Some(r.nb_inflight),

@@ -2,13 +2,16 @@
 //! a record of either side alone.
 
 use crate::clock::{narrow, CausalBounds, OffsetEstimate};
-use crate::record::{ClockDomain, GuestRq, HostElem, JoinedIo, Point, Points, UnmatchedReason};
+use crate::record::{
+    ClockDomain, GuestRq, HostElem, JoinedIo, Name, Point, Points, UnmatchedReason,
+};
 use crate::stages;
 
 use super::pending::{Pending, Side, Times};
 use super::JoinEngine;
 
-/// The records an output record is made of.
+/// The records an output record is made of (moved straight into [`build`]).
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Parts {
     Joined(GuestRq, HostElem),
     Guest(GuestRq),
@@ -59,7 +62,7 @@ fn build(
     };
     let bd = stages::derive(&ts);
     let mut io = JoinedIo {
-        vm: String::new(),
+        vm: Name::default(),
         time,
         disk: None,
         device: None,
@@ -114,7 +117,7 @@ fn build(
             io.status = h.status;
             io.interference = h.interference.map(Box::new);
         }
-        None => io.vm = vm.to_string(),
+        None => io.vm = vm.into(),
     }
     io
 }

@@ -3,7 +3,7 @@
 //! choice deferred until the VM has a clock).
 
 use crate::clock::OffsetEstimate;
-use crate::record::{GuestRq, HostElem, JoinedIo, Op};
+use crate::record::{GuestRq, HostElem, JoinedIo, Name, Op};
 
 use super::pending::{head_key, Guest, Host, Pending, PendingSet, Side, Times};
 use super::JoinEngine;
@@ -103,7 +103,7 @@ fn mid(t: &Times) -> Option<u64> {
 
 /// Whether a guest disk and a host device may be the same disk, given the
 /// pairs learned from earlier joins.
-fn binding_ok(bindings: &[(String, String)], disk: &str, device: &str) -> bool {
+fn binding_ok(bindings: &[(Name, Name)], disk: &str, device: &str) -> bool {
     bindings
         .iter()
         .all(|(d, dev)| (d == disk) == (dev == device))

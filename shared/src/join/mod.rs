@@ -144,7 +144,7 @@ struct Vm {
     name: String,
     clock: ClockEstimator,
     /// Learned guest disk ↔ host device pairs.
-    bindings: Vec<(String, String)>,
+    bindings: Vec<(crate::record::Name, crate::record::Name)>,
     /// Whether headless guest records were seen (then hosts are indexed by sector).
     headless: bool,
     boot_id: Option<String>,

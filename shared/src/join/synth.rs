@@ -137,7 +137,7 @@ fn pair(ids: &Ids, g_ts: Points, h_ts: Points) -> (GuestRq, HostElem) {
     };
     let h = HostElem {
         time: None,
-        vm: ids.vm.to_string(),
+        vm: ids.vm.into(),
         qemu_pid: 100,
         device: "virtio-disk0".into(),
         queue: ids.queue,

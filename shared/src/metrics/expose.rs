@@ -258,7 +258,7 @@ mod tests {
     fn scrape_over_http_has_histograms_and_counters() {
         let m = Metrics::new("viotrace-test");
         let mut r = super::super::Recorder::new(m.clone());
-        let s = Stages(vec![(Cow::Borrowed("host_io"), 1500)]);
+        let s = Stages(smallvec::smallvec![(Cow::Borrowed("host_io"), 1500)]);
         r.record(
             "joined",
             "vm1",

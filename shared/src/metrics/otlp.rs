@@ -411,12 +411,12 @@ pub fn traces_request(service: &str, ios: &[JoinedIo], seq: &mut u64) -> ExportT
             kv("bytes", i64::from(j.bytes)),
         ];
         let opt = [
-            ("disk", j.disk.clone()),
-            ("device", j.device.clone()),
+            ("disk", j.disk.as_ref().map(|x| x.to_string())),
+            ("device", j.device.as_ref().map(|x| x.to_string())),
             ("queue", j.queue.map(|x| x.to_string())),
             ("head", j.head.map(|x| x.to_string())),
             ("pid", j.pid.map(|x| x.to_string())),
-            ("comm", j.comm.clone()),
+            ("comm", j.comm.as_ref().map(|x| x.to_string())),
             ("cgroup_id", j.cgroup_id.map(|x| x.to_string())),
             ("inode", j.inode.map(|x| x.to_string())),
             (
@@ -590,7 +590,7 @@ mod tests {
             status: Some(0),
             ts: Points::new(),
             ts_domain: ClockDomain::Host,
-            stages: crate::stages::Stages(vec![
+            stages: crate::stages::Stages(smallvec::smallvec![
                 (Cow::Borrowed("kick_to_pop"), 300),
                 (Cow::Borrowed("host_io"), 5000),
                 (Cow::Borrowed("push_to_irq"), -20),

@@ -14,12 +14,12 @@ use super::{known_io_shape, Shape};
 pub type Key = (String, Op, u64, u32);
 
 pub fn guest_key(g: &GuestRq) -> Key {
-    (g.disk.clone(), g.op, g.sector, g.bytes)
+    (g.disk.to_string(), g.op, g.sector, g.bytes)
 }
 
 pub fn joined_key(j: &JoinedIo) -> Key {
     (
-        j.disk.clone().unwrap_or_else(|| "?".into()),
+        j.disk.as_deref().unwrap_or("?").to_string(),
         j.op,
         j.sector,
         j.bytes,
@@ -126,7 +126,7 @@ pub fn elem_shape(recs: &[&HostElem]) -> Shape {
 pub fn known_io_device(all: &[HostElem]) -> Vec<&HostElem> {
     let mut by_dev: BTreeMap<String, Vec<&HostElem>> = BTreeMap::new();
     for e in all {
-        by_dev.entry(e.device.clone()).or_default().push(e);
+        by_dev.entry(e.device.to_string()).or_default().push(e);
     }
     let expect = known_io_shape();
     let shapes: Vec<(String, Shape)> = by_dev

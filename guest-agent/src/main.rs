@@ -5,6 +5,7 @@
 mod bpf {
     include!(concat!(env!("OUT_DIR"), "/viotrace_guest.skel.rs"));
 }
+mod btf_file;
 mod kernel;
 mod load;
 mod plan;
@@ -195,6 +196,12 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     let filters = resolve_filters(&cli)?;
 
+    // (before the agent has a mount namespace of its own: mounted for everyone)
+    kernel::ensure_tracefs();
+    // While the BPF programs load, libbpf maps the kernel's BTF instead of
+    // copying it twice (this needs the process still single-threaded).
+    let btf_copy = btf_file::mappable_vmlinux_btf();
+
     // Block SIGINT/SIGTERM before any thread exists; one thread waits for them.
     let mut sigs = SigSet::empty();
     sigs.add(Signal::SIGINT);
@@ -214,9 +221,15 @@ fn main() -> Result<()> {
     }
 
     libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Warn, load::libbpf_print)));
-    kernel::ensure_tracefs();
     let facts = kernel::Facts::gather()?;
     let run = load::start_any(&load::candidate_modes(cli.mode, &facts), &facts, &filters)?;
+    match btf_copy {
+        btf_file::Outcome::Bound(guard) => drop(guard),
+        btf_file::Outcome::Skipped(why) => {
+            eprintln!("viotrace-guest: note: libbpf copies the kernel's BTF while loading ({why})")
+        }
+        btf_file::Outcome::NotNeeded => {}
+    }
     for n in &run.report.notes {
         eprintln!("viotrace-guest: note: {n}");
     }

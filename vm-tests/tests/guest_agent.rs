@@ -32,6 +32,15 @@ fn guest_log(r: &RunResult) -> String {
 }
 
 /// Points present in a record, in path order, must carry non-decreasing times.
+/// libbpf mapped the kernel's BTF (a private copy where the kernel's file
+/// cannot be mapped, before 6.16) instead of reading it into two copies.
+fn assert_btf_mapped(log: &str) {
+    assert!(
+        !log.contains("libbpf copies the kernel's BTF"),
+        "the BTF copy was not bound: {log}"
+    );
+}
+
 fn assert_points_in_order(ts: &Points, rec: &dyn std::fmt::Debug) {
     let mut seen: Vec<(Point, u64)> = ts
         .iter()
@@ -146,6 +155,7 @@ fn fentry_mode_sees_every_request_down_to_the_virtqueue() {
     // The agent is honest about what it sees, and says where g.kick comes from.
     let log = guest_log(&r);
     assert!(log.to_lowercase().contains("fentry"), "{log}");
+    assert_btf_mapped(&log);
     assert!(
         log.contains("g.kick: when virtqueue_kick_prepare returned"),
         "{log}"
@@ -406,6 +416,7 @@ fn check_kernel_mode(
     );
     let stats = final_stats(&r);
     assert_eq!(stats.mode.as_deref(), Some(want_mode), "{}", guest_log(&r));
+    assert_btf_mapped(&guest_log(&r));
     let reported: Vec<&str> = stats
         .blind_points
         .as_ref()

@@ -1,0 +1,114 @@
+//! The kernel's BTF as a file libbpf can map.
+//!
+//! libbpf maps `/sys/kernel/btf/vmlinux` when the kernel allows it (6.16+).
+//! Older kernels refuse, and libbpf then reads the file into a buffer and copies
+//! it: two private copies of 4–6 MB at once, each time the BTF is loaded (the
+//! agent's start-up facts, then the BPF object), and the agent's peak memory.
+//! Here, for start-up only, the agent sees a copy of the file on a private
+//! tmpfs, bound over that path in its own mount namespace. libbpf maps it, and
+//! the BTF is in memory once, as shared pages, freed when the tmpfs goes.
+//!
+//! Nothing outside the agent sees the change. The mount namespace is the
+//! agent's own (mounts from the host still propagate into it, none leave it),
+//! and the bind mount is removed once the BPF programs are loaded.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sched::{unshare, CloneFlags};
+use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+
+const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
+
+/// While it lives, `/sys/kernel/btf/vmlinux` is a mappable copy (for this process).
+pub struct MappableBtf {
+    /// The private tmpfs holding the copy (an empty directory outside this process).
+    dir: PathBuf,
+}
+
+impl Drop for MappableBtf {
+    fn drop(&mut self) {
+        let _ = umount2(VMLINUX_BTF, MntFlags::MNT_DETACH);
+        let _ = umount2(&self.dir, MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// What [`mappable_vmlinux_btf`] did.
+pub enum Outcome {
+    /// The kernel maps its BTF itself (or has none): nothing to do.
+    NotNeeded,
+    /// The copy is in place until the guard is dropped.
+    Bound(MappableBtf),
+    /// Left as it is (libbpf reads and copies the BTF), and why.
+    Skipped(String),
+}
+
+/// Must run before the process has a second thread (a mount namespace is
+/// per process: `unshare` refuses a multi-threaded caller).
+pub fn mappable_vmlinux_btf() -> Outcome {
+    let Ok(f) = File::open(VMLINUX_BTF) else {
+        return Outcome::NotNeeded;
+    };
+    match kernel_maps(&f) {
+        Ok(true) => return Outcome::NotNeeded,
+        Ok(false) => {}
+        Err(e) => return Outcome::Skipped(format!("{VMLINUX_BTF}: {e}")),
+    }
+    let base = ["/run", "/tmp"]
+        .into_iter()
+        .find(|d| Path::new(d).is_dir())
+        .unwrap_or("/tmp");
+    let dir = PathBuf::from(format!("{base}/viotrace-btf.{}", std::process::id()));
+    if let Err(e) = std::fs::create_dir(&dir) {
+        return Outcome::Skipped(format!("{}: {e}", dir.display()));
+    }
+    let guard = MappableBtf { dir };
+    match bind_copy(f, &guard.dir) {
+        Ok(()) => Outcome::Bound(guard),
+        Err(e) => Outcome::Skipped(e), // (the guard undoes what was done)
+    }
+}
+
+/// Whether the kernel lets `f` be mapped (it does from 6.16).
+fn kernel_maps(f: &File) -> std::io::Result<bool> {
+    let len = f.metadata()?.len() as usize;
+    let Some(len) = std::num::NonZeroUsize::new(len) else {
+        return Ok(false);
+    };
+    // SAFETY: a new private read-only mapping of a file we opened; it is
+    // unmapped at once and never read.
+    match unsafe { mmap(None, len, ProtFlags::PROT_READ, MapFlags::MAP_PRIVATE, f, 0) } {
+        Ok(p) => {
+            // SAFETY: `p` is the mapping of `len` bytes made above, not used after.
+            let _ = unsafe { munmap(p, len.get()) };
+            Ok(true)
+        }
+        Err(_) => Ok(false),
+    }
+}
+
+/// In a mount namespace of this process: a tmpfs on `dir`, the BTF copied
+/// into it, and the copy bound over the kernel's file.
+fn bind_copy(mut src: File, dir: &Path) -> Result<(), String> {
+    unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("own mount namespace: {e}"))?;
+    // Nothing mounted here may reach the host's namespace.
+    let none: Option<&str> = None;
+    mount(none, "/", none, MsFlags::MS_REC | MsFlags::MS_SLAVE, none)
+        .map_err(|e| format!("mount propagation: {e}"))?;
+    mount(
+        Some("tmpfs"),
+        dir,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("mode=0700"),
+    )
+    .map_err(|e| format!("tmpfs on {}: {e}", dir.display()))?;
+    let copy = dir.join("vmlinux");
+    let mut dst = File::create(&copy).map_err(|e| format!("{}: {e}", copy.display()))?;
+    std::io::copy(&mut src, &mut dst).map_err(|e| format!("copying {VMLINUX_BTF}: {e}"))?;
+    drop(dst);
+    mount(Some(&copy), VMLINUX_BTF, none, MsFlags::MS_BIND, none)
+        .map_err(|e| format!("binding the copy over {VMLINUX_BTF}: {e}"))
+}

@@ -55,7 +55,7 @@ pub fn blk_status_errno(st: i32) -> i32 {
 }
 
 /// x86-64 syscall number → name (the ones the BPF side traces).
-pub fn syscall_name(nr: u32) -> String {
+pub fn syscall_name(nr: u32) -> Name {
     match nr {
         0 => "read",
         1 => "write",
@@ -72,9 +72,9 @@ pub fn syscall_name(nr: u32) -> String {
         327 => "preadv2",
         328 => "pwritev2",
         426 => "io_uring_enter",
-        n => return format!("syscall_{n}"),
+        n => return compact_str::format_compact!("syscall_{n}"),
     }
-    .to_owned()
+    .into()
 }
 
 /// Record structs generated from the BPF object's BTF that may be read from
@@ -101,10 +101,21 @@ fn cast<T: RawRecord>(b: &[u8]) -> Result<T, DecodeError> {
 }
 
 /// NUL-terminated string in a fixed-size `char` field (lossy UTF-8).
-fn cstr(f: &[i8]) -> String {
-    let bytes: Vec<u8> = f.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
-    // One allocation when the name is valid UTF-8 (the usual case).
-    String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+fn cstr(f: &[i8]) -> Name {
+    // (task names are 16 bytes: inline, no allocation)
+    let mut b = [0u8; 64];
+    let mut n = 0;
+    for (d, &c) in b.iter_mut().zip(f) {
+        if c == 0 {
+            break;
+        }
+        *d = c as u8;
+        n += 1;
+    }
+    match std::str::from_utf8(&b[..n]) {
+        Ok(s) => Name::new(s),
+        Err(_) => Name::from_utf8_lossy(&b[..n]),
+    }
 }
 
 /// A decoded record.
@@ -119,6 +130,8 @@ pub struct Decoder {
     /// The off-CPU programs are loaded: syscall records carry their `off_cpu`.
     pub off_cpu: bool,
     disks: HashMap<u32, Name>,
+    /// The last disk named (records come in runs of one disk).
+    last_disk: Option<(u32, Name)>,
     /// The point of each `ts[]` slot of a request record (from `C_POINTS`).
     slots: Vec<Option<Point>>,
 }
@@ -143,6 +156,7 @@ impl Decoder {
         Decoder {
             off_cpu: false,
             disks: HashMap::new(),
+            last_disk: None,
             slots: point_slots(),
         }
     }
@@ -156,7 +170,13 @@ impl Decoder {
     /// Names a kernel dev_t (`major << 20 | minor`) from `/sys/dev/block`, once
     /// per disk (the BPF side sends only the dev_t), else `major:minor`.
     fn disk_name(&mut self, dev: u32) -> Name {
+        if let Some((d, n)) = &self.last_disk {
+            if *d == dev {
+                return n.clone();
+            }
+        }
         if let Some(n) = self.disks.get(&dev) {
+            self.last_disk = Some((dev, n.clone()));
             return n.clone();
         }
         let (maj, min) = (dev >> 20, dev & 0xf_ffff);
@@ -207,7 +227,7 @@ impl Decoder {
             head: (r.has_head != 0).then_some(r.head),
             pid: r.pid,
             tid: r.tid,
-            comm: cstr(&r.comm).into(),
+            comm: cstr(&r.comm),
             cgroup_id: r.cgroup_id,
             inode: r.inode,
             file_offset: (r.has_file_offset != 0).then_some(r.file_offset),
@@ -409,7 +429,7 @@ mod tests {
             (4096, 4096, 12, Some(8192))
         );
         assert_eq!(
-            io.requests,
+            io.requests.to_vec(),
             vec![RqRef {
                 disk: "vdb".into(),
                 sector: 2048,

@@ -34,23 +34,27 @@ impl Sink {
     /// One host element: statistics, outputs, then the join (which keeps it).
     pub fn elem(&mut self, e: HostElem) {
         self.records += 1;
-        let b = viotrace_shared::join::host_breakdown(&e);
+        let label = self.label.get(&e.vm, &e.device);
         // In joined mode the end-to-end records carry these stages (source="joined"):
         // recording them per element too would double the exporter's cost.
-        if let Some(m) = self.metrics.as_mut().filter(|_| self.joined.is_none()) {
-            let (q, op) = (Some(e.queue), e.op);
-            m.record(
-                "host", &e.vm, &e.device, q, op, e.bytes, &b.stages, b.total_ns, true,
-            );
-        }
-        let label = self.label.get(&e.vm, &e.device);
-        // into the interval only: the totals take whole intervals (drain_into)
-        self.interval.record_breakdown(label, &b);
+        // Into the interval only: the totals take whole intervals (drain_into).
+        let total_ns = match self.metrics.as_mut().filter(|_| self.joined.is_none()) {
+            Some(m) => {
+                let b = viotrace_shared::join::host_breakdown(&e);
+                let (q, op) = (Some(e.queue), e.op);
+                m.record(
+                    "host", &e.vm, &e.device, q, op, e.bytes, &b.stages, b.total_ns, true,
+                );
+                self.interval.record_breakdown(label, &b);
+                b.total_ns
+            }
+            None => self.interval.record_points(label, &e.ts),
+        };
         if self.json {
             let _ = self.out.write(&e);
         }
         if let Some(th) = self.threshold_ns {
-            if b.total_ns.is_some_and(|t| t >= 0 && t as u64 >= th) {
+            if total_ns.is_some_and(|t| t >= 0 && t as u64 >= th) {
                 let header = format!(
                     "slow element: vm={} disk={} q{} head={} {} sector={} bytes={} backend={:?} merge_id={} status={} at {}",
                     e.vm,

@@ -37,7 +37,7 @@ fn io() -> GuestIo {
         file_offset: None,
         bytes: 4096,
         ret: 4096,
-        requests: vec![RqRef {
+        requests: smallvec::smallvec![RqRef {
             disk: "vda".into(),
             sector: 8,
             bytes: 4096,

@@ -70,6 +70,8 @@ impl fmt::Display for Op {
     }
 }
 
+use smallvec::SmallVec;
+
 /// A short label: VM, disk, device or task name. Inline up to 24 bytes, so a
 /// record's labels cost no allocation on the per-I/O path.
 pub type Name = compact_str::CompactString;
@@ -114,7 +116,7 @@ pub struct GuestRq {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GuestIo {
     /// Syscall name (`read`, `pwrite64`, `fsync`, `io_submit`, `io_uring_enter`, …).
-    pub syscall: String,
+    pub syscall: Name,
     /// Wall-clock time (RFC 3339 UTC) of the record's first point: the host's
     /// `CLOCK_REALTIME` for host and joined records, the guest's for guest records
     /// (see `walltime`). Absent when no point could be mapped.
@@ -122,7 +124,7 @@ pub struct GuestIo {
     pub time: Option<crate::walltime::WallTime>,
     pub pid: u32,
     pub tid: u32,
-    pub comm: String,
+    pub comm: Name,
     pub cgroup_id: u64,
     pub inode: u64,
     pub file_offset: Option<u64>,
@@ -131,7 +133,7 @@ pub struct GuestIo {
     /// Return value of the syscall.
     pub ret: i64,
     /// Block requests this syscall caused, as `(disk, sector)` pairs matching `guest_rq` records.
-    pub requests: Vec<RqRef>,
+    pub requests: SmallVec<[RqRef; 1]>,
     pub ts: Points,
     /// Where its time off the CPU went (guest agent with `-t`; absent otherwise).
     #[serde(default)]

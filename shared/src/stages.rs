@@ -224,35 +224,57 @@ fn diff(a: u64, b: u64) -> i64 {
 /// Derives the breakdown from a point set (joined, guest-only or host-only;
 /// all points must be in one clock domain).
 pub fn derive(ts: &Points) -> Breakdown {
-    let get = |p: Point| ts.get(p);
+    let mut stages = SmallVec::new();
+    let (total_ns, start_ns) = visit_stages(ts, |name, ns| stages.push((Cow::Borrowed(name), ns)));
+    let mut substages = SmallVec::new();
+    for (name, a, b) in SUBSTAGES {
+        if let (Some(x), Some(y)) = (ts.get(*a), ts.get(*b)) {
+            substages.push((Cow::Borrowed(*name), diff(x, y)));
+        }
+    }
+    Breakdown {
+        stages: Stages(stages),
+        substages: Stages(substages),
+        total_ns,
+        start_ns,
+    }
+}
+
+/// The stages of [`derive`], handed to `stage` in path order as they are
+/// found (nothing is built: the statistics' per-record path). Returns the
+/// total and the time of the first anchor.
+pub fn visit_stages(
+    ts: &Points,
+    mut stage: impl FnMut(&'static str, i64),
+) -> (Option<i64>, Option<u64>) {
     // Resolve anchors (with stand-ins, each point used at most once).
     let mut present: [Option<u64>; 11] = [None; 11];
-    let mut used: [Option<Point>; 11] = [None; 11];
+    // Points already used as an anchor, by id (ids are < 64).
+    let mut used = 0u64;
     for (i, (p, alts)) in ANCHORS.iter().enumerate() {
-        if let Some(t) = get(*p) {
+        if let Some(t) = ts.get(*p) {
             present[i] = Some(t);
-            used[i] = Some(*p);
+            used |= 1 << (*p as u8);
             continue;
         }
         for a in alts.iter() {
             // A point stands in at most once (g.driver_complete serves two anchors).
-            if used.contains(&Some(*a)) {
+            if used & (1 << (*a as u8)) != 0 {
                 continue;
             }
-            if let Some(t) = get(*a) {
+            if let Some(t) = ts.get(*a) {
                 present[i] = Some(t);
-                used[i] = Some(*a);
+                used |= 1 << (*a as u8);
                 break;
             }
         }
     }
-    let mut stages = SmallVec::new();
     let mut first: Option<(usize, u64)> = None;
     let mut prev: Option<(usize, u64)> = None;
     for (j, t) in present.iter().enumerate() {
         let Some(t) = *t else { continue };
         if let Some((i, pt)) = prev {
-            stages.push((Cow::Borrowed(stage_name(i, j)), diff(pt, t)));
+            stage(stage_name(i, j), diff(pt, t));
         }
         if first.is_none() {
             first = Some((j, t));
@@ -263,18 +285,7 @@ pub fn derive(ts: &Points) -> Breakdown {
         (Some((i, a)), Some((j, b))) if j > i => Some(diff(a, b)),
         _ => None,
     };
-    let mut substages = SmallVec::new();
-    for (name, a, b) in SUBSTAGES {
-        if let (Some(x), Some(y)) = (get(*a), get(*b)) {
-            substages.push((Cow::Borrowed(*name), diff(x, y)));
-        }
-    }
-    Breakdown {
-        stages: Stages(stages),
-        substages: Stages(substages),
-        total_ns,
-        start_ns: first.map(|f| f.1),
-    }
+    (total_ns, first.map(|f| f.1))
 }
 
 #[cfg(test)]

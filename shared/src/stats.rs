@@ -6,6 +6,7 @@
 //! agents' own tables and the joined table use one vocabulary, plus
 //! [`TOTAL_STAGE`]. [`render_waterfall`] draws one record's points on a time line.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -89,10 +90,17 @@ impl PairLabel {
     }
 }
 
+/// Equal names: the same static text (one address comparison), else equal text.
+fn same(a: &str, b: &str) -> bool {
+    std::ptr::eq(a, b) || a == b
+}
+
 /// Histograms of one label, stages in first-seen order.
 #[derive(Clone, Debug, Default)]
 struct LabelStats {
-    stages: Vec<(String, StageHist)>,
+    /// Names from the stage derivation stay borrowed: a record's stage is
+    /// then found by its name's address, without comparing the text.
+    stages: Vec<(Cow<'static, str>, StageHist)>,
 }
 
 impl LabelStats {
@@ -106,13 +114,28 @@ impl LabelStats {
     /// slot after the previous stage's first makes a record's lookups one
     /// comparison each instead of a scan per stage.
     fn stage_index(&mut self, stage: &str, hint: usize) -> usize {
-        if self.stages.get(hint).is_some_and(|(s, _)| s == stage) {
+        self.index_or_add(stage, hint, || Cow::Owned(stage.to_owned()))
+    }
+
+    /// [`Self::stage_index`] for a derived name (kept borrowed when added).
+    #[allow(clippy::ptr_arg)] // the Cow is what is kept: a borrowed name stays borrowed
+    fn stage_index_cow(&mut self, stage: &Cow<'static, str>, hint: usize) -> usize {
+        self.index_or_add(stage, hint, || stage.clone())
+    }
+
+    fn index_or_add(
+        &mut self,
+        stage: &str,
+        hint: usize,
+        name: impl FnOnce() -> Cow<'static, str>,
+    ) -> usize {
+        if self.stages.get(hint).is_some_and(|(s, _)| same(s, stage)) {
             return hint;
         }
-        match self.stages.iter().position(|(s, _)| s == stage) {
+        match self.stages.iter().position(|(s, _)| same(s, stage)) {
             Some(i) => i,
             None => {
-                self.stages.push((stage.to_owned(), StageHist::new()));
+                self.stages.push((name(), StageHist::new()));
                 self.stages.len() - 1
             }
         }
@@ -144,8 +167,20 @@ impl Aggregator {
 
     /// Records the stages of a record's points (see [`crate::stages::derive`])
     /// and its total under `label`.
-    pub fn record_points(&mut self, label: &str, points: &Points) {
-        self.record_breakdown(label, &crate::stages::derive(points));
+    /// Returns the total (as [`crate::stages::derive`] computes it).
+    pub fn record_points(&mut self, label: &str, points: &Points) -> Option<i64> {
+        let ls = self.label_mut(label);
+        let mut hint = 0;
+        let (total, _) = crate::stages::visit_stages(points, |name, ns| {
+            let i = ls.index_or_add(name, hint, || Cow::Borrowed(name));
+            ls.stages[i].1.record(ns.max(0) as u64);
+            hint = i + 1;
+        });
+        if let Some(t) = total {
+            let i = ls.index_or_add(TOTAL_STAGE, hint, || Cow::Borrowed(TOTAL_STAGE));
+            ls.stages[i].1.record(t.max(0) as u64);
+        }
+        total
     }
 
     /// Records a derived breakdown's stages (a negative cross-clock stage counts
@@ -159,13 +194,13 @@ impl Aggregator {
     pub fn record_stages(&mut self, label: &str, stages: &Stages, total_ns: Option<i64>) {
         let ls = self.label_mut(label);
         let mut hint = 0;
-        for (name, ns) in stages.iter() {
-            let i = ls.stage_index(name, hint);
-            ls.stages[i].1.record(ns.max(0) as u64);
+        for (name, ns) in stages.0.iter() {
+            let i = ls.stage_index_cow(name, hint);
+            ls.stages[i].1.record((*ns).max(0) as u64);
             hint = i + 1;
         }
         if let Some(t) = total_ns {
-            let i = ls.stage_index(TOTAL_STAGE, hint);
+            let i = ls.stage_index_cow(&Cow::Borrowed(TOTAL_STAGE), hint);
             ls.stages[i].1.record(t.max(0) as u64);
         }
     }
@@ -192,7 +227,7 @@ impl Aggregator {
         for (label, theirs) in &other.labels {
             let mine = &mut self.labels.entry(label.clone()).or_default().stages;
             for (stage, h) in &theirs.stages {
-                match mine.iter_mut().find(|(s, _)| s == stage) {
+                match mine.iter_mut().find(|(s, _)| same(s, stage)) {
                     Some((_, m)) => {
                         // Both histograms share bounds, so add cannot fail.
                         let _ = m.hist.add(&h.hist);
@@ -211,7 +246,7 @@ impl Aggregator {
             .flat_map(|(l, st)| {
                 st.stages.iter().map(move |(s, h)| StageSummary {
                     label: l.clone(),
-                    stage: s.clone(),
+                    stage: s.to_string(),
                     summary: h.summary(),
                 })
             })
@@ -249,7 +284,7 @@ impl Aggregator {
                 "  {label}\n    {:<width$} {:>9} {:>10} {:>10} {:>10} {:>10}",
                 "stage", "count", "mean", "p50", "p99", "max"
             );
-            let mut rows: Vec<&(String, StageHist)> = stages.stages.iter().collect();
+            let mut rows: Vec<&(Cow<'static, str>, StageHist)> = stages.stages.iter().collect();
             rows.sort_by_key(|(name, _)| stage_rank(name));
             for (stage, h) in rows {
                 let s = h.summary();

@@ -28,7 +28,7 @@ struct Class {
 /// The guest agent's syscall verdicts.
 #[derive(Debug)]
 pub struct SyscallVerdicts {
-    classes: HashMap<(String, String, u8), Class>,
+    classes: HashMap<(crate::record::Name, crate::record::Name, u8), Class>,
     threshold_ns: i64,
     interval: BTreeMap<(CauseKind, String), u64>,
     /// Syscalls judged slow, in all.
@@ -184,7 +184,7 @@ mod tests {
             file_offset: None,
             bytes: 4096,
             ret: 4096,
-            requests: Vec::new(),
+            requests: Default::default(),
             ts,
             off_cpu: Some(OffCpu {
                 runnable_ns: runnable,
@@ -244,7 +244,7 @@ mod tests {
         let mut v = SyscallVerdicts::new(1);
         for k in 0..(MAX_SYSCALL_CLASSES + 3) {
             let mut i = io(10, 0, 0);
-            i.comm = format!("c{k}");
+            i.comm = compact_str::format_compact!("c{k}");
             v.judge(&mut i);
         }
         assert_eq!(v.classes_refused, 3);

@@ -186,7 +186,7 @@ impl Sink {
             Record::Rq(r) => {
                 self.on_rq(&r);
                 if let Some(u) = &self.uplink {
-                    u.send_rq(*r);
+                    u.send_rq(&r);
                 }
             }
             Record::Io(mut io) => {

@@ -273,7 +273,7 @@ fn bench_transport(c: &mut Criterion) {
             |recs| {
                 let target = got.load(Ordering::Relaxed) + recs.len() as u64;
                 for r in recs {
-                    sender.send_rq(r);
+                    sender.send_rq(&r);
                 }
                 while got.load(Ordering::Relaxed) < target {
                     std::thread::yield_now();

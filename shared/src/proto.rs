@@ -116,6 +116,14 @@ pub enum GuestRecord {
     Io(GuestIo),
 }
 
+/// A [`GuestRecord`] by reference: the same encoding, without moving the
+/// record into one (the guest's uplink encodes what its statistics just read).
+#[derive(Serialize)]
+pub enum GuestRecordRef<'a> {
+    Rq(&'a GuestRq),
+    Io(&'a GuestIo),
+}
+
 /// A named guest counter (probe drops, full maps, transport losses…).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counter {
@@ -473,7 +481,21 @@ pub fn check_version(got: u16) -> Result<(), ProtoError> {
 
 /// Encodes one record once, as it appears inside a [`Message::Batch`].
 pub fn encode_record(rec: &GuestRecord) -> Result<Vec<u8>, ProtoError> {
-    let v = postcard::to_allocvec(rec).map_err(ProtoError::Encode)?;
+    let r = match rec {
+        GuestRecord::Rq(x) => GuestRecordRef::Rq(x),
+        GuestRecord::Io(x) => GuestRecordRef::Io(x),
+    };
+    encode_record_ref(&r)
+}
+
+/// [`encode_record`] of a record the caller keeps.
+pub fn encode_record_ref(rec: &GuestRecordRef<'_>) -> Result<Vec<u8>, ProtoError> {
+    // Room for a usual record from the start: growing the vector while
+    // encoding reallocated it several times per record.
+    let mut v =
+        postcard::to_extend(rec, Vec::with_capacity(ENCODED_GUESS)).map_err(ProtoError::Encode)?;
+    // (in place: the queue's byte budget counts what is really held)
+    v.shrink_to_fit();
     if v.len() + BATCH_OVERHEAD > MAX_FRAME {
         return Err(ProtoError::Oversized {
             len: v.len(),
@@ -482,6 +504,9 @@ pub fn encode_record(rec: &GuestRecord) -> Result<Vec<u8>, ProtoError> {
     }
     Ok(v)
 }
+
+/// A usual encoded request record's size, with room (task and disk names vary).
+const ENCODED_GUESS: usize = 160;
 
 /// Most bytes a batch frame adds around its encoded records (length prefix,
 /// tag, two varints).

@@ -256,6 +256,19 @@ fn decoder_continues_after_a_bad_payload() {
 }
 
 #[test]
+fn records_encode_the_same_by_reference() {
+    for rec in [GuestRecord::Rq(rq(3)), GuestRecord::Io(io())] {
+        let want = postcard::to_allocvec(&rec).unwrap();
+        assert_eq!(encode_record(&rec).unwrap(), want);
+        let r = match &rec {
+            GuestRecord::Rq(x) => GuestRecordRef::Rq(x),
+            GuestRecord::Io(x) => GuestRecordRef::Io(x),
+        };
+        assert_eq!(encode_record_ref(&r).unwrap(), want);
+    }
+}
+
+#[test]
 fn batch_frames_from_pre_encoded_records_equal_postcard() {
     let recs: Vec<GuestRecord> = (0..300).map(|i| GuestRecord::Rq(rq(i))).collect();
     let enc: Vec<Vec<u8>> = recs.iter().map(|r| encode_record(r).unwrap()).collect();

@@ -57,7 +57,7 @@ async fn guest_records_cross_the_socket_and_join_with_a_measured_clock() {
     while received < s.guest.len() {
         // Send the guest records once the clock has a few samples.
         if !sent && samples >= 10 {
-            for g in s.guest.iter().cloned() {
+            for g in &s.guest {
                 sender.send_rq(g);
             }
             sent = true;

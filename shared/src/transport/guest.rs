@@ -19,8 +19,8 @@ use super::stream::Conn;
 use super::Endpoint;
 use crate::clock::monotonic_ns;
 use crate::proto::{
-    self, batch_frame, encode_frame_into, encode_record, GuestRecord, GuestStats, Hello, Message,
-    ProtoError, PROTOCOL_VERSION,
+    self, batch_frame, encode_frame_into, encode_record_ref, GuestRecord, GuestRecordRef,
+    GuestStats, Hello, Message, ProtoError, PROTOCOL_VERSION,
 };
 use crate::record::GuestRq;
 
@@ -251,8 +251,16 @@ impl GuestSender {
 
     /// Offers one record: numbered and buffered, or refused and counted.
     pub fn send(&self, rec: &GuestRecord) {
+        match rec {
+            GuestRecord::Rq(r) => self.send_ref(&GuestRecordRef::Rq(r)),
+            GuestRecord::Io(r) => self.send_ref(&GuestRecordRef::Io(r)),
+        }
+    }
+
+    /// [`Self::send`] of a record the caller keeps (it is encoded at once).
+    pub fn send_ref(&self, rec: &GuestRecordRef<'_>) {
         let sh = &self.shared;
-        let Ok(bytes) = encode_record(rec) else {
+        let Ok(bytes) = encode_record_ref(rec) else {
             // Larger than any frame: it can never be delivered.
             sh.count(&sh.c.dropped_full, 1);
             return;
@@ -278,8 +286,8 @@ impl GuestSender {
         }
     }
 
-    pub fn send_rq(&self, rq: GuestRq) {
-        self.send(&GuestRecord::Rq(rq));
+    pub fn send_rq(&self, rq: &GuestRq) {
+        self.send_ref(&GuestRecordRef::Rq(rq));
     }
 
     /// Queues a statistics snapshot (replaces an unsent one); the sender's own

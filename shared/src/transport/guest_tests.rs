@@ -87,7 +87,7 @@ fn guest_sender_against_a_std_host() {
     let lis = UnixListener::bind(&path).unwrap();
     let tx = GuestSender::start(fast_cfg(Endpoint::Unix(path.clone()))).unwrap();
     for i in 0..5000 {
-        tx.send_rq(rq(i));
+        tx.send_rq(&rq(i));
     }
     let (mut s, h) = accept_hello(&lis, None);
     assert_eq!(h.protocol_version, PROTOCOL_VERSION);
@@ -157,7 +157,7 @@ fn buffer_is_bounded_before_the_first_connection() {
     cfg.max_buffered = 100;
     let tx = GuestSender::start(cfg).unwrap();
     for i in 0..150 {
-        tx.send_rq(rq(i));
+        tx.send_rq(&rq(i));
     }
     std::thread::sleep(Duration::from_millis(60));
     let st = tx.stats();
@@ -185,7 +185,7 @@ fn unacknowledged_records_are_resent_after_a_reconnection() {
     let lis = UnixListener::bind(&path).unwrap();
     let tx = GuestSender::start(fast_cfg(Endpoint::Unix(path.clone()))).unwrap();
     for i in 0..3000 {
-        tx.send_rq(rq(i));
+        tx.send_rq(&rq(i));
     }
     let (mut s, h1) = accept_hello(&lis, None);
     // Take everything, acknowledge nothing, and drop the connection.
@@ -211,7 +211,7 @@ fn unacknowledged_at_exit_is_counted() {
     let lis = UnixListener::bind(&path).unwrap();
     let tx = GuestSender::start(fast_cfg(Endpoint::Unix(path.clone()))).unwrap();
     for i in 0..10 {
-        tx.send_rq(rq(i));
+        tx.send_rq(&rq(i));
     }
     let (mut s, _) = accept_hello(&lis, None);
     read_records(&mut s, 10, false);
@@ -231,7 +231,7 @@ fn a_silent_connection_is_given_up_and_records_resent() {
     cfg.dead_after = Duration::from_millis(300);
     let tx = GuestSender::start(cfg).unwrap();
     for i in 0..100 {
-        tx.send_rq(rq(i));
+        tx.send_rq(&rq(i));
     }
     let t = Instant::now();
     let (_silent, _) = accept_hello(&lis, None);

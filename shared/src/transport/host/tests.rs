@@ -71,8 +71,8 @@ async fn serves_guests_and_survives_a_bad_one() {
     let a = GuestSender::start(fast_cfg(Endpoint::Unix(p1.clone()))).unwrap();
     let b = GuestSender::start(fast_cfg(Endpoint::Unix(p2.clone()))).unwrap();
     for i in 0..3000 {
-        a.send_rq(rq(i));
-        b.send_rq(rq(i));
+        a.send_rq(&rq(i));
+        b.send_rq(&rq(i));
     }
     let mut recs: HashMap<String, usize> = HashMap::new();
     let (mut guest_clock, mut host_clock, mut bad_dropped) = (0, 0, false);
@@ -267,7 +267,7 @@ async fn faults_between_guest_and_host_lose_nothing_and_are_counted() {
     let total = 20_000u64;
     let feeder = tokio::task::spawn_blocking(move || {
         for i in 0..total {
-            g.send_rq(rq(i));
+            g.send_rq(&rq(i));
             if i % 500 == 0 {
                 std::thread::sleep(Duration::from_millis(20));
             }
@@ -330,7 +330,7 @@ async fn a_flooding_guest_is_throttled_and_the_other_vm_is_served() {
     let flooder = tokio::task::spawn_blocking(move || {
         let mut i = 0;
         while !s2.load(Ordering::Relaxed) {
-            flood.send_rq(rq(i));
+            flood.send_rq(&rq(i));
             i += 1;
         }
         flood
@@ -346,7 +346,7 @@ async fn a_flooding_guest_is_throttled_and_the_other_vm_is_served() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     for i in 0..500 {
-        quiet.send_rq(rq(i));
+        quiet.send_rq(&rq(i));
     }
     until(&mut inbox, |e| {
         if let EventKind::Records { records, .. } = e.kind {

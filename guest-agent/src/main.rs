@@ -196,6 +196,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     let filters = resolve_filters(&cli)?;
 
+    transport::one_heap_arena();
     // (before the agent has a mount namespace of its own: mounted for everyone)
     kernel::ensure_tracefs();
     // While the BPF programs load, libbpf maps the kernel's BTF instead of

@@ -114,7 +114,7 @@ fn main() {
 /// most 100 ms: BPF wakes us only when it fills up, a wakeup per record would
 /// cost QEMU's thread), then the app's periodic work.
 fn run() -> Result<()> {
-    tracer::one_heap_arena();
+    viotrace_shared::transport::one_heap_arena();
     let cli = Cli::parse();
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGINT);

@@ -462,19 +462,6 @@ pub fn trim_heap() {
     }
 }
 
-/// One malloc arena for the whole agent. The network thread allocates the
-/// guests' decoded records and the main thread frees them after the join: with
-/// an arena per thread, each keeps its own high-water mark of free pages. The
-/// two threads rarely allocate at the same moment, so sharing costs nothing.
-pub fn one_heap_arena() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt only sets a tunable of glibc's allocator, before any other
-    // thread exists; it touches no memory Rust owns.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

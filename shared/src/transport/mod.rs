@@ -108,6 +108,21 @@ pub fn hybrid_vsock_path(uds_path: &Path, port: u32) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// One malloc arena for the whole agent, called before any other thread
+/// exists. The agents' network threads free what their main threads allocate
+/// (the guest's encoded records once acknowledged) or the other way round
+/// (the host's decoded guest records after the join): with an arena per
+/// thread, each keeps its own high-water mark of free pages. The threads
+/// rarely allocate at the same moment, so sharing costs nothing.
+pub fn one_heap_arena() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets a tunable of glibc's allocator, before any other
+    // thread exists; it touches no memory Rust owns.
+    unsafe {
+        nix::libc::mallopt(nix::libc::M_ARENA_MAX, 1);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -25,12 +25,19 @@ const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
 pub struct MappableBtf {
     /// The private tmpfs holding the copy (an empty directory outside this process).
     dir: PathBuf,
+    /// What is mounted, in this process's own namespace only: only that is undone.
+    tmpfs: bool,
+    bound: bool,
 }
 
 impl Drop for MappableBtf {
     fn drop(&mut self) {
-        let _ = umount2(VMLINUX_BTF, MntFlags::MNT_DETACH);
-        let _ = umount2(&self.dir, MntFlags::MNT_DETACH);
+        if self.bound {
+            let _ = umount2(VMLINUX_BTF, MntFlags::MNT_DETACH);
+        }
+        if self.tmpfs {
+            let _ = umount2(&self.dir, MntFlags::MNT_DETACH);
+        }
         let _ = std::fs::remove_dir(&self.dir);
     }
 }
@@ -64,8 +71,12 @@ pub fn mappable_vmlinux_btf() -> Outcome {
     if let Err(e) = std::fs::create_dir(&dir) {
         return Outcome::Skipped(format!("{}: {e}", dir.display()));
     }
-    let guard = MappableBtf { dir };
-    match bind_copy(f, &guard.dir) {
+    let mut guard = MappableBtf {
+        dir,
+        tmpfs: false,
+        bound: false,
+    };
+    match bind_copy(f, &mut guard) {
         Ok(()) => Outcome::Bound(guard),
         Err(e) => Outcome::Skipped(e), // (the guard undoes what was done)
     }
@@ -89,9 +100,10 @@ fn kernel_maps(f: &File) -> std::io::Result<bool> {
     }
 }
 
-/// In a mount namespace of this process: a tmpfs on `dir`, the BTF copied
-/// into it, and the copy bound over the kernel's file.
-fn bind_copy(mut src: File, dir: &Path) -> Result<(), String> {
+/// In a mount namespace of this process: a tmpfs on the guard's directory,
+/// the BTF copied into it, and the copy bound over the kernel's file.
+fn bind_copy(mut src: File, g: &mut MappableBtf) -> Result<(), String> {
+    let dir = &g.dir.clone();
     unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("own mount namespace: {e}"))?;
     // Nothing mounted here may reach the host's namespace.
     let none: Option<&str> = None;
@@ -105,10 +117,13 @@ fn bind_copy(mut src: File, dir: &Path) -> Result<(), String> {
         Some("mode=0700"),
     )
     .map_err(|e| format!("tmpfs on {}: {e}", dir.display()))?;
+    g.tmpfs = true;
     let copy = dir.join("vmlinux");
     let mut dst = File::create(&copy).map_err(|e| format!("{}: {e}", copy.display()))?;
     std::io::copy(&mut src, &mut dst).map_err(|e| format!("copying {VMLINUX_BTF}: {e}"))?;
     drop(dst);
     mount(Some(&copy), VMLINUX_BTF, none, MsFlags::MS_BIND, none)
-        .map_err(|e| format!("binding the copy over {VMLINUX_BTF}: {e}"))
+        .map_err(|e| format!("binding the copy over {VMLINUX_BTF}: {e}"))?;
+    g.bound = true;
+    Ok(())
 }

@@ -67,8 +67,24 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, void *data)
 	__u64 vk = (__u64)vq;
 	__u16 head = 0;
 
-	if (!st)
-		return;
+	if (!st) {
+		/*
+		 * block_rq_issue's program did not run for this request: the kernel
+		 * skips a run that would nest in another on the same CPU (counted,
+		 * bpf_runs_lost). When virtio_queue_rq stamped exactly this request
+		 * on this CPU, it is a virtio-blk request: it is tracked from here,
+		 * without g.rq_issue, instead of being lost.
+		 */
+		__u64 queued = cpu_stamp_get(&queue_rq_stamps, (void *)key, true);
+
+		if (!queued)
+			return;
+		st = rq_track((struct request *)key);
+		if (!st)
+			return;
+		st->ev.ts[P_QUEUE_RQ] = queued;
+		rq_absorb((struct request *)key, st);
+	}
 	st->ev.ts[P_VQ_ADD] = bpf_ktime_get_ns();
 	st->ev.queue = BPF_CORE_READ(vq, index);
 	st->ev.has_queue = 1;

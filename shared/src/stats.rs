@@ -117,10 +117,19 @@ impl LabelStats {
         self.index_or_add(stage, hint, || Cow::Owned(stage.to_owned()))
     }
 
-    /// [`Self::stage_index`] for a derived name (kept borrowed when added).
-    #[allow(clippy::ptr_arg)] // the Cow is what is kept: a borrowed name stays borrowed
-    fn stage_index_cow(&mut self, stage: &Cow<'static, str>, hint: usize) -> usize {
-        self.index_or_add(stage, hint, || stage.clone())
+    /// Records one value of a record's stage `stage` (a negative cross-clock
+    /// stage counts as 0), found from `hint` and named by `name()` when new;
+    /// returns the hint for the record's next stage.
+    fn record_at(
+        &mut self,
+        stage: &str,
+        hint: usize,
+        name: impl FnOnce() -> Cow<'static, str>,
+        ns: i64,
+    ) -> usize {
+        let i = self.index_or_add(stage, hint, name);
+        self.stages[i].1.record(ns.max(0) as u64);
+        i + 1
     }
 
     fn index_or_add(
@@ -166,19 +175,15 @@ impl Aggregator {
     }
 
     /// Records the stages of a record's points (see [`crate::stages::derive`])
-    /// and its total under `label`.
-    /// Returns the total (as [`crate::stages::derive`] computes it).
+    /// and its total under `label`; returns the total.
     pub fn record_points(&mut self, label: &str, points: &Points) -> Option<i64> {
         let ls = self.label_mut(label);
         let mut hint = 0;
         let (total, _) = crate::stages::visit_stages(points, |name, ns| {
-            let i = ls.index_or_add(name, hint, || Cow::Borrowed(name));
-            ls.stages[i].1.record(ns.max(0) as u64);
-            hint = i + 1;
+            hint = ls.record_at(name, hint, || Cow::Borrowed(name), ns);
         });
         if let Some(t) = total {
-            let i = ls.index_or_add(TOTAL_STAGE, hint, || Cow::Borrowed(TOTAL_STAGE));
-            ls.stages[i].1.record(t.max(0) as u64);
+            ls.record_at(TOTAL_STAGE, hint, || Cow::Borrowed(TOTAL_STAGE), t);
         }
         total
     }
@@ -195,13 +200,10 @@ impl Aggregator {
         let ls = self.label_mut(label);
         let mut hint = 0;
         for (name, ns) in stages.0.iter() {
-            let i = ls.stage_index_cow(name, hint);
-            ls.stages[i].1.record((*ns).max(0) as u64);
-            hint = i + 1;
+            hint = ls.record_at(name, hint, || name.clone(), *ns);
         }
         if let Some(t) = total_ns {
-            let i = ls.stage_index_cow(&Cow::Borrowed(TOTAL_STAGE), hint);
-            ls.stages[i].1.record(t.max(0) as u64);
+            ls.record_at(TOTAL_STAGE, hint, || Cow::Borrowed(TOTAL_STAGE), t);
         }
     }
 

@@ -208,7 +208,7 @@ impl Decoder {
 
     fn decode_rq(&mut self, b: &[u8]) -> Result<GuestRq, DecodeError> {
         let r: vt_rq_event = cast(b)?;
-        let mut ts = Points::with_capacity(self.slots.len());
+        let mut ts = Points::new();
         for (slot, &t) in r.ts.iter().enumerate() {
             if let Some(Some(p)) = self.slots.get(slot) {
                 ts.set_nonzero(*p, t);
@@ -240,7 +240,7 @@ impl Decoder {
 
     fn decode_io(&mut self, b: &[u8]) -> Result<GuestIo, DecodeError> {
         let r: vt_io_event = cast(b)?;
-        let mut ts = Points::with_capacity(2);
+        let mut ts = Points::new();
         ts.set_nonzero(Point::SyscallEnter, r.enter_ts);
         ts.set_nonzero(Point::SyscallExit, r.exit_ts);
         let nrefs = (r.nrefs as usize).min(MAX_REFS);

@@ -115,11 +115,6 @@ impl Points {
         Self::default()
     }
 
-    /// Empty (kept for callers that size their sets; a set is inline).
-    pub fn with_capacity(_n: usize) -> Self {
-        Self::default()
-    }
-
     /// Sets (or replaces) a point.
     #[inline]
     pub fn set(&mut self, p: Point, ns: u64) {

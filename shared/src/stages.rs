@@ -146,12 +146,6 @@ const INLINE_STAGES: usize = 10;
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Stages(pub SmallVec<[(Cow<'static, str>, i64); INLINE_STAGES]>);
 
-impl FromIterator<(Cow<'static, str>, i64)> for Stages {
-    fn from_iter<I: IntoIterator<Item = (Cow<'static, str>, i64)>>(iter: I) -> Self {
-        Stages(iter.into_iter().collect())
-    }
-}
-
 impl Stages {
     pub fn get(&self, name: &str) -> Option<i64> {
         self.0.iter().find(|(n, _)| n == name).map(|e| e.1)

@@ -184,7 +184,6 @@ impl JoinEngine {
         if !v.bindings.iter().any(|(d, _)| *d == rq.disk) {
             v.bindings.push((rq.disk.clone(), el.device.clone()));
         }
-        // Guest point ids sort before host ones: appending keeps the set sorted.
         // Without any time relation (no causal points at all) only the host
         // points are kept.
         let host_ts = std::mem::take(&mut el.ts);

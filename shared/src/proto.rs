@@ -124,6 +124,16 @@ pub enum GuestRecordRef<'a> {
     Io(&'a GuestIo),
 }
 
+impl GuestRecord {
+    /// This record by reference (the same encoding).
+    pub fn borrowed(&self) -> GuestRecordRef<'_> {
+        match self {
+            GuestRecord::Rq(x) => GuestRecordRef::Rq(x),
+            GuestRecord::Io(x) => GuestRecordRef::Io(x),
+        }
+    }
+}
+
 /// A named guest counter (probe drops, full maps, transport losses…).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counter {
@@ -481,11 +491,7 @@ pub fn check_version(got: u16) -> Result<(), ProtoError> {
 
 /// Encodes one record once, as it appears inside a [`Message::Batch`].
 pub fn encode_record(rec: &GuestRecord) -> Result<Vec<u8>, ProtoError> {
-    let r = match rec {
-        GuestRecord::Rq(x) => GuestRecordRef::Rq(x),
-        GuestRecord::Io(x) => GuestRecordRef::Io(x),
-    };
-    encode_record_ref(&r)
+    encode_record_ref(&rec.borrowed())
 }
 
 /// [`encode_record`] of a record the caller keeps.

@@ -260,11 +260,7 @@ fn records_encode_the_same_by_reference() {
     for rec in [GuestRecord::Rq(rq(3)), GuestRecord::Io(io())] {
         let want = postcard::to_allocvec(&rec).unwrap();
         assert_eq!(encode_record(&rec).unwrap(), want);
-        let r = match &rec {
-            GuestRecord::Rq(x) => GuestRecordRef::Rq(x),
-            GuestRecord::Io(x) => GuestRecordRef::Io(x),
-        };
-        assert_eq!(encode_record_ref(&r).unwrap(), want);
+        assert_eq!(encode_record_ref(&rec.borrowed()).unwrap(), want);
     }
 }
 

@@ -251,10 +251,7 @@ impl GuestSender {
 
     /// Offers one record: numbered and buffered, or refused and counted.
     pub fn send(&self, rec: &GuestRecord) {
-        match rec {
-            GuestRecord::Rq(r) => self.send_ref(&GuestRecordRef::Rq(r)),
-            GuestRecord::Io(r) => self.send_ref(&GuestRecordRef::Io(r)),
-        }
+        self.send_ref(&rec.borrowed())
     }
 
     /// [`Self::send`] of a record the caller keeps (it is encoded at once).

@@ -103,7 +103,7 @@ fn kernel_maps(f: &File) -> std::io::Result<bool> {
 /// In a mount namespace of this process: a tmpfs on the guard's directory,
 /// the BTF copied into it, and the copy bound over the kernel's file.
 fn bind_copy(mut src: File, g: &mut MappableBtf) -> Result<(), String> {
-    let dir = &g.dir.clone();
+    let dir = g.dir.clone();
     unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("own mount namespace: {e}"))?;
     // Nothing mounted here may reach the host's namespace.
     let none: Option<&str> = None;
@@ -111,7 +111,7 @@ fn bind_copy(mut src: File, g: &mut MappableBtf) -> Result<(), String> {
         .map_err(|e| format!("mount propagation: {e}"))?;
     mount(
         Some("tmpfs"),
-        dir,
+        &dir,
         Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
         Some("mode=0700"),

@@ -13,6 +13,15 @@ fn run_guest(name: &str, cfg: VmConfig, workload: &str) -> RunResult {
     r
 }
 
+/// KNOWN_IO in the default guest, the agent run with `args`.
+fn run_known_io(name: &str, args: &str) -> RunResult {
+    let cfg = VmConfig {
+        guest_args: args.into(),
+        ..VmConfig::default()
+    };
+    run_guest(name, cfg, KNOWN_IO)
+}
+
 /// The guest's block requests, all disks.
 fn guest_rqs(r: &RunResult) -> Vec<GuestRq> {
     let recs = r.records("guest.jsonl").expect("guest.jsonl");
@@ -135,14 +144,7 @@ fn check_io(r: &RunResult, with_virtio: bool, shape: &Shape) -> Vec<GuestRq> {
 
 #[test]
 fn fentry_mode_sees_every_request_down_to_the_virtqueue() {
-    let r = run_guest(
-        "guest-fentry",
-        VmConfig {
-            guest_args: "--mode fentry".into(),
-            ..VmConfig::default()
-        },
-        KNOWN_IO,
-    );
+    let r = run_known_io("guest-fentry", "--mode fentry");
     let rqs = check_known_io(&r, true);
     // Syscall-level records: each direct I/O syscall caused exactly one vdb request.
     let recs = r.records("guest.jsonl").unwrap();
@@ -174,14 +176,7 @@ fn fentry_mode_sees_every_request_down_to_the_virtqueue() {
 
 #[test]
 fn exact_kick_also_traps_virtqueue_notify() {
-    let r = run_guest(
-        "guest-exact-kick",
-        VmConfig {
-            guest_args: "--mode fentry --exact-kick".into(),
-            ..VmConfig::default()
-        },
-        KNOWN_IO,
-    );
+    let r = run_known_io("guest-exact-kick", "--mode fentry --exact-kick");
     check_known_io(&r, true);
     let log = guest_log(&r);
     // virtqueue_notify attached: no note about the cheaper source, nothing blind about it
@@ -194,27 +189,13 @@ fn exact_kick_also_traps_virtqueue_notify() {
 
 #[test]
 fn kprobe_mode_sees_every_request_down_to_the_virtqueue() {
-    let r = run_guest(
-        "guest-kprobe",
-        VmConfig {
-            guest_args: "--mode kprobe".into(),
-            ..VmConfig::default()
-        },
-        KNOWN_IO,
-    );
+    let r = run_known_io("guest-kprobe", "--mode kprobe");
     check_known_io(&r, true);
 }
 
 #[test]
 fn tracepoint_mode_degrades_to_block_layer_points() {
-    let r = run_guest(
-        "guest-tracepoint",
-        VmConfig {
-            guest_args: "--mode tracepoint".into(),
-            ..VmConfig::default()
-        },
-        KNOWN_IO,
-    );
+    let r = run_known_io("guest-tracepoint", "--mode tracepoint");
     let rqs = check_known_io(&r, false);
     for v in &rqs {
         assert!(
@@ -273,14 +254,7 @@ fn two_queues_use_the_batched_submit_path() {
 #[test]
 fn filters_keep_exactly_the_selected_pid_comm_cgroup_and_disk() {
     // comm: fio and dd both run; only dd is kept.
-    let r = run_guest(
-        "guest-filter-comm",
-        VmConfig {
-            guest_args: "-c dd".into(),
-            ..VmConfig::default()
-        },
-        KNOWN_IO,
-    );
+    let r = run_known_io("guest-filter-comm", "-c dd");
     let rqs = guest_rqs(&r);
     assert_eq!(rqs.len(), 50, "only dd's 50 reads");
     assert!(rqs.iter().all(|v| v.comm == "dd"));

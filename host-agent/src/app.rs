@@ -256,6 +256,7 @@ impl<'obj> App<'obj> {
                 .filter_map(|(pid, t)| joined::guest_cid_of(*pid).map(|c| (c, t.proc.vm.clone())))
                 .collect(),
             max_vm_rate: cli.max_vm_rate,
+            vm_read_rate: cli.vm_read_rate.as_u64() as f64,
             capture: cli.json,
             sample_every: cli.sample_every,
         };

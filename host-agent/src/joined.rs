@@ -44,6 +44,8 @@ pub struct JoinOpts {
     /// Joined records written per second per VM, at most (a flooding guest
     /// must not fill the host's disk); the rest are counted.
     pub max_vm_rate: f64,
+    /// Bytes read per second from one VM's guest agents.
+    pub vm_read_rate: f64,
     /// Capture mode (`--json`): every joined record is written. Always-on: only
     /// those at or above the threshold and one in `sample_every` (0: none); every
     /// record still counts in the statistics.
@@ -160,11 +162,15 @@ impl Joined {
         if let Some(port) = opts.vsock_port {
             listens.push(Listen::Vsock { port });
         }
-        let cfg = host::HostConfig {
+        if opts.vm_read_rate < 1024.0 {
+            bail!("--vm-read-rate must be at least 1KiB (every frame is charged at least 1 KiB)");
+        }
+        let mut cfg = host::HostConfig {
             listens,
             vm_for_cid: opts.vm_for_cid.clone(),
             ..host::HostConfig::default()
         };
+        cfg.budget.bytes_per_sec = opts.vm_read_rate;
         let max_vm_rate = if opts.max_vm_rate > 0.0 {
             opts.max_vm_rate
         } else {

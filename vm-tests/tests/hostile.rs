@@ -76,7 +76,13 @@ fn a_hostile_guest_cannot_hurt_the_host_agent_or_another_vm() {
         ("vt-hostile-a", sock_of("a")),
         ("vt-hostile-b", sock_of("b")),
     ];
-    let args = serve_args(&dir, &vms, &["--max-vm-rate", "2000"]);
+    // A read budget well under what the flood sends (it sent 14 MB in 6 s when
+    // unthrottled), so the flood is held back however fast this host reads.
+    let args = serve_args(
+        &dir,
+        &vms,
+        &["--max-vm-rate", "2000", "--vm-read-rate", "1MiB"],
+    );
     let mut host = host::start(&dir, &args, &[]);
     let done = Arc::new(AtomicBool::new(false));
     let peak = watch_rss(host.id(), done.clone());

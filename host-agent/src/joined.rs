@@ -53,6 +53,9 @@ pub struct JoinOpts {
     pub sample_every: u64,
 }
 
+/// Records flushed (and written) at a time when the agent stops.
+const FLUSH_CHUNK: usize = 512;
+
 /// Per-connection bookkeeping.
 struct Conn {
     vm: String,
@@ -598,7 +601,10 @@ impl Joined {
             self.rt.block_on(s.shutdown(Duration::from_millis(700)));
         }
         self.take_events(Duration::from_millis(200));
-        self.engine.flush(&mut self.buf);
+        // In chunks: a flooding guest can leave 16k records pending per side.
+        while !self.engine.flush_some(&mut self.buf, FLUSH_CHUNK) {
+            self.emit();
+        }
         self.emit();
         self.out.flush().context("write joined records")?;
         if let Some((p, mut c, mut err)) = self.chrome.take() {

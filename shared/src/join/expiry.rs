@@ -78,14 +78,19 @@ impl JoinEngine {
         }
     }
 
-    /// Emits every pending record of side `S`, oldest first.
-    pub(super) fn drain<S: Side>(&mut self, out: &mut Vec<JoinedIo>) {
+    /// Emits the pending records of side `S`, oldest first, until `out` holds
+    /// `max`; true when none is left.
+    pub(super) fn drain<S: Side>(&mut self, out: &mut Vec<JoinedIo>, max: usize) -> bool {
         for id in S::set(&self.sides).ids_by_last() {
+            if out.len() >= max {
+                return false;
+            }
             if let Some(p) = self.take::<S>(id) {
                 let r = reason(&p, S::NO_PARTNER);
                 self.unmatched::<S>(p, r, out);
             }
         }
         S::set_mut(&mut self.sides).clear_deadlines();
+        true
     }
 }

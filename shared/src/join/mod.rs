@@ -324,11 +324,18 @@ impl JoinEngine {
 
     /// Emits every pending record as unmatched (end of input).
     pub fn flush(&mut self, out: &mut Vec<JoinedIo>) {
+        while !self.flush_some(out, usize::MAX) {}
+    }
+
+    /// Like [`flush`](Self::flush), but stops once `out` holds `max` records
+    /// (the caller writes them out and calls again, so the end of a run with
+    /// tens of thousands of pending records needs no memory for all of them at
+    /// once). True when nothing is pending any more.
+    pub fn flush_some(&mut self, out: &mut Vec<JoinedIo>, max: usize) -> bool {
         for vid in 0..self.vms.len() as u32 {
             self.resolve_deferred(vid, true, out);
         }
-        self.drain::<Guest>(out);
-        self.drain::<Host>(out);
+        self.drain::<Guest>(out, max) && self.drain::<Host>(out, max)
     }
 }
 

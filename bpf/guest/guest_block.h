@@ -523,8 +523,6 @@ static __always_inline bool kick_watched(struct vq_state *v, struct rq_state *st
 
 static __always_inline void emit_rq(struct rq_state *st)
 {
-	struct vt_rq_event *e;
-
 	if (st->vq) {
 		__u64 vk = (__u64)st->vq;
 		struct vq_state *v = bpf_map_lookup_elem(&vqs, &vk);
@@ -546,14 +544,11 @@ static __always_inline void emit_rq(struct rq_state *st)
 			}
 		}
 	}
-	e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
-	if (e) {
-		__builtin_memcpy(e, &st->ev, sizeof(*e));
-		bpf_ringbuf_submit(e, rb_flags());
-		stat_inc(S_RQ_EMITTED);
-	} else {
+	/* the record is the state's event as it stands: one copying helper call */
+	if (bpf_ringbuf_output(&events, &st->ev, sizeof(st->ev), rb_flags()))
 		stat_inc(S_RB_DROP_RQ);
-	}
+	else
+		stat_inc(S_RQ_EMITTED);
 	st->active = 0;
 }
 

@@ -184,42 +184,38 @@ static __always_inline void sys_reset(struct sys_state *s)
 		s->qbios[i].bio = 0;
 }
 
-SEC("raw_tp/sys_enter")
-int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
+/* Whether `nr` is one of the traced I/O syscalls. */
+static __always_inline bool io_syscall(__u32 nr)
 {
-	__u64 pt = bpf_get_current_pid_tgid();
-	__u32 pid = pt >> 32, tid = (__u32)pt;
-	__u32 nr = id;
-
-	/* Cheap filters first. */
-	if (pid == self_pid || (filter_pid && pid != filter_pid) || (filter_tid && tid != filter_tid))
-		return 0;
 	switch (nr) {
 	case NR_read: case NR_write: case NR_pread64: case NR_pwrite64: case NR_readv:
 	case NR_writev: case NR_fsync: case NR_fdatasync: case NR_io_submit:
 	case NR_sync_file_range: case NR_preadv: case NR_pwritev: case NR_preadv2:
 	case NR_pwritev2: case NR_io_uring_enter:
-		break;
-	default:
-		return 0;
+		return true;
 	}
-	if (filter_cgroup && bpf_get_current_cgroup_id() != filter_cgroup)
-		return 0;
+	return false;
+}
 
+/* The pid/tid filters and the agent itself (the cheapest checks, first). */
+static __always_inline bool sys_task_ok(__u64 pt)
+{
+	__u32 pid = pt >> 32, tid = (__u32)pt;
+
+	return pid != self_pid && (!filter_pid || pid == filter_pid) &&
+	       (!filter_tid || tid == filter_tid);
+}
+
+/*
+ * Entry of I/O syscall `nr` with its first four arguments: the file, offset
+ * and size it names, and the thread's state for what follows. Inlined into
+ * each per-syscall fentry program with a constant `nr`, so each keeps only
+ * its own case.
+ */
+static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, long a3)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct sys_state *s;
-	/*
-	 * x86-64 syscall arguments di, si, dx, r10: one read of the pt_regs
-	 * words r10 … di (r10 r9 r8 ax cx dx si di, the ptrace ABI order)
-	 * instead of one read per argument.
-	 */
-	__u64 w[8] = {};
-
-	if (bpf_probe_read_kernel(w, sizeof(w), (void *)regs + bpf_core_field_offset(struct pt_regs, r10)))
-		return 0;
-	long a0 = w[7];
-	long a1 = w[6];
-	long a2 = w[5];
-	long a3 = w[0];
 	struct sys_info tmp_hdr = {};
 	bool ok = false;
 
@@ -264,7 +260,7 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 		long n = a1;
 
 		if (n <= 0)
-			return 0;
+			return;
 		ok = true;
 		/* io_submit_one hooked: it reads each iocb anyway, and does this there */
 		if (aio_iocb_hooked)
@@ -293,13 +289,13 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 		break;
 	}
 	if (!ok)
-		return 0;
+		return;
 
 	struct ident who;
 
 	current_ident(&who);
 	if (!comm_ok(who.comm))
-		return 0;
+		return;
 
 	/* the thread's entry from its last syscall, reset; created once */
 	s = bpf_map_lookup_elem(&sys_inflight, &tid);
@@ -308,7 +304,7 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 	else
 		s = map_insert(&sys_inflight, &tid, &zero_sys, S_FULL_SYS);
 	if (!s)
-		return 0;
+		return;
 	s->id = who;
 	s->enter_ts = bpf_ktime_get_ns();
 	s->nr = nr;
@@ -325,6 +321,33 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 	/* Remember who dirtied the page cache of this inode (for write-back). */
 	if (is_write_nr(nr) && !tmp_hdr.direct && tmp_hdr.inode)
 		bpf_map_update_elem(&inode_writer, &tmp_hdr.inode, &who, BPF_ANY);
+}
+
+/*
+ * Raw syscall tracepoints: every syscall of every task runs these (and takes
+ * the kernel's slower syscall path while they are attached). Used in the
+ * kprobe and tracepoint modes, and in fentry mode when the per-syscall
+ * programs below cannot run.
+ */
+SEC("raw_tp/sys_enter")
+int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
+{
+	__u32 nr = id;
+	/*
+	 * x86-64 syscall arguments di, si, dx, r10: one read of the pt_regs
+	 * words r10 … di (r10 r9 r8 ax cx dx si di, the ptrace ABI order)
+	 * instead of one read per argument.
+	 */
+	__u64 w[8] = {};
+
+	/* Cheap filters first. */
+	if (!sys_task_ok(bpf_get_current_pid_tgid()) || !io_syscall(nr))
+		return 0;
+	if (filter_cgroup && bpf_get_current_cgroup_id() != filter_cgroup)
+		return 0;
+	if (bpf_probe_read_kernel(w, sizeof(w), (void *)regs + bpf_core_field_offset(struct pt_regs, r10)))
+		return 0;
+	sys_enter_args(nr, w[7], w[6], w[5], w[0]);
 	return 0;
 }
 
@@ -455,24 +478,24 @@ int uring_submit_sqe(unsigned long long *ctx)
 	return 0;
 }
 
-SEC("raw_tp/sys_exit")
-int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
+/* Exit of a traced syscall: its record. */
+static __always_inline void sys_exit_ret(long ret)
 {
 	__u64 pt = bpf_get_current_pid_tgid();
-	__u32 pid = pt >> 32, tid = (__u32)pt;
+	__u32 tid = (__u32)pt;
 	struct sys_state *s;
 	struct vt_io_event *e;
 
-	if (pid == self_pid || (filter_pid && pid != filter_pid) || (filter_tid && tid != filter_tid))
-		return 0;
+	if (!sys_task_ok(pt))
+		return;
 	s = sys_get(&tid);
 	if (!s)
-		return 0;
+		return;
 	e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 	if (!e) {
 		stat_inc(S_RB_DROP_IO);
 		s->enter_ts = 0;
-		return 0;
+		return;
 	}
 	e->kind = K_IO;
 	e->nr = s->nr;
@@ -504,7 +527,53 @@ int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
 	bpf_ringbuf_submit(e, rb_flags());
 	stat_inc(S_IO_EMITTED);
 	s->enter_ts = 0;	/* between syscalls: the entry waits for the next */
+}
+
+SEC("raw_tp/sys_exit")
+int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
+{
+	sys_exit_ret(ret);
 	return 0;
 }
+
+/*
+ * fentry mode: an entry and an exit program per traced syscall, on its x86-64
+ * wrapper (`__x64_sys_<name>(const struct pt_regs *)`). Only the I/O syscalls
+ * run a program, the syscall path of every other one stays the fast one, and
+ * the arguments are plain loads from the typed registers.
+ */
+#define SYS_PROGS(name, nr)								\
+SEC("?fentry/__x64_sys_" #name)							\
+int BPF_PROG(fe_sys_##name, struct pt_regs *regs)					\
+{											\
+	if (!sys_task_ok(bpf_get_current_pid_tgid()))					\
+		return 0;								\
+	if (filter_cgroup && bpf_get_current_cgroup_id() != filter_cgroup)		\
+		return 0;								\
+	sys_enter_args(nr, regs->di, regs->si, regs->dx, regs->r10);			\
+	return 0;									\
+}											\
+SEC("?fexit/__x64_sys_" #name)								\
+int BPF_PROG(fx_sys_##name, struct pt_regs *regs, long ret)				\
+{											\
+	sys_exit_ret(ret);								\
+	return 0;									\
+}
+
+SYS_PROGS(read, NR_read)
+SYS_PROGS(write, NR_write)
+SYS_PROGS(pread64, NR_pread64)
+SYS_PROGS(pwrite64, NR_pwrite64)
+SYS_PROGS(readv, NR_readv)
+SYS_PROGS(writev, NR_writev)
+SYS_PROGS(fsync, NR_fsync)
+SYS_PROGS(fdatasync, NR_fdatasync)
+SYS_PROGS(io_submit, NR_io_submit)
+SYS_PROGS(sync_file_range, NR_sync_file_range)
+SYS_PROGS(preadv, NR_preadv)
+SYS_PROGS(pwritev, NR_pwritev)
+SYS_PROGS(preadv2, NR_preadv2)
+SYS_PROGS(pwritev2, NR_pwritev2)
+SYS_PROGS(io_uring_enter, NR_io_uring_enter)
 
 #endif

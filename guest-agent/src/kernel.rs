@@ -12,7 +12,7 @@ use libbpf_rs::btf::types::{FuncProto, Ptr, Typedef};
 use libbpf_rs::btf::{BtfKind, BtfType, ReferencesType};
 use libbpf_rs::Btf;
 
-use crate::probe::{self, Sym, HOOKS};
+use crate::probe::{self, Sym, HOOKS, SYSCALLS};
 
 /// Tracepoints whose argument lists the plan looks at.
 pub const TRACEPOINTS: &[&str] = &[
@@ -54,7 +54,11 @@ impl Facts {
             .trim()
             .to_string();
         let ks = std::fs::File::open("/proc/kallsyms").context("opening /proc/kallsyms")?;
-        let wanted: Vec<&str> = HOOKS.iter().map(|h| h.target).collect();
+        let wanted: Vec<&str> = HOOKS
+            .iter()
+            .map(|h| h.target)
+            .chain(SYSCALLS.iter().map(|s| s.target))
+            .collect();
         let syms = probe::find_symbols(std::io::BufReader::new(ks), &wanted);
         let btf = std::fs::read_dir("/sys/kernel/btf")
             .map(|d| {

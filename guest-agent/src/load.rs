@@ -19,7 +19,7 @@ use libbpf_rs::Link;
 use crate::bpf::{OpenViotraceGuestSkel, ViotraceGuestSkel, ViotraceGuestSkelBuilder};
 use crate::kernel::Facts;
 use crate::plan::{self, Plan, Report, Variants};
-use crate::probe::Mode;
+use crate::probe::{Mode, SYS_TP_PROGS};
 use crate::Filters;
 
 /// A loaded and attached object.
@@ -220,6 +220,10 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
         if optional && !plan.programs().contains(name.as_str()) {
             continue;
         }
+        // The raw syscall tracepoints wait until the per-syscall programs are in.
+        if SYS_TP_PROGS.contains(&name.as_str()) && !plan.sys_fentry.is_empty() {
+            continue;
+        }
         match p.attach() {
             Ok(l) => {
                 links.push((name.clone(), l));
@@ -229,6 +233,28 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
                 failed.insert(name, format!("attach failed: {e}"));
             }
             Err(e) => return Err(e).with_context(|| format!("attaching {name} ({mode} mode)")),
+        }
+    }
+    if !plan.sys_fentry.is_empty() {
+        let missing = plan
+            .programs()
+            .into_iter()
+            .find(|p| plan::is_sys_fentry(p) && !live.contains(*p));
+        if let Some(p) = missing {
+            let why = format!("program {p} did not attach");
+            links.retain(|(n, _)| !plan::is_sys_fentry(n));
+            live.retain(|n| !plan::is_sys_fentry(n));
+            plan.sys_fallback(&why);
+            for p in skel.object().progs_mut() {
+                let name = p.name().to_string_lossy().into_owned();
+                if SYS_TP_PROGS.contains(&name.as_str()) {
+                    let l = p
+                        .attach()
+                        .with_context(|| format!("attaching {name} ({mode} mode)"))?;
+                    links.push((name.clone(), l));
+                    live.insert(name);
+                }
+            }
         }
     }
     let report = plan::report(&plan, facts, &live, &failed);
@@ -316,6 +342,12 @@ mod tests {
             .iter()
             .flat_map(|h| h.fentry.iter().chain(h.kprobe.iter()))
             .chain(plan::OPTIONAL_TP_PROGS.iter())
+            .chain(
+                crate::probe::SYSCALLS
+                    .iter()
+                    .flat_map(|s| [&s.enter, &s.exit]),
+            )
+            .chain(SYS_TP_PROGS.iter())
             .copied()
             .collect();
         for name in &planned {

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use viotrace_shared::record::Point;
 
 use crate::kernel::Facts;
-use crate::probe::{Hook, Mode, HOOKS};
+use crate::probe::{Hook, Mode, SysHook, HOOKS, SYSCALLS};
 
 /// Program flavour of a kernel-function hook.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,6 +82,12 @@ pub fn is_optional(prog: &str) -> bool {
         || HOOKS
             .iter()
             .any(|h| h.fentry.contains(&prog) || h.kprobe.contains(&prog))
+        || is_sys_fentry(prog)
+}
+
+/// Whether `prog` is one of the per-syscall fentry/fexit programs.
+pub fn is_sys_fentry(prog: &str) -> bool {
+    SYSCALLS.iter().any(|s| s.enter == prog || s.exit == prog)
 }
 
 /// What to load on this kernel in one mode.
@@ -101,6 +107,9 @@ pub struct Plan {
     /// (`--exact-kick`); otherwise `g.kick` is when `virtqueue_kick_prepare`
     /// returned, just before the driver notifies.
     pub exact_kick: bool,
+    /// The syscalls traced by fentry/fexit programs on their wrappers (fentry
+    /// mode); empty: the raw `sys_enter`/`sys_exit` tracepoints trace them.
+    pub sys_fentry: Vec<&'static SysHook>,
 }
 
 impl Plan {
@@ -121,7 +130,19 @@ impl Plan {
         if self.off_cpu {
             p.extend(OFF_CPU_PROGS);
         }
+        p.extend(self.sys_fentry.iter().flat_map(|s| [s.enter, s.exit]));
         p
+    }
+
+    /// The per-syscall programs cannot all run: every syscall goes back to the
+    /// raw tracepoints (a mix would trace some syscalls twice, or none).
+    pub fn sys_fallback(&mut self, why: &str) {
+        if !self.sys_fentry.is_empty() {
+            self.sys_fentry.clear();
+            self.notes.push(format!(
+                "syscalls: {why}: the raw sys_enter/sys_exit tracepoints instead"
+            ));
+        }
     }
 
     /// Takes `prog` out of the plan after the kernel refused it: the hook or
@@ -143,6 +164,9 @@ impl Plan {
         if OFF_CPU_PROGS.contains(&prog) {
             self.off_cpu = false;
             self.blind.push(format!("off-CPU time of syscalls ({why})"));
+        }
+        if is_sys_fentry(prog) {
+            self.sys_fallback(&why);
         }
     }
 
@@ -202,6 +226,38 @@ fn choose(mode: Mode, h: &'static Hook, f: &Facts) -> HookChoice {
             }
         }
     }
+}
+
+/// The syscalls fentry mode traces on their wrappers, and a note on the choice.
+/// A wrapper missing from kallsyms is a syscall this kernel does not have (no
+/// io_uring or aio built in): nothing to trace. No wrapper at all (another
+/// naming, or no vmlinux BTF): the raw tracepoints.
+fn plan_syscalls(mode: Mode, f: &Facts) -> (Vec<&'static SysHook>, Option<String>) {
+    if mode != Mode::Fentry {
+        return (Vec::new(), None);
+    }
+    if !f.fentry || !f.has_btf("vmlinux") {
+        let why = "syscalls: the raw sys_enter/sys_exit tracepoints (fentry on the syscall \
+                   wrappers needs vmlinux BTF)";
+        return (Vec::new(), Some(why.into()));
+    }
+    let (present, absent): (Vec<&SysHook>, Vec<&SysHook>) = SYSCALLS
+        .iter()
+        .partition(|s| f.module_of(s.target) == Some("vmlinux"));
+    if present.is_empty() {
+        let why = "syscalls: no __x64_sys_* wrapper in /proc/kallsyms: the raw sys_enter/sys_exit \
+                   tracepoints";
+        return (Vec::new(), Some(why.into()));
+    }
+    let mut note = format!(
+        "syscalls: fentry/fexit on {} syscall wrappers (no program runs on other syscalls)",
+        present.len()
+    );
+    if !absent.is_empty() {
+        let names: Vec<&str> = absent.iter().map(|s| s.target).collect();
+        note += &format!("; not in this kernel: {}", names.join(", "));
+    }
+    (present, Some(note))
 }
 
 /// Position of the request in io_uring_submit_sqe's arguments, if it has one.
@@ -278,6 +334,8 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
             variants.vring_interrupt_addr = f.syms.get("vring_interrupt").map_or(0, |s| s.addr);
         }
     }
+    let (sys_fentry, sys_note) = plan_syscalls(mode, f);
+    notes.extend(sys_note);
     Plan {
         hooks,
         uring,
@@ -286,6 +344,7 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
         blind,
         off_cpu: false,
         exact_kick: false,
+        sys_fentry,
     }
 }
 

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use super::*;
 use crate::kernel::Facts;
-use crate::probe::Sym;
+use crate::probe::{Sym, SYSCALLS};
 
 const VIRTIO_BLK: &[&str] = &["virtio_queue_rq", "virtio_queue_rqs"];
 const VIRTIO_RING: &[&str] = &[
@@ -63,6 +63,9 @@ fn kernel(
     }
     for f in CORE {
         add(f, "vmlinux");
+    }
+    for s in SYSCALLS {
+        add(s.target, "vmlinux");
     }
     Facts {
         release: release.to_string(),
@@ -204,7 +207,9 @@ fn linux_6_1_fentry_uses_module_btf_and_the_two_argument_submit_sqe() {
     let f = k6_1();
     let p = plan(Mode::Fentry, &f);
     assert!(p.hooks.iter().all(|c| c.flavour == Some(Flavour::Fentry)));
-    assert!(p.notes.is_empty(), "{:?}", p.notes);
+    // The one note says where the syscalls are traced.
+    assert_eq!(p.notes.len(), 1, "{:?}", p.notes);
+    assert!(p.notes[0].starts_with("syscalls: fentry/fexit"));
     assert_eq!(p.variants, Variants::default());
     assert_eq!(p.uring, Ok("uring_submit_sqe"));
     let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
@@ -352,4 +357,72 @@ fn virtqueue_notify_is_trapped_only_for_exact_kicks() {
     assert!(p.programs().contains("fe_notify"));
     let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
     assert!(r.notes.iter().all(|n| !n.contains("--exact-kick")));
+}
+
+/// The syscall programs each mode runs: fentry mode puts an entry and an exit
+/// program on each I/O syscall's wrapper; the others use the raw tracepoints.
+#[test]
+fn fentry_mode_traces_syscalls_on_their_wrappers_and_the_others_on_raw_tracepoints() {
+    let f = k6_1();
+    let p = plan(Mode::Fentry, &f);
+    let progs = p.programs();
+    assert_eq!(p.sys_fentry.len(), SYSCALLS.len());
+    for s in SYSCALLS {
+        assert!(
+            progs.contains(s.enter) && progs.contains(s.exit),
+            "{}",
+            s.target
+        );
+    }
+    assert!(
+        p.notes.iter().any(|n| n.starts_with(&format!(
+            "syscalls: fentry/fexit on {} syscall wrappers",
+            SYSCALLS.len()
+        ))),
+        "{:#?}",
+        p.notes
+    );
+    for m in [Mode::Kprobe, Mode::Tracepoint] {
+        let p = plan(m, &f);
+        assert!(p.sys_fentry.is_empty(), "{m}");
+        assert!(!p.programs().iter().any(|p| is_sys_fentry(p)), "{m}");
+    }
+}
+
+/// A kernel without io_uring has no io_uring_enter to trace; one without vmlinux
+/// BTF, or without the wrappers, keeps the raw tracepoints; a refused syscall
+/// program sends every syscall back to them (never some syscalls on each).
+#[test]
+fn syscall_programs_fall_back_to_the_raw_tracepoints_as_a_whole() {
+    let mut f = k7_2();
+    f.syms.remove("__x64_sys_io_uring_enter");
+    let mut p = plan(Mode::Fentry, &f);
+    assert_eq!(p.sys_fentry.len(), SYSCALLS.len() - 1);
+    assert!(!p.programs().contains("fe_sys_io_uring_enter"));
+    assert!(p
+        .notes
+        .iter()
+        .any(|n| n.ends_with("not in this kernel: __x64_sys_io_uring_enter")));
+    p.drop_program("fx_sys_pread64");
+    assert!(p.sys_fentry.is_empty());
+    assert!(!p.programs().iter().any(|p| is_sys_fentry(p)));
+    assert!(p.notes.iter().any(|n| n
+        == "syscalls: program fx_sys_pread64 refused by this kernel: the raw \
+            sys_enter/sys_exit tracepoints instead"));
+    // Only a syscall program's refusal does that.
+    let mut p = plan(Mode::Fentry, &f);
+    p.drop_program("fe_add_sgs");
+    assert_eq!(p.sys_fentry.len(), SYSCALLS.len() - 1);
+
+    let mut no_btf = k7_2();
+    no_btf.btf.remove("vmlinux");
+    assert!(plan(Mode::Fentry, &no_btf).sys_fentry.is_empty());
+    let mut no_wrappers = k7_2();
+    no_wrappers.syms.retain(|k, _| !k.starts_with("__x64_sys_"));
+    let p = plan(Mode::Fentry, &no_wrappers);
+    assert!(p.sys_fentry.is_empty());
+    assert!(p
+        .notes
+        .iter()
+        .any(|n| n.starts_with("syscalls: no __x64_sys_* wrapper")));
 }

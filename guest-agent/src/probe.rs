@@ -113,6 +113,52 @@ pub const HOOKS: &[Hook] = &[
     },
 ];
 
+/// A traced I/O syscall in fentry mode: an entry and an exit program on its
+/// x86-64 wrapper, so no other syscall runs a program (the raw `sys_enter` and
+/// `sys_exit` tracepoints run one for every syscall of every task).
+#[derive(Debug)]
+pub struct SysHook {
+    /// The wrapper (`__x64_sys_<name>`).
+    pub target: &'static str,
+    /// Its fentry program.
+    pub enter: &'static str,
+    /// Its fexit program.
+    pub exit: &'static str,
+}
+
+macro_rules! sys_hooks {
+    ($($name:literal),* $(,)?) => {
+        &[$(SysHook {
+            target: concat!("__x64_sys_", $name),
+            enter: concat!("fe_sys_", $name),
+            exit: concat!("fx_sys_", $name),
+        }),*]
+    };
+}
+
+/// The I/O syscalls (`SYS_PROGS` in bpf/guest/guest_task.h).
+pub const SYSCALLS: &[SysHook] = sys_hooks![
+    "read",
+    "write",
+    "pread64",
+    "pwrite64",
+    "readv",
+    "writev",
+    "fsync",
+    "fdatasync",
+    "io_submit",
+    "sync_file_range",
+    "preadv",
+    "pwritev",
+    "preadv2",
+    "pwritev2",
+    "io_uring_enter",
+];
+
+/// The raw syscall tracepoint programs: every mode loads them; fentry mode
+/// attaches them only when the per-syscall programs cannot run.
+pub const SYS_TP_PROGS: [&str; 2] = ["sys_enter", "sys_exit"];
+
 /// A kernel function found in /proc/kallsyms.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sym {

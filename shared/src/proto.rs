@@ -496,19 +496,25 @@ pub fn encode_record(rec: &GuestRecord) -> Result<Vec<u8>, ProtoError> {
 
 /// [`encode_record`] of a record the caller keeps.
 pub fn encode_record_ref(rec: &GuestRecordRef<'_>) -> Result<Vec<u8>, ProtoError> {
+    let mut v = Vec::new();
+    encode_record_into(rec, &mut v)?;
+    Ok(v)
+}
+
+/// [`encode_record_ref`] into `buf` (cleared first; its allocation is reused).
+pub fn encode_record_into(rec: &GuestRecordRef<'_>, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
+    buf.clear();
     // Room for a usual record from the start: growing the vector while
     // encoding reallocated it several times per record.
-    let mut v =
-        postcard::to_extend(rec, Vec::with_capacity(ENCODED_GUESS)).map_err(ProtoError::Encode)?;
-    // (in place: the queue's byte budget counts what is really held)
-    v.shrink_to_fit();
-    if v.len() + BATCH_OVERHEAD > MAX_FRAME {
+    buf.reserve(ENCODED_GUESS);
+    *buf = postcard::to_extend(rec, std::mem::take(buf)).map_err(ProtoError::Encode)?;
+    if buf.len() + BATCH_OVERHEAD > MAX_FRAME {
         return Err(ProtoError::Oversized {
-            len: v.len(),
+            len: buf.len(),
             max: MAX_FRAME - BATCH_OVERHEAD,
         });
     }
-    Ok(v)
+    Ok(())
 }
 
 /// A usual encoded request record's size, with room (task and disk names vary).
@@ -530,19 +536,21 @@ fn push_varint(out: &mut Vec<u8>, mut v: u64) {
     }
 }
 
-/// Appends one complete [`Message::Batch`] frame made of records already encoded
-/// with [`encode_record`] (byte-identical to postcard's encoding of the message).
+/// Appends one complete [`Message::Batch`] frame of `count` records already
+/// encoded with [`encode_record`], whose bytes are `records` concatenated (in
+/// any number of pieces); byte-identical to postcard's encoding of the message.
 /// The caller keeps the total under [`MAX_FRAME`] (see [`BATCH_OVERHEAD`]).
 pub fn batch_frame<'a>(
     first_seq: u64,
-    records: impl ExactSizeIterator<Item = &'a [u8]>,
+    count: usize,
+    records: impl IntoIterator<Item = &'a [u8]>,
     out: &mut Vec<u8>,
 ) {
     let start = out.len();
     out.extend_from_slice(&[0; FRAME_HEADER]);
     out.push(BATCH_TAG);
     push_varint(out, first_seq);
-    push_varint(out, records.len() as u64);
+    push_varint(out, count as u64);
     for r in records {
         out.extend_from_slice(r);
     }

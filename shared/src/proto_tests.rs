@@ -270,7 +270,7 @@ fn batch_frames_from_pre_encoded_records_equal_postcard() {
     let enc: Vec<Vec<u8>> = recs.iter().map(|r| encode_record(r).unwrap()).collect();
     for first in [0u64, 1, 127, 128, 1 << 35] {
         let mut out = Vec::new();
-        batch_frame(first, enc.iter().map(|v| v.as_slice()), &mut out);
+        batch_frame(first, enc.len(), enc.iter().map(|v| v.as_slice()), &mut out);
         let want = encode_frame(&Message::Batch {
             first_seq: first,
             records: recs.clone(),
@@ -279,7 +279,7 @@ fn batch_frames_from_pre_encoded_records_equal_postcard() {
         assert_eq!(out, want);
     }
     let mut out = Vec::new();
-    batch_frame(9, std::iter::empty(), &mut out);
+    batch_frame(9, 0, std::iter::empty(), &mut out);
     assert_eq!(
         decode_payload(&out[4..]).unwrap(),
         Message::Batch {

@@ -125,7 +125,12 @@ pub fn flood(path: &Path, dur: Duration, per_frame: usize) -> AttackReport {
         drain(&s);
         while t.elapsed() < dur {
             let mut f = Vec::with_capacity(per_frame * 64);
-            viotrace_shared::proto::batch_frame(seq, recs.iter().map(Vec::as_slice), &mut f);
+            viotrace_shared::proto::batch_frame(
+                seq,
+                recs.len(),
+                recs.iter().map(Vec::as_slice),
+                &mut f,
+            );
             if s.write_all(&f).is_err() {
                 rep.refused += 1;
                 break;

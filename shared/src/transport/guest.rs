@@ -15,12 +15,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::ring::RecordRing;
 use super::stream::Conn;
 use super::Endpoint;
 use crate::clock::monotonic_ns;
 use crate::proto::{
-    self, batch_frame, encode_frame_into, encode_record_ref, GuestRecord, GuestRecordRef,
-    GuestStats, Hello, Message, ProtoError, PROTOCOL_VERSION,
+    self, encode_frame_into, encode_record_into, GuestRecord, GuestRecordRef, GuestStats, Hello,
+    Message, ProtoError, PROTOCOL_VERSION,
 };
 use crate::record::GuestRq;
 
@@ -150,10 +151,8 @@ impl SenderStats {
 /// one to write on the current connection.
 #[derive(Default)]
 struct Queue {
-    items: VecDeque<Vec<u8>>,
-    bytes: usize,
+    ring: RecordRing,
     base: u64,
-    sent: u64,
     /// Highest sequence number ever written (to count resends).
     sent_high: u64,
     unsent_since: Option<Instant>,
@@ -164,23 +163,20 @@ struct Queue {
 
 impl Queue {
     fn next_seq(&self) -> u64 {
-        self.base + self.items.len() as u64
+        self.base + self.ring.len() as u64
+    }
+    /// The next record to write on the current connection.
+    fn sent(&self) -> u64 {
+        self.base + self.ring.sent() as u64
     }
     fn unsent(&self) -> usize {
-        (self.next_seq() - self.sent) as usize
+        self.ring.unsent()
     }
     /// Forgets everything below `seq` (acknowledged by the host).
     fn ack(&mut self, seq: u64) -> u64 {
-        let upto = seq.min(self.next_seq());
-        let mut n = 0;
-        while self.base < upto {
-            if let Some(b) = self.items.pop_front() {
-                self.bytes -= b.len();
-            }
-            self.base += 1;
-            n += 1;
-        }
-        self.sent = self.sent.max(self.base);
+        let n = seq.min(self.next_seq()).saturating_sub(self.base);
+        self.ring.pop_front(n as usize);
+        self.base += n;
         n
     }
 }
@@ -257,24 +253,30 @@ impl GuestSender {
     /// [`Self::send`] of a record the caller keeps (it is encoded at once).
     pub fn send_ref(&self, rec: &GuestRecordRef<'_>) {
         let sh = &self.shared;
-        let Ok(bytes) = encode_record_ref(rec) else {
-            // Larger than any frame: it can never be delivered.
+        thread_local! {
+            /// Where this thread encodes its records (one allocation, reused).
+            static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let unsent = SCRATCH.with_borrow_mut(|buf| {
+            if encode_record_into(rec, buf).is_err() {
+                // Larger than any frame: it can never be delivered.
+                return None;
+            }
+            let mut q = sh.lock();
+            if q.ring.len() >= sh.max || q.ring.bytes() + buf.len() > sh.max_bytes {
+                return None;
+            }
+            q.ring.push(buf);
+            let unsent = q.unsent();
+            if unsent == 1 {
+                q.unsent_since = Some(Instant::now());
+            }
+            Some(unsent)
+        });
+        let Some(unsent) = unsent else {
             sh.count(&sh.c.dropped_full, 1);
             return;
         };
-        let mut q = sh.lock();
-        if q.items.len() >= sh.max || q.bytes + bytes.len() > sh.max_bytes {
-            drop(q);
-            sh.count(&sh.c.dropped_full, 1);
-            return;
-        }
-        q.bytes += bytes.len();
-        q.items.push_back(bytes);
-        let unsent = q.unsent();
-        if unsent == 1 {
-            q.unsent_since = Some(Instant::now());
-        }
-        drop(q);
         // The writer sleeps at most a flush interval while records wait; wake
         // it only when the first record arrives or a batch is full (a wake-up
         // per record would cost a syscall each).
@@ -336,12 +338,10 @@ impl GuestSender {
             // detached and exits at its next check of `closing`.
         }
         let mut q = self.shared.lock();
-        let left = q.items.len() as u64;
+        let left = q.ring.len() as u64;
         let next = q.next_seq();
-        q.items.clear();
-        q.bytes = 0;
+        q.ring.clear();
         q.base = next;
-        q.sent = next;
         drop(q);
         self.shared.count(&self.shared.c.unacked_at_exit, left);
         self.stats()
@@ -436,7 +436,7 @@ fn session(cfg: &GuestSenderConfig, sh: &Arc<Shared>) -> Result<Done, ProtoError
         let mut q = sh.lock();
         let n = resume.map_or(0, |r| q.ack(r));
         sh.count(&sh.c.acked, n);
-        q.sent = q.base;
+        q.ring.rewind();
         q.unsent_since = (q.unsent() > 0).then(Instant::now);
     }
     sh.count(&sh.c.connects, 1);
@@ -574,26 +574,12 @@ fn next_work(
         let limit = if q.closing.is_some() { usize::MAX } else { 16 };
         let mut frames = 0;
         while q.unsent() > 0 && frames < limit {
-            let start = (q.sent - q.base) as usize;
-            let mut n = 0;
-            let mut bytes = proto::BATCH_OVERHEAD;
-            for r in q.items.range(start..) {
-                if n == sh.batch_max || (n > 0 && bytes + r.len() > BATCH_BYTES) {
-                    break;
-                }
-                bytes += r.len();
-                n += 1;
-            }
-            let first = q.sent;
-            batch_frame(
-                first,
-                q.items.range(start..start + n).map(Vec::as_slice),
-                out,
-            );
-            let resent = q.sent_high.saturating_sub(first).min(n as u64);
+            let first = q.sent();
+            let room = BATCH_BYTES - proto::BATCH_OVERHEAD;
+            let n = q.ring.write_batch(first, sh.batch_max, room, out) as u64;
+            let resent = q.sent_high.saturating_sub(first).min(n);
             sh.count(&sh.c.resent, resent);
-            q.sent += n as u64;
-            q.sent_high = q.sent_high.max(q.sent);
+            q.sent_high = q.sent_high.max(first + n);
             frames += 1;
         }
         sh.count(&sh.c.sent_frames, frames as u64);

@@ -24,6 +24,7 @@ pub mod faults;
 pub mod guest;
 #[cfg(feature = "host")]
 pub mod host;
+mod ring;
 mod stream;
 
 pub use guest::{local_cid, local_hello, GuestSender, GuestSenderConfig, SenderStats};

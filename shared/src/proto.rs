@@ -491,17 +491,13 @@ pub fn check_version(got: u16) -> Result<(), ProtoError> {
 
 /// Encodes one record once, as it appears inside a [`Message::Batch`].
 pub fn encode_record(rec: &GuestRecord) -> Result<Vec<u8>, ProtoError> {
-    encode_record_ref(&rec.borrowed())
-}
-
-/// [`encode_record`] of a record the caller keeps.
-pub fn encode_record_ref(rec: &GuestRecordRef<'_>) -> Result<Vec<u8>, ProtoError> {
     let mut v = Vec::new();
-    encode_record_into(rec, &mut v)?;
+    encode_record_into(&rec.borrowed(), &mut v)?;
     Ok(v)
 }
 
-/// [`encode_record_ref`] into `buf` (cleared first; its allocation is reused).
+/// [`encode_record`] of a record the caller keeps, into `buf` (cleared first;
+/// its allocation is reused).
 pub fn encode_record_into(rec: &GuestRecordRef<'_>, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
     buf.clear();
     // Room for a usual record from the start: growing the vector while

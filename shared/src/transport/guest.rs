@@ -147,8 +147,8 @@ impl SenderStats {
     }
 }
 
-/// The send buffer: records `base..next_seq`, oldest first; `sent` is the next
-/// one to write on the current connection.
+/// The send buffer: records `base..next_seq`, oldest first; `sent()` is the
+/// next one to write on the current connection (the ring's cursor).
 #[derive(Default)]
 struct Queue {
     ring: RecordRing,

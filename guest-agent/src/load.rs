@@ -173,6 +173,11 @@ fn load(plan: &Plan, f: &Filters) -> Result<ViotraceGuestSkel<'static>> {
             p.set_autoload(enabled.contains(name.as_str()));
         }
     }
+    // libbpf holds its own copies now: the embedded object's pages go back
+    // before the load, the agent's memory peak.
+    if let Err(e) = crate::embedded::release_object_pages() {
+        eprintln!("viotrace-guest: note: the embedded BPF object stays resident: {e}");
+    }
     Ok(open.load()?)
 }
 

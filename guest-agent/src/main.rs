@@ -6,6 +6,7 @@ mod bpf {
     include!(concat!(env!("OUT_DIR"), "/viotrace_guest.skel.rs"));
 }
 mod btf_file;
+mod embedded;
 mod kernel;
 mod load;
 mod plan;
@@ -192,27 +193,11 @@ fn bpf_stats(skel: &ViotraceGuestSkel<'_>) -> Vec<(&'static str, u64)> {
         .collect()
 }
 
-/// Blocks of 16 KiB and more get their own mapping, returned when freed, and
-/// free heap above 32 KiB is trimmed: libbpf's load-time buffers (program copies,
-/// BTF indexes, grown by realloc) then leave no holes in the heap while the
-/// kernel's BTF is mapped, the agent's peak (measured in a 6.1 guest: 8.15-8.25
-/// MiB peak RSS with glibc's dynamic threshold, 8.00-8.04 MiB with this).
-fn small_blocks_mapped() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt only sets tunables of glibc's allocator, before any other
-    // thread exists; it touches no memory Rust owns.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 16 * 1024);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 32 * 1024);
-    }
-}
-
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let filters = resolve_filters(&cli)?;
 
     transport::one_heap_arena();
-    small_blocks_mapped();
     // (before the agent has a mount namespace of its own: mounted for everyone)
     kernel::ensure_tracefs();
     // While the BPF programs load, libbpf maps the kernel's BTF instead of

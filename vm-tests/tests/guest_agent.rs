@@ -40,16 +40,21 @@ fn guest_log(r: &RunResult) -> String {
     std::fs::read_to_string(r.path("guest.log")).unwrap_or_default()
 }
 
-/// Points present in a record, in path order, must carry non-decreasing times.
 /// libbpf mapped the kernel's BTF (a private copy where the kernel's file
-/// cannot be mapped, before 6.16) instead of reading it into two copies.
+/// cannot be mapped, before 6.16) instead of reading it into two copies, and
+/// the embedded BPF object's pages were handed back before the load.
 fn assert_btf_mapped(log: &str) {
     assert!(
         !log.contains("libbpf copies the kernel's BTF"),
         "the BTF copy was not bound: {log}"
     );
+    assert!(
+        !log.contains("embedded BPF object stays resident"),
+        "the embedded object's pages were not released: {log}"
+    );
 }
 
+/// Points present in a record, in path order, must carry non-decreasing times.
 fn assert_points_in_order(ts: &Points, rec: &dyn std::fmt::Debug) {
     let mut seen: Vec<(Point, u64)> = ts
         .iter()

@@ -3,6 +3,8 @@
 //! elements into one end-to-end record per I/O.
 
 use std::collections::HashMap;
+
+use rustc_hash::FxHashMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
@@ -111,7 +113,7 @@ pub struct Joined {
     server: Option<Server>,
     inbox: Inbox,
     accounts: host::AccountsHandle,
-    vms: HashMap<String, VmOut>,
+    vms: FxHashMap<String, VmOut>,
     max_vm_rate: f64,
     /// See [`JoinOpts::capture`].
     capture: bool,
@@ -129,14 +131,14 @@ pub struct Joined {
         ChromeTrace<BufWriter<File>>,
         Option<std::io::Error>,
     )>,
-    conns: HashMap<u64, Conn>,
+    conns: FxHashMap<u64, Conn>,
     pub records: u64,
     /// Human output (tables, waterfalls, notices).
     human: Vec<String>,
     /// Fleet metrics of the end-to-end records (`--metrics-listen`), and each
     /// VM's newest clock uncertainty for them.
     pub metrics: Option<viotrace_shared::metrics::Recorder>,
-    pub clock_uncertainty: HashMap<String, u64>,
+    pub clock_uncertainty: FxHashMap<String, u64>,
     /// OTLP traces of slow I/Os (`--otlp`).
     pub otlp: Option<viotrace_shared::metrics::otlp::SlowTraces>,
     /// Why-slow verdicts of joined records above the threshold (`-t`).
@@ -200,7 +202,7 @@ impl Joined {
             server: Some(server),
             inbox,
             accounts,
-            vms: HashMap::new(),
+            vms: FxHashMap::default(),
             max_vm_rate,
             capture: opts.capture,
             sample_every: opts.sample_every,
@@ -220,11 +222,11 @@ impl Joined {
                 }
                 None => None,
             },
-            conns: HashMap::new(),
+            conns: FxHashMap::default(),
             records: 0,
             human: Vec::new(),
             metrics: None,
-            clock_uncertainty: HashMap::new(),
+            clock_uncertainty: FxHashMap::default(),
             otlp: None,
             verdicts: opts.threshold_ns.map(Verdicts::new),
             interfere: Interfere::default(),

@@ -1,7 +1,7 @@
 //! Starting to trace one QEMU process: its binary's layout (with a test-only
 //! override), the optional parts the BPF side may use, and the uprobes.
 
-use std::collections::HashSet;
+use rustc_hash::FxHashSet;
 
 use anyhow::{Context, Result};
 use libbpf_rs::{MapCore, MapFlags, UprobeOpts};
@@ -132,7 +132,7 @@ impl Tracer<'_> {
                 probation: Probation::default(),
                 bounds,
                 drive_ids,
-                checked_vqs: HashSet::new(),
+                checked_vqs: FxHashSet::default(),
                 warned_no_block_push: false,
             },
         );

@@ -1,7 +1,7 @@
 //! Loads the BPF object, attaches the kernel tracepoints once and the QEMU
 //! uprobes per traced process, and turns ring-buffer records into [`HostElem`]s.
 
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::mem::MaybeUninit;
 use std::path::Path;
 
@@ -11,7 +11,9 @@ use libbpf_rs::{Link, MapCore, MapFlags, OpenObject};
 use viotrace_shared::interference::Interference;
 use viotrace_shared::record::{Backend, HostElem, Name, Op, Point, Points};
 
-use crate::bpf::types::{dev_user, host_rec, qemu_layout, rq_owner, wait_rec};
+use crate::bpf::types::{
+    dev_user, host_rec, pushed_key, qemu_layout, rq_owner, tg_ptr, vq_state, wait_rec,
+};
 use crate::bpf::{ViotraceHostSkel, ViotraceHostSkelBuilder};
 use crate::qemu::verify::{Bounds, Probation, Standing};
 use crate::qemu::{self, BinaryInfo, Layout, QemuProc};
@@ -39,9 +41,9 @@ pub struct Target {
     pub layout: Layout,
     links: Vec<Link>,
     /// VirtIODevice pointer → device label.
-    dev_names: HashMap<u64, (Name, Backend)>,
+    dev_names: FxHashMap<u64, (Name, Backend)>,
     /// Host block device (MKDEV) → label (`vda (254:0)`), read from /sys once per device.
-    disk_labels: HashMap<u32, Name>,
+    disk_labels: FxHashMap<u32, Name>,
     pub cpu_ticks_start: Option<u64>,
     pub elems: u64,
     /// The runtime check of the layout on the first requests.
@@ -50,7 +52,7 @@ pub struct Target {
     /// Drive ids the command line defines (for the VirtIOBlock.blk check).
     drive_ids: Vec<String>,
     /// Queues whose notifiers and device were checked in the process's memory.
-    checked_vqs: HashSet<u64>,
+    checked_vqs: FxHashSet<u64>,
     /// Whether the push-only "no block element" warning was given.
     warned_no_block_push: bool,
 }
@@ -58,7 +60,7 @@ pub struct Target {
 pub struct Tracer<'obj> {
     pub skel: ViotraceHostSkel<'obj>,
     _tp_links: Vec<Link>,
-    pub targets: HashMap<u32, Target>,
+    pub targets: FxHashMap<u32, Target>,
     /// Kernel-side stages that could not be attached, with the error.
     pub missing_kernel: Vec<(String, String)>,
     /// Also probe virtqueue_pop (h.pop) at three more traps per request.
@@ -133,7 +135,7 @@ impl<'obj> Tracer<'obj> {
         Ok(Tracer {
             skel,
             _tp_links: tp_links,
-            targets: HashMap::new(),
+            targets: FxHashMap::default(),
             missing_kernel,
             pop,
             submit,
@@ -220,23 +222,46 @@ impl<'obj> Tracer<'obj> {
     /// idle queue sends no later one), so they reach the join in time, without h.irq.
     /// A notification racing with this sweep can emit an element twice (microsecond
     /// window, after `max_age_ns` of waiting); the join then reports the copy unmatched.
+    ///
+    /// Per virtqueue, only from its oldest waiting element on: they wait in push
+    /// order (`flush_seq..push_seq`), so the walk stops at the first young one.
+    /// (Walking the whole `pushed` map cost a scan of its 16 k buckets per sweep.)
     pub fn sweep_unnotified(&mut self, now_ns: u64, max_age_ns: u64) -> Vec<host_rec> {
-        let map = &self.skel.maps.pushed;
+        let maps = &self.skel.maps;
         let mut out = Vec::new();
-        let keys: Vec<Vec<u8>> = map.keys().collect();
-        for k in keys {
-            let Ok(Some(v)) = map.lookup(&k, MapFlags::ANY) else {
+        let vq_keys: Vec<Vec<u8>> = maps.vqs.keys().collect();
+        for vk in vq_keys {
+            let Some(k) = parse::<tg_ptr>(&vk) else {
                 continue;
             };
-            let Some(r) = parse_rec(&v) else { continue };
-            let pushed = r.ts[8];
-            if pushed == 0 || now_ns.saturating_sub(pushed) < max_age_ns {
+            let st = maps.vqs.lookup(&vk, MapFlags::ANY).ok().flatten();
+            let Some(st) = st.as_deref().and_then(parse::<vq_state>) else {
                 continue;
-            }
-            if let Ok(Some(v)) = map.lookup_and_delete(&k) {
-                if let Some(r) = parse_rec(&v) {
-                    self.unnotified += 1;
-                    out.push(r);
+            };
+            let waiting = st.push_seq.saturating_sub(st.flush_seq).min(MAX_PENDING);
+            for seq in st.flush_seq..st.flush_seq + waiting {
+                let pk = pushed_key {
+                    tgid: k.tgid,
+                    pad: 0,
+                    vq: k.ptr,
+                    seq,
+                };
+                let pk = plain_bytes(&pk);
+                // (gone: taken by an earlier sweep)
+                let Some(r) = maps.pushed.lookup(pk, MapFlags::ANY).ok().flatten() else {
+                    continue;
+                };
+                let Some(pushed) = parse_rec(&r).map(|r| r.ts[8]) else {
+                    continue;
+                };
+                if pushed != 0 && now_ns.saturating_sub(pushed) < max_age_ns {
+                    break;
+                }
+                if let Ok(Some(v)) = maps.pushed.lookup_and_delete(pk) {
+                    if let Some(r) = parse_rec(&v) {
+                        self.unnotified += 1;
+                        out.push(r);
+                    }
                 }
             }
         }
@@ -404,6 +429,13 @@ impl Plain for host_rec {}
 impl Plain for wait_rec {}
 impl Plain for dev_user {}
 impl Plain for rq_owner {}
+impl Plain for tg_ptr {}
+impl Plain for vq_state {}
+impl Plain for pushed_key {}
+
+/// Pushed elements waiting for a notification, per queue (`MAX_PENDING` in
+/// host_common.h): the BPF side emits older ones itself.
+const MAX_PENDING: u64 = 256;
 
 /// Reads a ring-buffer record or map value as a generated BPF type (one checked read).
 pub fn parse<T: Plain>(b: &[u8]) -> Option<T> {
@@ -419,6 +451,14 @@ pub fn parse<T: Plain>(b: &[u8]) -> Option<T> {
 /// Parses a ring-buffer/map value into a `host_rec`.
 pub fn parse_rec(b: &[u8]) -> Option<host_rec> {
     parse(b)
+}
+
+/// The bytes of a generated BPF type, e.g. a map key.
+fn plain_bytes<T: Plain>(v: &T) -> &[u8] {
+    // SAFETY: `T` is `Plain`: a #[repr(C)] type generated by libbpf-cargo from
+    // integers and integer arrays with explicit padding fields, so every byte
+    // is initialised; the slice borrows `v` for its whole size.
+    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
 }
 
 /// The bytes of a plain-old-data BPF type generated by libbpf-cargo.

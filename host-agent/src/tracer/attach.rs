@@ -8,7 +8,7 @@ use libbpf_rs::{MapCore, MapFlags, UprobeOpts};
 use viotrace_shared::record::Point;
 
 use super::{
-    pod_bytes, Target, Tracer, QL_HAVE_LURING, QL_HAVE_MR_NEXT, QL_HAVE_NOTIFIER, QL_HAVE_REQ_IN,
+    plain_bytes, Target, Tracer, QL_HAVE_LURING, QL_HAVE_MR_NEXT, QL_HAVE_NOTIFIER, QL_HAVE_REQ_IN,
     QL_NO_SUBMIT,
 };
 use crate::bpf::types::qemu_layout;
@@ -99,7 +99,7 @@ impl Tracer<'_> {
         self.skel
             .maps
             .qemu_procs
-            .update(&pid.to_ne_bytes(), pod_bytes(&ql), MapFlags::ANY)
+            .update(&pid.to_ne_bytes(), plain_bytes(&ql), MapFlags::ANY)
             .context("registering the process in qemu_procs")?;
         let links = match self.attach_uprobes(&proc, &info, no_submit, &mut warn) {
             Ok(l) => l,

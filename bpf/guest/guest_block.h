@@ -54,9 +54,13 @@ static __always_inline int qbio_find(struct sys_state *s, __u64 bio)
 {
 	if (!s || !bio)
 		return -1;
-	for (int i = 0; i < QBIOS; i++)
+	/* only the slots this syscall filled: the others hold older syscalls' bios */
+	for (int i = 0; i < QBIOS; i++) {
+		if (i >= s->qbio_next)
+			break;
 		if (s->qbios[i].bio == bio)
 			return i;
+	}
 	return -1;
 }
 
@@ -88,10 +92,12 @@ static __always_inline void qbio_spill(struct sys_state *s, __u32 tid, int i)
 static __always_inline void qbio_put(struct sys_state *s, __u32 tid, __u64 bio,
 				     const struct bio_state *b)
 {
-	__u32 i = s->qbio_next & (QBIOS - 1);
+	__u32 n = s->qbio_next;
+	__u32 i = n & (QBIOS - 1);
 	struct qbio *q = &s->qbios[i];
 
-	if (q->bio)
+	/* a slot this syscall filled before (the ring wrapped) and still waiting */
+	if (n >= QBIOS && q->bio)
 		qbio_spill(s, tid, i);
 	q->bio = bio;
 	q->queue_ts = b->queue_ts;
@@ -99,7 +105,7 @@ static __always_inline void qbio_put(struct sys_state *s, __u32 tid, __u64 bio,
 	q->offset = b->offset;
 	q->has_offset = b->has_offset;
 	q->dev = b->dev;
-	s->qbio_next = i + 1;
+	s->qbio_next = n + 1;
 }
 
 /*
@@ -311,6 +317,15 @@ static __always_inline void rq_owner(struct rq_state *st, const struct ident *id
 	st->owner_enter_ts = enter_ts;
 }
 
+/* A state for request `key`, which has none: its slot if free (a slot never
+ * used is zero), else an entry of the hash map. */
+static __always_inline struct rq_state *rq_new(__u64 *key)
+{
+	struct rq_slot *sl = dm_claim(&rq_slots, &rq_claims, RQ_SLOTS, *key);
+
+	return sl ? &sl->st : map_insert(&rqs, key, &zero_rq, S_FULL_RQ);
+}
+
 /*
  * The state of a request, created on first sight (insert, issue or queue_rq).
  * Identity: the first tracked bio in its chain; for a request without tracked
@@ -319,7 +334,7 @@ static __always_inline void rq_owner(struct rq_state *st, const struct ident *id
 static __always_inline struct rq_state *rq_track(struct request *rq)
 {
 	__u64 key = (__u64)rq;
-	struct rq_state *st = bpf_map_lookup_elem(&rqs, &key);
+	struct rq_state *st = rq_find(&key);
 	struct rq_state *live = st && st->active ? st : NULL;
 	struct bio_state *first = NULL;
 	struct qbio *q = NULL;
@@ -371,7 +386,7 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 	if (st)
 		__builtin_memset(st, 0, sizeof(*st));
 	else
-		st = map_insert(&rqs, &key, &zero_rq, S_FULL_RQ);
+		st = rq_new(&key);
 	if (!st)
 		return NULL;
 	st->active = 1;
@@ -523,9 +538,11 @@ static __always_inline bool kick_watched(struct vq_state *v, struct rq_state *st
 
 static __always_inline void emit_rq(struct rq_state *st)
 {
+	struct vt_rq_event *e;
+
 	if (st->vq) {
 		__u64 vk = (__u64)st->vq;
-		struct vq_state *v = bpf_map_lookup_elem(&vqs, &vk);
+		struct vq_state *v = vq_find(&vk);
 
 		if (v) {
 			__u64 seq = st->kick_seq + 1;
@@ -544,11 +561,18 @@ static __always_inline void emit_rq(struct rq_state *st)
 			}
 		}
 	}
-	/* the record is the state's event as it stands: one copying helper call */
-	if (bpf_ringbuf_output(&events, &st->ev, sizeof(st->ev), rb_flags()))
+	/*
+	 * The record is the state's event as it stands, copied by the program (8-byte
+	 * moves): bpf_ringbuf_output's kernel memcpy is a `rep movsb` where the CPU
+	 * has ERMS, which emulators run a byte at a time.
+	 */
+	e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
+	if (e) {
+		__builtin_memcpy(e, &st->ev, sizeof(*e));
+		bpf_ringbuf_submit(e, rb_flags_counted(S_RQ_EMITTED));
+	} else {
 		stat_inc(S_RB_DROP_RQ);
-	else
-		stat_inc(S_RQ_EMITTED);
+	}
 	st->active = 0;
 }
 
@@ -576,9 +600,8 @@ int BPF_PROG(rq_complete, struct request *rq, int error, unsigned int nr_bytes)
 }
 
 /* fentry/kprobe modes: blk_update_request returned false = all bios ended. */
-static __always_inline void update_done(struct request *rq, bool more)
+static __always_inline void update_done(__u64 key, bool more)
 {
-	__u64 key = (__u64)rq;
 	struct rq_state *st;
 
 	if (more)
@@ -594,7 +617,7 @@ static __always_inline void update_done(struct request *rq, bool more)
 SEC("?fexit/blk_update_request")
 int BPF_PROG(fx_update_request, struct request *rq, int error, unsigned int nr_bytes, bool ret)
 {
-	update_done(rq, ret);
+	update_done(arg_key(ctx, 0, rq), ret);
 	return 0;
 }
 
@@ -619,7 +642,7 @@ int BPF_KRETPROBE(krp_update_request, bool ret)
 
 	if (!rq)
 		return 0;
-	update_done((struct request *)*rq, ret);
+	update_done(*rq, ret);
 	bpf_map_delete_elem(&update_args, &tid);
 	return 0;
 }

@@ -23,7 +23,7 @@ const volatile __u64 vring_interrupt_addr = 0;
 const volatile __u64 wakeup_bytes = 256 * 1024;
 
 /*
- * Set by userspace once io_submit_one's program is attached (.bss: after load):
+ * Set by userspace once aio_prep_rw's program is attached (.bss: after load):
  * io_submit's entry then leaves the iocbs to it instead of reading them twice.
  */
 volatile __u8 aio_iocb_hooked = 0;
@@ -96,7 +96,8 @@ struct sys_state {
 	char cur_holder_comm[VT_COMM];
 	char best_holder_comm[VT_COMM];
 	/* Its bios not yet part of a request: most become one in this thread
-	 * before the syscall returns, so they need no `bios` map entry. */
+	 * before the syscall returns, so they need no `bios` map entry. The
+	 * first min(qbio_next, QBIOS) slots are this syscall's (a ring). */
 	__u32 qbio_next;
 	__u32 pad3;
 	struct qbio qbios[QBIOS];
@@ -188,6 +189,48 @@ struct {
 	__type(value, struct rq_state);
 } rqs SEC(".maps");
 
+/* Request states, direct-mapped first (dm_find, below). */
+#define RQ_SLOTS 4096
+struct rq_slot {
+	__u64 key;		/* struct request *, 0: free */
+	struct rq_state st;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, RQ_SLOTS);
+	__type(key, __u32);
+	__type(value, struct rq_slot);
+} rq_slots SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, RQ_SLOTS);
+	__type(key, __u32);	/* slot */
+	__type(value, __u64);	/* its request */
+} rq_claims SEC(".maps");
+
+/* Virtqueue states, direct-mapped first (dm_find, below); `vqs` for the rest. */
+#define VQ_SLOTS 256
+struct vq_slot {
+	__u64 key;		/* struct virtqueue *, 0: free */
+	struct vq_state v;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, VQ_SLOTS);
+	__type(key, __u32);
+	__type(value, struct vq_slot);
+} vq_slots SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, VQ_SLOTS);
+	__type(key, __u32);	/* slot */
+	__type(value, __u64);	/* its virtqueue */
+} vq_claims SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, MAX_VQS);
@@ -223,6 +266,67 @@ struct {
 static __always_inline __u32 ptr_slot(__u64 p, __u32 slots)
 {
 	return (__u32)((p >> 6) ^ (p >> 12) ^ (p >> 20)) & (slots - 1);
+}
+
+/*
+ * Direct-mapped state (requests, virtqueues): an array whose values start
+ * with their owner's key (a kernel pointer, 0: free). Slot ptr_slot(key) holds
+ * the state of the first object that needed it, for good: these objects are
+ * allocated once and reused (a queue's requests, one per tag; its
+ * virtqueues). Finding a state is then an array access, which the verifier
+ * inlines, where a hash lookup is a helper call, a hash and a bucket walk. An
+ * object whose slot another one holds keeps its state in a hash map, as all
+ * did before. A slot is claimed by an atomic insert of its index into a claims
+ * map (BPF_NOEXIST), so two CPUs never take the same one. Objects freed for
+ * good (a scheduler switch, a removed disk) keep their slots: later objects
+ * that map there use the hash map.
+ */
+/*
+ * Direct-mapped slots need the key as a plain number (for ptr_slot). A fentry
+ * program's pointer argument keeps its BTF type, on which the verifier refuses
+ * arithmetic; bpf_get_func_arg (5.17+, inlined) gives it as a number. Older
+ * kernels use the hash maps only: there, dm_find and dm_claim are dead code.
+ */
+#define DM_ON bpf_core_enum_value_exists(enum bpf_func_id, BPF_FUNC_get_func_arg)
+
+/* Argument n of a fentry/fexit program, `ptr`, as a map key. */
+static __always_inline __u64 arg_key(void *ctx, __u32 n, const void *ptr)
+{
+	__u64 v = (__u64)ptr;
+
+	if (DM_ON)
+		bpf_get_func_arg(ctx, n, &v);
+	return v;
+}
+
+static __always_inline void *dm_find(void *slots, __u32 nslots, __u64 key)
+{
+	__u64 *owner;
+	__u32 i;
+
+	if (!DM_ON)
+		return NULL;
+	i = ptr_slot(key, nslots);
+	owner = bpf_map_lookup_elem(slots, &i);
+
+	return owner && *owner == key ? owner : NULL;
+}
+
+/* Claims the slot of `key` (which has none): the slot's zeroed value, or NULL
+ * when it is taken. */
+static __always_inline void *dm_claim(void *slots, void *claims, __u32 nslots, __u64 key)
+{
+	__u64 *owner;
+	__u32 i;
+
+	if (!DM_ON)
+		return NULL;
+	i = ptr_slot(key, nslots);
+	owner = bpf_map_lookup_elem(slots, &i);
+	if (!owner || *owner || bpf_map_update_elem(claims, &i, &key, BPF_NOEXIST))
+		return NULL;
+	*owner = key;
+	return owner;
 }
 
 /* Last buffered writer of an inode: write-back is attributed to it. A cache. */
@@ -315,9 +419,26 @@ static __always_inline struct sys_state *sys_get(__u32 *tid)
 	return s && s->enter_ts ? s : NULL;
 }
 
+/* The state of request `key`, live or not (NULL: none yet): its slot, or
+ * the hash map when another request holds the slot. */
+static __always_inline struct rq_state *rq_find(__u64 *key)
+{
+	struct rq_slot *sl = dm_find(&rq_slots, RQ_SLOTS, *key);
+
+	return sl ? &sl->st : bpf_map_lookup_elem(&rqs, key);
+}
+
+/* The state of virtqueue `key` (NULL: none yet). */
+static __always_inline struct vq_state *vq_find(__u64 *key)
+{
+	struct vq_slot *sl = dm_find(&vq_slots, VQ_SLOTS, *key);
+
+	return sl ? &sl->v : bpf_map_lookup_elem(&vqs, key);
+}
+
 static __always_inline struct rq_state *rq_get(__u64 *key)
 {
-	struct rq_state *st = bpf_map_lookup_elem(&rqs, key);
+	struct rq_state *st = rq_find(key);
 
 	return st && st->active ? st : NULL;
 }
@@ -333,9 +454,23 @@ static __always_inline void stat_inc(__u32 id)
 /* map_create(), map_insert() (they count a full map with stat_inc above) */
 #include "vt_maps.h"
 
-static __always_inline __u64 rb_flags(void)
+/*
+ * Counts a record about to be submitted (`id`: its kind's stat) and returns
+ * the submit flags: the reader is woken only once wakeup_bytes are pending
+ * (else it polls). Asked once per RB_QUERY_EVERY records of this CPU, not per
+ * record: the query is a helper call, and the overshoot is at most that many
+ * records.
+ */
+#define RB_QUERY_EVERY 32
+static __always_inline __u64 rb_flags_counted(__u32 id)
 {
-	if (bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= wakeup_bytes)
+	__u64 *v = bpf_map_lookup_elem(&stats, &id);
+	__u64 n = 0;
+
+	if (v)
+		n = ++*v;
+	if (n % RB_QUERY_EVERY == 0 &&
+	    bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= wakeup_bytes)
 		return BPF_RB_FORCE_WAKEUP;
 	return BPF_RB_NO_WAKEUP;
 }
@@ -408,12 +543,28 @@ static __always_inline bool disk_ok(struct gendisk *disk)
 
 static __always_inline void current_ident(struct ident *id)
 {
-	__u64 pt = bpf_get_current_pid_tgid();
+	if (bpf_core_enum_value_exists(enum bpf_func_id, BPF_FUNC_get_current_task_btf)) {
+		/*
+		 * 5.11+: a typed task, whose ids, cgroup and name are plain loads
+		 * (what bpf_get_current_cgroup_id and bpf_get_current_comm read,
+		 * without two helper calls: the syscall entry's costliest work).
+		 */
+		struct task_struct *t = bpf_get_current_task_btf();
+		const __u64 *comm = (const __u64 *)t->comm;
 
-	id->pid = pt >> 32;
-	id->tid = (__u32)pt;
-	id->cgroup_id = bpf_get_current_cgroup_id();
-	bpf_get_current_comm(id->comm, sizeof(id->comm));
+		id->pid = t->tgid;
+		id->tid = t->pid;
+		id->cgroup_id = t->cgroups->dfl_cgrp->kn->id;
+		((__u64 *)id->comm)[0] = comm[0];
+		((__u64 *)id->comm)[1] = comm[1];
+	} else {
+		__u64 pt = bpf_get_current_pid_tgid();
+
+		id->pid = pt >> 32;
+		id->tid = (__u32)pt;
+		id->cgroup_id = bpf_get_current_cgroup_id();
+		bpf_get_current_comm(id->comm, sizeof(id->comm));
+	}
 	/* io_uring workers (iou-wrk-N, iou-sqp-N) act for their process: name it.
 	 * The comm prefix is checked first: the task read only for those. */
 	if (id->comm[0] == 'i' && id->comm[1] == 'o' && id->comm[2] == 'u' && id->comm[3] == '-') {

@@ -179,9 +179,7 @@ static __always_inline void sys_reset(struct sys_state *s)
 	s->off_runnable = 0;
 	s->cur_holder_comm[0] = 0;
 	s->best_holder_comm[0] = 0;
-	s->qbio_next = 0;
-	for (int i = 0; i < QBIOS; i++)
-		s->qbios[i].bio = 0;
+	s->qbio_next = 0;	/* the slots' old bios are not looked at again */
 }
 
 /* Whether `nr` is one of the traced I/O syscalls. */
@@ -262,7 +260,7 @@ static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, 
 		if (n <= 0)
 			return;
 		ok = true;
-		/* io_submit_one hooked: it reads each iocb anyway, and does this there */
+		/* aio_prep_rw hooked: it sees each iocb anyway, and does this there */
 		if (aio_iocb_hooked)
 			break;
 		for (int i = 0; i < AIO_BATCH; i++) {
@@ -368,38 +366,65 @@ static __always_inline void sys_next_file(struct sys_state *s, const struct sys_
 	}
 }
 
-/* io_submit: each iocb in turn (fentry/kprobe on io_submit_one). */
-static __always_inline void on_aio_iocb(const struct iocb *uiocb)
+/*
+ * io_submit: each read/write iocb in turn, at aio_prep_rw(kiocb, iocb), which
+ * runs once the iocb's file is open (req->ki_filp), with the kernel's copy of
+ * the iocb. The bios queued from then on are that iocb's. An fsync iocb does
+ * not come here: its flush keeps the file of the iocb before it.
+ */
+static __always_inline struct sys_state *aio_sys(void)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct sys_state *s = sys_get(&tid);
-	struct sys_info fi = {};
-	struct iocb cb = {};
 
-	if (!s || s->nr != NR_io_submit)
-		return;
-	if (bpf_probe_read_user(&cb, sizeof(cb), uiocb))
-		return;
-	if (aio_iocb_hooked)
-		s->bytes += cb.aio_nbytes;
-	if (!sys_file(&fi, cb.aio_fildes, false))
-		return;
-	fi.offset = cb.aio_offset;
-	fi.has_offset = 1;
-	sys_next_file(s, &fi);
+	return s && s->nr == NR_io_submit ? s : NULL;
 }
 
-SEC("?fentry/io_submit_one")
-int BPF_PROG(fe_io_submit_one, struct kioctx *aioctx, const struct iocb *uiocb)
+static __always_inline void aio_next(struct sys_state *s, struct sys_info *fi, __u64 offset)
 {
-	on_aio_iocb(uiocb);
+	fi->offset = offset;
+	fi->has_offset = 1;
+	sys_next_file(s, fi);
+}
+
+/* fentry: typed arguments, so the file, its inode and the iocb are plain loads
+ * (no user copy of the iocb, no walk of the fd table, no probe read). */
+SEC("?fentry/aio_prep_rw")
+int BPF_PROG(fe_aio_prep_rw, struct kiocb *req, const struct iocb *iocb)
+{
+	struct sys_state *s = aio_sys();
+	struct sys_info fi = {};
+	struct inode *ino;
+	struct file *f;
+	__u16 mode;
+
+	if (!s)
+		return 0;
+	s->bytes += iocb->aio_nbytes;
+	f = req->ki_filp;
+	ino = f ? f->f_inode : NULL;
+	if (!ino)
+		return 0;
+	mode = ino->i_mode & VT_S_IFMT;
+	if (mode != VT_S_IFREG && mode != VT_S_IFBLK)
+		return 0;
+	fi.inode = ino->i_ino;
+	fi.direct = (f->f_flags & VT_O_DIRECT) != 0;
+	aio_next(s, &fi, iocb->aio_offset);
 	return 0;
 }
 
-SEC("?kprobe/io_submit_one")
-int BPF_KPROBE(kp_io_submit_one, struct kioctx *aioctx, const struct iocb *uiocb)
+SEC("?kprobe/aio_prep_rw")
+int BPF_KPROBE(kp_aio_prep_rw, struct kiocb *req, const struct iocb *iocb)
 {
-	on_aio_iocb(uiocb);
+	struct sys_state *s = aio_sys();
+	struct sys_info fi = {};
+
+	if (!s)
+		return 0;
+	s->bytes += BPF_CORE_READ(iocb, aio_nbytes);
+	if (file_info(&fi, BPF_CORE_READ(req, ki_filp), false))
+		aio_next(s, &fi, BPF_CORE_READ(iocb, aio_offset));
 	return 0;
 }
 
@@ -524,8 +549,7 @@ static __always_inline void sys_exit_ret(long ret)
 	e->holder_pid = s->best_holder;
 	e->pad2 = 0;
 	__builtin_memcpy(e->holder_comm, s->best_holder_comm, VT_COMM);
-	bpf_ringbuf_submit(e, rb_flags());
-	stat_inc(S_IO_EMITTED);
+	bpf_ringbuf_submit(e, rb_flags_counted(S_IO_EMITTED));
 	s->enter_ts = 0;	/* between syscalls: the entry waits for the next */
 }
 

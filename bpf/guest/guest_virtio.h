@@ -58,13 +58,12 @@ static __always_inline void on_queue_rqs(void *list)
 	bpf_loop(CHAIN_MAX, queue_rqs_one, &w, 0);
 }
 
-static __always_inline void on_add_sgs(struct virtqueue *vq, void *data)
+static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *data)
 {
 	/* virtblk_req is the request's pdu: it directly follows struct request */
 	__u64 key = (__u64)data - bpf_core_type_size(struct request);
 	struct rq_state *st = rq_get(&key);
 	struct vq_state *v;
-	__u64 vk = (__u64)vq;
 	__u16 head = 0;
 
 	if (!st) {
@@ -94,7 +93,12 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, void *data)
 		st->ev.has_head = 1;
 	}
 	st->vq = vq;
-	v = map_create(&vqs, &vk, &zero_vq, S_FULL_VQ);
+	v = vq_find(&vk);
+	if (!v) {
+		struct vq_slot *sl = dm_claim(&vq_slots, &vq_claims, VQ_SLOTS, vk);
+
+		v = sl ? &sl->v : map_create(&vqs, &vk, &zero_vq, S_FULL_VQ);
+	}
 	st->kick_seq = v ? v->kick_seq : 0;
 	/* A flush lasts as long as the host's sync: its kick is kept apart
 	 * (REQ_OP_FLUSH = 2 since 4.10; the low 8 bits of cmd_flags are the op). */
@@ -106,10 +110,9 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, void *data)
 	}
 }
 
-static __always_inline void on_kick_prepare(struct virtqueue *vq, bool notify)
+static __always_inline void on_kick_prepare(__u64 vk, bool notify)
 {
-	__u64 vk = (__u64)vq;
-	struct vq_state *v = bpf_map_lookup_elem(&vqs, &vk);
+	struct vq_state *v = vq_find(&vk);
 	struct kick_slot *k;
 	__u64 seq;
 
@@ -137,10 +140,9 @@ static __always_inline void on_kick_prepare(struct virtqueue *vq, bool notify)
 	v->kick_seq = seq;
 }
 
-static __always_inline void on_notify(struct virtqueue *vq)
+static __always_inline void on_notify(__u64 vk)
 {
-	__u64 vk = (__u64)vq;
-	struct vq_state *v = bpf_map_lookup_elem(&vqs, &vk);
+	struct vq_state *v = vq_find(&vk);
 	struct kick_slot *k;
 
 	if (!v)
@@ -162,9 +164,8 @@ static __always_inline void on_interrupt(void *vq)
 	cpu_stamp_set(&irq_stamps, vq);
 }
 
-static __always_inline void on_driver_complete(struct request *rq)
+static __always_inline void on_driver_complete(__u64 key)
 {
-	__u64 key = (__u64)rq;
 	struct rq_state *st = rq_get(&key);
 	__u64 irq;
 
@@ -203,21 +204,21 @@ SEC("?fentry/virtqueue_add_sgs")
 int BPF_PROG(fe_add_sgs, struct virtqueue *vq, struct scatterlist **sgs, unsigned int out_sgs,
 	     unsigned int in_sgs, void *data)
 {
-	on_add_sgs(vq, data);
+	on_add_sgs(vq, arg_key(ctx, 0, vq), data);
 	return 0;
 }
 
 SEC("?fexit/virtqueue_kick_prepare")
 int BPF_PROG(fx_kick_prepare, struct virtqueue *vq, bool ret)
 {
-	on_kick_prepare(vq, ret);
+	on_kick_prepare(arg_key(ctx, 0, vq), ret);
 	return 0;
 }
 
 SEC("?fentry/virtqueue_notify")
 int BPF_PROG(fe_notify, struct virtqueue *vq)
 {
-	on_notify(vq);
+	on_notify(arg_key(ctx, 0, vq));
 	return 0;
 }
 
@@ -231,7 +232,7 @@ int BPF_PROG(fe_vring_interrupt, int irq, void *vq)
 SEC("?fentry/blk_mq_complete_request")
 int BPF_PROG(fe_complete_request, struct request *rq)
 {
-	on_driver_complete(rq);
+	on_driver_complete(arg_key(ctx, 0, rq));
 	return 0;
 }
 
@@ -270,7 +271,7 @@ SEC("?kprobe/virtqueue_add_sgs")
 int BPF_KPROBE(kp_add_sgs, struct virtqueue *vq, struct scatterlist **sgs, unsigned int out_sgs,
 	       unsigned int in_sgs, void *data)
 {
-	on_add_sgs(vq, data);
+	on_add_sgs(vq, (__u64)vq, data);
 	return 0;
 }
 
@@ -280,7 +281,7 @@ int BPF_KPROBE(kp_kick_prepare, struct virtqueue *vq)
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	__u64 vk = (__u64)vq;
 
-	if (!bpf_map_lookup_elem(&vqs, &vk))
+	if (!vq_find(&vk))
 		return 0;
 	if (bpf_map_update_elem(&kick_args, &tid, &vk, BPF_ANY))
 		stat_inc(S_FULL_ARGS);
@@ -295,7 +296,7 @@ int BPF_KRETPROBE(krp_kick_prepare, bool ret)
 
 	if (!vq)
 		return 0;
-	on_kick_prepare((struct virtqueue *)*vq, ret);
+	on_kick_prepare(*vq, ret);
 	bpf_map_delete_elem(&kick_args, &tid);
 	return 0;
 }
@@ -303,7 +304,7 @@ int BPF_KRETPROBE(krp_kick_prepare, bool ret)
 SEC("?kprobe/virtqueue_notify")
 int BPF_KPROBE(kp_notify, struct virtqueue *vq)
 {
-	on_notify(vq);
+	on_notify((__u64)vq);
 	return 0;
 }
 
@@ -317,7 +318,7 @@ int BPF_KPROBE(kp_vring_interrupt, int irq, void *vq)
 SEC("?kprobe/blk_mq_complete_request")
 int BPF_KPROBE(kp_complete_request, struct request *rq)
 {
-	on_driver_complete(rq);
+	on_driver_complete((__u64)rq);
 	return 0;
 }
 

@@ -264,10 +264,10 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
     }
     let report = plan::report(&plan, facts, &live, &failed);
     let mut skel = skel;
-    // io_submit's entry program leaves the iocbs to io_submit_one's once that is attached.
+    // io_submit's entry program leaves the iocbs to aio_prep_rw's once that is attached.
     if let Some(bss) = skel.maps.bss_data.as_deref_mut() {
         bss.aio_iocb_hooked =
-            u8::from(live.contains("fe_io_submit_one") || live.contains("kp_io_submit_one"));
+            u8::from(live.contains("fe_aio_prep_rw") || live.contains("kp_aio_prep_rw"));
     } else {
         bail!("BPF object has no .bss");
     }

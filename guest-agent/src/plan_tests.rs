@@ -17,7 +17,7 @@ const VIRTIO_RING: &[&str] = &[
 ];
 const CORE: &[&str] = &[
     "blk_mq_complete_request",
-    "io_submit_one",
+    "aio_prep_rw",
     "blk_update_request",
 ];
 
@@ -168,7 +168,7 @@ fn linux_5_10_fentry_falls_back_to_kprobes_for_modules_without_btf() {
     for prog in [
         "fx_update_request",
         "fe_complete_request",
-        "fe_io_submit_one",
+        "fe_aio_prep_rw",
         "kp_queue_rq",
         "kp_add_sgs",
         "kp_kick_prepare",

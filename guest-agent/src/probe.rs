@@ -98,10 +98,10 @@ pub const HOOKS: &[Hook] = &[
         alt_path: false,
     },
     Hook {
-        target: "io_submit_one",
-        fentry: &["fe_io_submit_one"],
-        kprobe: &["kp_io_submit_one"],
-        sees: "file and offset of each iocb after the first in one io_submit",
+        target: "aio_prep_rw",
+        fentry: &["fe_aio_prep_rw"],
+        kprobe: &["kp_aio_prep_rw"],
+        sees: "file and offset of each read/write iocb after the first in one io_submit",
         alt_path: false,
     },
     Hook {

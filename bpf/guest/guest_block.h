@@ -144,10 +144,42 @@ static __always_inline bool bio_disk_info(const struct bio_head *bh, __u64 now, 
 	return ok;
 }
 
-SEC("raw_tp/block_bio_queue")
-int bio_queue(unsigned long long *ctx)
+/*
+ * bio_head and the disk's dev from a typed bio (tp_btf): plain loads, with no
+ * probe read and no disk cache. False when the disk is not blk-mq or fails the
+ * disk filter.
+ */
+static __always_inline bool bio_typed(struct bio *bio, struct bio_head *h, __u32 *dev)
 {
-	struct bio *bio = TP_BIO_QUEUE_BIO(ctx);
+	struct bio___old *o = (void *)bio;
+	struct gendisk *disk;
+
+	if (bpf_core_field_exists(bio->bi_bdev)) {
+		struct block_device *bd = bio->bi_bdev;
+
+		disk = bd ? bd->bd_disk : NULL;
+		h->bdev = true;
+	} else if (bpf_core_field_exists(o->bi_disk)) {
+		disk = o->bi_disk;
+		h->bdev = false;
+	} else {
+		return false;
+	}
+	if (!disk)
+		return false;
+	h->size = bio->bi_iter.bi_size;
+	h->vec = bio->bi_io_vec;
+	*dev = ((__u32)disk->major << 20) | (__u32)disk->first_minor;
+	/* only blk-mq disks produce requests */
+	return disk->queue && disk->queue->mq_ops && dev_ok(*dev);
+}
+
+/*
+ * A bio queued: its state (see the top of this file). `typed`: the bio is a
+ * BTF pointer (tp_btf program), read with plain loads.
+ */
+static __always_inline void bio_queued(struct bio *bio, bool typed)
+{
 	__u64 pt = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)pt;
 	struct bio_head bh = {};
@@ -157,11 +189,12 @@ int bio_queue(unsigned long long *ctx)
 	__u64 pino = 0, poff = 0;
 	int kind;
 
-	if ((pt >> 32) == self_pid || !bio_head_read(bio, &bh))
-		return 0;
+	if ((pt >> 32) == self_pid)
+		return;
 	b.queue_ts = bpf_ktime_get_ns();
-	if (!bio_disk_info(&bh, b.queue_ts, &b.dev))
-		return 0;
+	if (typed ? !bio_typed(bio, &bh, &b.dev)
+		  : !bio_head_read(bio, &bh) || !bio_disk_info(&bh, b.queue_ts, &b.dev))
+		return;
 	s = sys_get(&tid);
 	/* direct I/O inside a traced syscall takes the syscall's file: no page walk */
 	kind = (s && s->cur.direct) ? PG_OTHER : bio_page_file(bh.vec, &pino, &poff);
@@ -214,16 +247,31 @@ int bio_queue(unsigned long long *ctx)
 		}
 	}
 	if (!ident_ok(&b.id))
-		return 0;
+		return;
 	if (s) {
 		qbio_put(s, tid, key, &b);
 		stat_inc(S_BIO_QUEUED);
-		return 0;
+		return;
 	}
 	if (bpf_map_update_elem(&bios, &key, &b, BPF_ANY))
 		stat_inc(S_FULL_BIO);
 	else
 		stat_inc(S_BIO_QUEUED);
+}
+
+/* Every mode; in fentry mode only if tb_bio_queue is refused. */
+SEC("raw_tp/block_bio_queue")
+int bio_queue(unsigned long long *ctx)
+{
+	bio_queued(TP_BIO_QUEUE_BIO(ctx), false);
+	return 0;
+}
+
+/* fentry mode: the same, on a typed bio (vmlinux BTF). */
+SEC("?tp_btf/block_bio_queue")
+int tb_bio_queue(unsigned long long *ctx)
+{
+	bio_queued(TP_BIO_QUEUE_BIO(ctx), true);
 	return 0;
 }
 

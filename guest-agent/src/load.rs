@@ -225,8 +225,11 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
         if optional && !plan.programs().contains(name.as_str()) {
             continue;
         }
-        // The raw syscall tracepoints wait until the per-syscall programs are in.
-        if SYS_TP_PROGS.contains(&name.as_str()) && !plan.sys_fentry.is_empty() {
+        // The raw syscall tracepoints wait until the per-syscall programs are in,
+        // the raw bio one until the typed one is.
+        if (SYS_TP_PROGS.contains(&name.as_str()) && !plan.sys_fentry.is_empty())
+            || (name == plan::RAW_BIO_QUEUE && plan.typed_bio)
+        {
             continue;
         }
         match p.attach() {
@@ -259,6 +262,18 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
                     links.push((name.clone(), l));
                     live.insert(name);
                 }
+            }
+        }
+    }
+    if plan.typed_bio && !live.contains(plan::TYPED_BIO_QUEUE) {
+        plan.bio_fallback(&format!("program {} did not attach", plan::TYPED_BIO_QUEUE));
+        for p in skel.object().progs_mut() {
+            if p.name().to_string_lossy() == plan::RAW_BIO_QUEUE {
+                let l = p
+                    .attach()
+                    .with_context(|| format!("attaching {} ({mode} mode)", plan::RAW_BIO_QUEUE))?;
+                links.push((plan::RAW_BIO_QUEUE.to_string(), l));
+                live.insert(plan::RAW_BIO_QUEUE.to_string());
             }
         }
     }

@@ -59,8 +59,16 @@ pub struct Variants {
     pub vring_interrupt_addr: u64,
 }
 
+/// The block_bio_queue program on a typed bio (tp_btf, fentry mode): plain
+/// loads where the raw tracepoint's program, `RAW_BIO_QUEUE`, needs probe
+/// reads and a disk cache. The raw one is always loaded, and attached only
+/// when the typed one is not.
+pub const TYPED_BIO_QUEUE: &str = "tb_bio_queue";
+pub const RAW_BIO_QUEUE: &str = "bio_queue";
+
 /// Programs that may be left out without failing the run.
 pub const OPTIONAL_TP_PROGS: &[&str] = &[
+    TYPED_BIO_QUEUE,
     "uring_submit",
     "uring_submit_sqe",
     "irq_entry",
@@ -110,6 +118,8 @@ pub struct Plan {
     /// The syscalls traced by fentry/fexit programs on their wrappers (fentry
     /// mode); empty: the raw `sys_enter`/`sys_exit` tracepoints trace them.
     pub sys_fentry: Vec<&'static SysHook>,
+    /// Bios are traced by `TYPED_BIO_QUEUE` (fentry mode, vmlinux BTF).
+    pub typed_bio: bool,
 }
 
 impl Plan {
@@ -131,7 +141,20 @@ impl Plan {
             p.extend(OFF_CPU_PROGS);
         }
         p.extend(self.sys_fentry.iter().flat_map(|s| [s.enter, s.exit]));
+        if self.typed_bio {
+            p.insert(TYPED_BIO_QUEUE);
+        }
         p
+    }
+
+    /// The typed bio program cannot run: the raw tracepoint's does the same.
+    pub fn bio_fallback(&mut self, why: &str) {
+        if self.typed_bio {
+            self.typed_bio = false;
+            self.notes.push(format!(
+                "bios: {why}: the raw block_bio_queue tracepoint instead"
+            ));
+        }
     }
 
     /// The per-syscall programs cannot all run: every syscall goes back to the
@@ -167,6 +190,9 @@ impl Plan {
         }
         if is_sys_fentry(prog) {
             self.sys_fallback(&why);
+        }
+        if prog == TYPED_BIO_QUEUE {
+            self.bio_fallback(&why);
         }
     }
 
@@ -336,6 +362,8 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
     }
     let (sys_fentry, sys_note) = plan_syscalls(mode, f);
     notes.extend(sys_note);
+    // tp_btf programs need what fentry ones need: tracing programs and vmlinux BTF.
+    let typed_bio = mode == Mode::Fentry && f.fentry && f.has_btf("vmlinux");
     Plan {
         hooks,
         uring,
@@ -345,6 +373,7 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
         off_cpu: false,
         exact_kick: false,
         sys_fentry,
+        typed_bio,
     }
 }
 

@@ -426,3 +426,32 @@ fn syscall_programs_fall_back_to_the_raw_tracepoints_as_a_whole() {
         .iter()
         .any(|n| n.starts_with("syscalls: no __x64_sys_* wrapper")));
 }
+
+/// Bios: fentry mode with vmlinux BTF traces them on a typed bio (tp_btf); the
+/// other modes, a kernel without vmlinux BTF, or a refused typed program keep
+/// the raw tracepoint's program (always loaded, attached when needed).
+#[test]
+fn bios_are_traced_on_a_typed_bio_in_fentry_mode_else_on_the_raw_tracepoint() {
+    for f in [k5_10(), k6_1(), k7_2()] {
+        let p = plan(Mode::Fentry, &f);
+        assert!(p.typed_bio, "{}", f.release);
+        assert!(p.programs().contains(TYPED_BIO_QUEUE), "{}", f.release);
+        for m in [Mode::Kprobe, Mode::Tracepoint] {
+            let p = plan(m, &f);
+            assert!(
+                !p.typed_bio && !p.programs().contains(TYPED_BIO_QUEUE),
+                "{m}"
+            );
+        }
+    }
+    let mut no_btf = k6_1();
+    no_btf.btf.remove("vmlinux");
+    assert!(!plan(Mode::Fentry, &no_btf).typed_bio);
+    let mut p = plan(Mode::Fentry, &k6_1());
+    p.drop_program(TYPED_BIO_QUEUE);
+    assert!(!p.typed_bio && !p.programs().contains(TYPED_BIO_QUEUE));
+    assert!(p.notes.iter().any(|n| n
+        == "bios: program tb_bio_queue refused by this kernel: the raw block_bio_queue \
+            tracepoint instead"));
+    assert!(is_optional(TYPED_BIO_QUEUE) && !is_optional(RAW_BIO_QUEUE));
+}

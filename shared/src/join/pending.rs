@@ -4,16 +4,16 @@
 //! record type, which points bound it, how it is indexed, what its list order
 //! is); [`PendingSet`] keeps the records of one side that wait for a partner:
 //! a generational slab, the `(vm, queue, head)` and `(vm, sector)` indexes and,
-//! per VM, the side's progress and its expiry heap.
+//! per VM, the side's progress and its expiry order.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::VecDeque;
 use std::marker::PhantomData;
 
 use crate::clock::OffsetEstimate;
 use crate::record::{GuestRq, HostElem, Point, Points, UnmatchedReason};
 
 use super::emit::Parts;
+use super::expiry::Deadlines;
 use super::matching::{ended_too_late, submitted_too_late};
 
 type FxMap<K, V> = rustc_hash::FxHashMap<K, V>;
@@ -235,16 +235,14 @@ impl Sides {
     }
 }
 
-/// Expiry heap entries `(deadline, id, generation)`, earliest first.
-type Heap = BinaryHeap<Reverse<(u64, u32, u32)>>;
-
 /// One side's state for one VM.
 #[derive(Default)]
 pub(super) struct SideVm {
     /// The side's newest point for this VM (its progress), and its first.
     pub now: Option<u64>,
     pub first: Option<u64>,
-    pub heap: Heap,
+    /// Expiry entries of this VM's records on this side.
+    pub deadlines: Deadlines,
     /// Live pending records of this VM on this side.
     pub pending: usize,
 }
@@ -362,11 +360,11 @@ impl<S: Side> PendingSet<S> {
         }
         let v = &mut self.vms[vm as usize];
         v.pending += 1;
-        v.heap.push(Reverse((deadline, id, gen)));
-        // Matched records leave stale heap entries until their deadline;
+        v.deadlines.push((deadline, id, gen));
+        // Matched records leave stale expiry entries until their deadline;
         // if time stalls, drop them so memory stays bounded by the cap.
-        if v.heap.len() > 4 * slab.len + 4096 {
-            v.heap.retain(|Reverse((_, id, gen))| slab.live(*id, *gen));
+        if v.deadlines.len() > 4 * slab.len + 4096 {
+            v.deadlines.retain(|&(_, id, gen)| slab.live(id, gen));
         }
         (id, gen)
     }
@@ -411,24 +409,24 @@ impl<S: Side> PendingSet<S> {
     /// (stale entries are dropped on the way).
     pub fn next_deadline(&mut self, vm: u32) -> Option<(u64, u32)> {
         let v = &mut self.vms[vm as usize];
-        while let Some(&Reverse((deadline, id, gen))) = v.heap.peek() {
+        while let Some((deadline, id, gen)) = v.deadlines.peek() {
             if self.slab.live(id, gen) {
                 return Some((deadline, id));
             }
-            v.heap.pop();
+            v.deadlines.pop();
         }
         None
     }
 
     /// Drops the earliest expiry entry of a VM.
     pub fn pop_deadline(&mut self, vm: u32) {
-        self.vms[vm as usize].heap.pop();
+        self.vms[vm as usize].deadlines.pop();
     }
 
     /// Drops every expiry entry (all records are being emitted).
     pub fn clear_deadlines(&mut self) {
         for v in &mut self.vms {
-            v.heap.clear();
+            v.deadlines.clear();
         }
     }
 

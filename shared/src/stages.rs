@@ -218,20 +218,26 @@ fn diff(a: u64, b: u64) -> i64 {
 /// Derives the breakdown from a point set (joined, guest-only or host-only;
 /// all points must be in one clock domain).
 pub fn derive(ts: &Points) -> Breakdown {
-    let mut stages = SmallVec::new();
-    let (total_ns, start_ns) = visit_stages(ts, |name, ns| stages.push((Cow::Borrowed(name), ns)));
-    let mut substages = SmallVec::new();
+    let mut b = Breakdown::default();
+    (b.total_ns, b.start_ns) = derive_into(ts, &mut b.stages, &mut b.substages);
+    b
+}
+
+/// [`derive`] into a record's own (empty) `stages` and `substages`, where
+/// they stay (an output record is built in place); returns the total and the
+/// time of the first anchor.
+pub fn derive_into(
+    ts: &Points,
+    stages: &mut Stages,
+    substages: &mut Stages,
+) -> (Option<i64>, Option<u64>) {
+    let found = visit_stages(ts, |name, ns| stages.0.push((Cow::Borrowed(name), ns)));
     for (name, a, b) in SUBSTAGES {
         if let (Some(x), Some(y)) = (ts.get(*a), ts.get(*b)) {
-            substages.push((Cow::Borrowed(*name), diff(x, y)));
+            substages.0.push((Cow::Borrowed(*name), diff(x, y)));
         }
     }
-    Breakdown {
-        stages: Stages(stages),
-        substages: Stages(substages),
-        total_ns,
-        start_ns,
-    }
+    found
 }
 
 /// The stages of [`derive`], handed to `stage` in path order as they are

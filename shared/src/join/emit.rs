@@ -5,7 +5,7 @@ use crate::clock::{narrow, CausalBounds, OffsetEstimate};
 use crate::record::{
     ClockDomain, GuestRq, HostElem, JoinedIo, Name, Point, Points, UnmatchedReason,
 };
-use crate::stages;
+use crate::stages::{self, Stages};
 
 use super::pending::{Pending, Side, Times};
 use super::JoinEngine;
@@ -36,17 +36,18 @@ impl From<OffsetEstimate> for Mapping {
     }
 }
 
-/// Builds an output record. `ts` are its points (in `ts_domain`); the
+/// Builds an output record at the end of `out` (in place: the 1 KiB record
+/// is not moved after it is made). `ts` are its points (in `ts_domain`); the
 /// records' own points are not read. Without a host element the record is
 /// labelled with `vm`.
 fn build(
     vm: &str,
     parts: Parts<'_>,
-    ts: Points,
-    ts_domain: ClockDomain,
+    (ts, ts_domain): (Points, ClockDomain),
     clock_uncertainty_ns: Option<u64>,
     reason: Option<UnmatchedReason>,
-) -> JoinedIo {
+    out: &mut Vec<JoinedIo>,
+) {
     let (op, sector, bytes) = match parts {
         Parts::Joined(g, _) | Parts::Guest(g) => (g.op, g.sector, g.bytes),
         Parts::Host(h) => (h.op, h.sector, h.bytes),
@@ -61,8 +62,7 @@ fn build(
         ClockDomain::Host => crate::walltime::of_points(&ts),
         ClockDomain::Guest => g.and_then(|g| g.time),
     };
-    let bd = stages::derive(&ts);
-    let mut io = JoinedIo {
+    out.push(JoinedIo {
         vm: Name::default(),
         time,
         disk: None,
@@ -86,15 +86,17 @@ fn build(
         status: None,
         ts,
         ts_domain,
-        stages: bd.stages,
-        substages: bd.substages,
-        total_ns: bd.total_ns,
+        stages: Stages::default(),
+        substages: Stages::default(),
+        total_ns: None,
         clock_uncertainty_ns,
         joined: reason.is_none(),
         reason,
         cause: None,
         interference: None,
-    };
+    });
+    let io = out.last_mut().expect("pushed above");
+    (io.total_ns, _) = stages::derive_into(&io.ts, &mut io.stages, &mut io.substages);
     if let Some(g) = g {
         io.disk = Some(g.disk.clone());
         (io.queue, io.head) = (g.queue, g.head);
@@ -120,7 +122,6 @@ fn build(
         }
         None => io.vm = vm.into(),
     }
-    io
 }
 
 /// What the emission of a joined pair changes besides its output: the
@@ -209,15 +210,14 @@ pub(super) fn make_joined(
         None => el.ts.clone(),
     };
     let unc = mapping.and_then(|m| m.uncertainty_ns);
-    let io = build(
+    build(
         &v.name,
         Parts::Joined(rq, el),
-        ts,
-        ClockDomain::Host,
+        (ts, ClockDomain::Host),
         unc,
         None,
+        out,
     );
-    out.push(io);
 }
 
 impl JoinEngine {
@@ -253,14 +253,14 @@ impl JoinEngine {
             None => ClockDomain::Host,
         };
         let unc = est.map(|e| e.uncertainty_ns);
-        out.push(build(
+        build(
             &v.name,
             S::alone(&p.rec),
-            ts,
-            domain,
+            (ts, domain),
             unc,
             Some(reason),
-        ));
+            out,
+        );
     }
 }
 

@@ -231,13 +231,24 @@ pub fn derive_into(
     stages: &mut Stages,
     substages: &mut Stages,
 ) -> (Option<i64>, Option<u64>) {
-    let found = visit_stages(ts, |name, ns| stages.0.push((Cow::Borrowed(name), ns)));
+    // Gathered first, then added at once (one capacity check per list).
+    let mut found: [(&'static str, i64); INLINE_STAGES] = [("", 0); INLINE_STAGES];
+    let mut n = 0;
+    let total = visit_stages(ts, |name, ns| {
+        found[n] = (name, ns);
+        n += 1;
+    });
+    let named = |&(name, ns): &(&'static str, i64)| (Cow::Borrowed(name), ns);
+    stages.0.extend(found[..n].iter().map(named));
+    n = 0;
     for (name, a, b) in SUBSTAGES {
         if let (Some(x), Some(y)) = (ts.get(*a), ts.get(*b)) {
-            substages.0.push((Cow::Borrowed(*name), diff(x, y)));
+            found[n] = (name, diff(x, y));
+            n += 1;
         }
     }
-    found
+    substages.0.extend(found[..n].iter().map(named));
+    total
 }
 
 /// The stages of [`derive`], handed to `stage` in path order as they are

@@ -170,9 +170,8 @@ impl<'obj> App<'obj> {
         }
         let mut recs = std::mem::take(&mut self.queue.borrow_mut().recs);
         for r in &recs {
-            match self.tracer.make_record(r) {
-                Some(v) => v.into_iter().for_each(|e| self.sink.elem(e)),
-                None => self.unknown += 1,
+            if !self.tracer.make_record(r, |e| self.sink.elem(e)) {
+                self.unknown += 1;
             }
         }
         recs.clear();
@@ -290,9 +289,8 @@ impl<'obj> App<'obj> {
                 .tracer
                 .sweep_unnotified(viotrace_shared::clock::monotonic_ns(), UNNOTIFIED_AFTER_NS);
             for r in stale {
-                match self.tracer.make_record(&r) {
-                    Some(v) => v.into_iter().for_each(|e| self.sink.elem(e)),
-                    None => self.unknown += 1,
+                if !self.tracer.make_record(&r, |e| self.sink.elem(e)) {
+                    self.unknown += 1;
                 }
             }
         }

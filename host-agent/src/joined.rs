@@ -57,6 +57,8 @@ pub struct JoinOpts {
 
 /// Records flushed (and written) at a time when the agent stops.
 const FLUSH_CHUNK: usize = 512;
+/// Joined records the output buffer keeps room for between records (~1 KiB each).
+const KEPT_OUTPUT_BUF: usize = 1024;
 
 /// Per-connection bookkeeping.
 struct Conn {
@@ -370,90 +372,102 @@ impl Joined {
     }
 
     fn emit(&mut self) {
-        let ready = std::mem::take(&mut self.buf);
-        for mut j in ready {
-            self.records += 1;
-            if let Some(v) = self.verdicts.as_mut() {
-                self.interfere.note_request(&j);
-                if v.may_judge(&j) {
-                    self.interfere.fill(&mut j);
-                }
-                v.judge(&mut j);
-            }
-            if let Some(m) = self.metrics.as_mut() {
-                let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("");
-                m.record(
-                    "joined", &j.vm, disk, j.queue, j.op, j.bytes, &j.stages, j.total_ns, j.joined,
-                );
-                if let Some(u) = j.clock_uncertainty_ns {
-                    match self.clock_uncertainty.get_mut(j.vm.as_str()) {
-                        Some(x) => *x = u,
-                        None => {
-                            self.clock_uncertainty.insert(j.vm.to_string(), u);
-                        }
-                    }
-                }
-            }
-            if j.joined {
-                let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("?");
-                let label = self.label.get(&j.vm, disk);
-                // into the interval only: the totals take whole intervals (drain_into)
-                self.interval.record_stages(label, &j.stages, j.total_ns);
-            }
-            if let (Some(th), Some(t)) = (self.threshold_ns, j.total_ns) {
-                if j.joined && t >= 0 && t as u64 >= th {
-                    if let Some(o) = &self.otlp {
-                        o.slow(&j);
-                    }
-                    let header = format!(
-                        "slow I/O: vm={} disk={} q{} head={} {} sector={} bytes={} pid={} comm={} inode={} offset={} total={} (clock ±{}) at {}",
-                        j.vm,
-                        j.disk.as_deref().unwrap_or("?"),
-                        j.queue.map_or("?".into(), |q| q.to_string()),
-                        j.head.map_or("?".into(), |h| h.to_string()),
-                        j.op,
-                        j.sector,
-                        j.bytes,
-                        j.pid.map_or("?".into(), |p| p.to_string()),
-                        j.comm.as_deref().unwrap_or("?"),
-                        j.inode.map_or("?".into(), |i| i.to_string()),
-                        j.file_offset.map_or("?".into(), |o| o.to_string()),
-                        fmt_ns(t as u64),
-                        fmt_ns(j.clock_uncertainty_ns.unwrap_or(0)),
-                        j.time.map_or("?".to_string(), |t| t.to_string()),
-                    );
-                    let mut w = render_waterfall(&header, &j.ts);
-                    if let Some(c) = &j.cause {
-                        w += &format!("  cause: {}: {}\n", c.kind.name(), c.evidence);
-                    }
-                    self.human.push(w);
-                }
-            }
-            // Always-on: the files get the slow and the sampled records; the
-            // statistics above keep every one.
-            let slow = match (self.threshold_ns, j.total_ns) {
-                (Some(th), Some(t)) => j.joined && t >= 0 && t as u64 >= th,
-                _ => false,
-            };
-            let (capture, every) = (self.capture, self.sample_every);
-            let o = self.vm_out(&j.vm);
-            o.offered += 1;
-            if !capture && !slow && (every == 0 || !o.offered.is_multiple_of(every)) {
-                o.summarized += 1;
-                continue;
-            }
-            // Per-VM output rate: the files get at most the VM's rate, the rest
-            // is counted.
-            if !o.bucket.try_take(1.0, Instant::now()) {
-                o.rate_limited += 1;
-                continue;
-            }
-            o.written += 1;
-            if let Some((_, c, err @ None)) = self.chrome.as_mut() {
-                *err = c.add(&j).err();
-            }
-            let _ = self.out.write(&j);
+        // Taken for the loop and put back: its allocation serves every record
+        // (the records are handled in place, not moved out). A buffer that a burst of
+        // expiries grew (a VM's whole pending set) is given back.
+        let mut ready = std::mem::take(&mut self.buf);
+        for j in ready.iter_mut() {
+            self.emit_one(j);
         }
+        ready.clear();
+        if ready.capacity() <= KEPT_OUTPUT_BUF {
+            self.buf = ready;
+        }
+    }
+
+    /// Statistics, metrics, verdicts and the always-on output of one record.
+    fn emit_one(&mut self, j: &mut JoinedIo) {
+        self.records += 1;
+        if let Some(v) = self.verdicts.as_mut() {
+            self.interfere.note_request(j);
+            if v.may_judge(j) {
+                self.interfere.fill(j);
+            }
+            v.judge(j);
+        }
+        if let Some(m) = self.metrics.as_mut() {
+            let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("");
+            m.record(
+                "joined", &j.vm, disk, j.queue, j.op, j.bytes, &j.stages, j.total_ns, j.joined,
+            );
+            if let Some(u) = j.clock_uncertainty_ns {
+                match self.clock_uncertainty.get_mut(j.vm.as_str()) {
+                    Some(x) => *x = u,
+                    None => {
+                        self.clock_uncertainty.insert(j.vm.to_string(), u);
+                    }
+                }
+            }
+        }
+        if j.joined {
+            let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("?");
+            let label = self.label.get(&j.vm, disk);
+            // into the interval only: the totals take whole intervals (drain_into)
+            self.interval.record_stages(label, &j.stages, j.total_ns);
+        }
+        if let (Some(th), Some(t)) = (self.threshold_ns, j.total_ns) {
+            if j.joined && t >= 0 && t as u64 >= th {
+                if let Some(o) = &self.otlp {
+                    o.slow(j);
+                }
+                let header = format!(
+                    "slow I/O: vm={} disk={} q{} head={} {} sector={} bytes={} pid={} comm={} inode={} offset={} total={} (clock ±{}) at {}",
+                    j.vm,
+                    j.disk.as_deref().unwrap_or("?"),
+                    j.queue.map_or("?".into(), |q| q.to_string()),
+                    j.head.map_or("?".into(), |h| h.to_string()),
+                    j.op,
+                    j.sector,
+                    j.bytes,
+                    j.pid.map_or("?".into(), |p| p.to_string()),
+                    j.comm.as_deref().unwrap_or("?"),
+                    j.inode.map_or("?".into(), |i| i.to_string()),
+                    j.file_offset.map_or("?".into(), |o| o.to_string()),
+                    fmt_ns(t as u64),
+                    fmt_ns(j.clock_uncertainty_ns.unwrap_or(0)),
+                    j.time.map_or("?".to_string(), |t| t.to_string()),
+                );
+                let mut w = render_waterfall(&header, &j.ts);
+                if let Some(c) = &j.cause {
+                    w += &format!("  cause: {}: {}\n", c.kind.name(), c.evidence);
+                }
+                self.human.push(w);
+            }
+        }
+        // Always-on: the files get the slow and the sampled records; the
+        // statistics above keep every one.
+        let slow = match (self.threshold_ns, j.total_ns) {
+            (Some(th), Some(t)) => j.joined && t >= 0 && t as u64 >= th,
+            _ => false,
+        };
+        let (capture, every) = (self.capture, self.sample_every);
+        let o = self.vm_out(&j.vm);
+        o.offered += 1;
+        if !capture && !slow && (every == 0 || !o.offered.is_multiple_of(every)) {
+            o.summarized += 1;
+            return;
+        }
+        // Per-VM output rate: the files get at most the VM's rate, the rest
+        // is counted.
+        if !o.bucket.try_take(1.0, Instant::now()) {
+            o.rate_limited += 1;
+            return;
+        }
+        o.written += 1;
+        if let Some((_, c, err @ None)) = self.chrome.as_mut() {
+            *err = c.add(j).err();
+        }
+        let _ = self.out.write(j);
     }
 
     /// Every VM's transport accounting, with what this agent did with the records.

@@ -1,6 +1,7 @@
 //! Benchmarks of the shared crate's hot paths:
 //! * join engine throughput on realistic synthetic streams (several queues,
 //!   head reuse, guest batching and QEMU merges, out-of-order arrival);
+//! * the joined host agent's whole per-I/O path, replayed (see [`bench_host_path`]);
 //! * wire frame encode/decode throughput;
 //! * clock estimator update and lookup cost;
 //! * guest sender throughput over a Unix socket.
@@ -14,7 +15,10 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughpu
 use viotrace_shared::clock::ClockEstimator;
 use viotrace_shared::join::synth::{generate, interleave, Event, SynthConfig};
 use viotrace_shared::join::JoinEngine;
+use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::proto::{encode_frame_into, FrameDecoder, GuestRecord, Message};
+use viotrace_shared::record::{HostElem, JoinedIo, Point};
+use viotrace_shared::stats::{Aggregator, PairLabel};
 
 fn feed(events: Vec<Event>) -> usize {
     let mut e = JoinEngine::default();
@@ -289,9 +293,200 @@ fn bench_transport(c: &mut Criterion) {
     let _ = std::fs::remove_file(&path);
 }
 
+/// One input of the joined host agent, in the order it receives them.
+/// (Inline, as the agent keeps its elements.)
+#[derive(Clone)]
+#[allow(clippy::large_enum_variant)]
+enum HostInput {
+    /// A host element from the BPF ring buffer.
+    Elem(HostElem),
+    /// A batch frame of guest records, as the guest's uplink sends it.
+    Frame(Vec<u8>),
+    Probe(u64, u64, u64, u64),
+}
+
+/// Guest flush period (the uplink's default `flush_interval`) and batch cap.
+const GUEST_FLUSH_NS: u64 = 100_000_000;
+const GUEST_BATCH_MAX: usize = 1024;
+
+/// A QD32-like stream as the joined host agent receives it: host elements at
+/// their last point, guest records 0.5 ms after their completion batched into
+/// one frame per 100 ms of the guest's uplink (at most 1024 records), probes
+/// once a second.
+fn host_inputs(requests: usize) -> (Vec<HostInput>, usize) {
+    let s = generate(&SynthConfig {
+        requests,
+        queues: 2,
+        interval_ns: 30_000,
+        service_ns: (200_000, 2_000_000),
+        probe_every_ns: 1_000_000_000,
+        ..SynthConfig::default()
+    });
+    // (arrival, order, input): order keeps the guest's own order within a time.
+    let mut ev: Vec<(u64, usize, HostInput)> = Vec::new();
+    for h in &s.host {
+        let at = h.ts.iter().map(|e| e.1).max().unwrap_or(0);
+        ev.push((at, 0, HostInput::Elem(h.clone())));
+    }
+    let mut guest: Vec<(u64, GuestRecord)> = s
+        .guest
+        .iter()
+        .map(|g| {
+            let done = g.ts.get(Point::RqComplete).unwrap_or(0);
+            (s.host_of(done) + 500_000, GuestRecord::Rq(g.clone()))
+        })
+        .collect();
+    guest.sort_by_key(|g| g.0);
+    let mut first_seq = 0;
+    let mut frames = 0;
+    for chunk in guest.chunk_by(|a, b| a.0 / GUEST_FLUSH_NS == b.0 / GUEST_FLUSH_NS) {
+        for part in chunk.chunks(GUEST_BATCH_MAX) {
+            let records: Vec<GuestRecord> = part.iter().map(|g| g.1.clone()).collect();
+            let n = records.len() as u64;
+            let mut frame = Vec::new();
+            encode_frame_into(&Message::Batch { first_seq, records }, &mut frame).unwrap();
+            first_seq += n;
+            let at = (part[0].0 / GUEST_FLUSH_NS + 1) * GUEST_FLUSH_NS;
+            ev.push((at, 1 + frames, HostInput::Frame(frame)));
+            frames += 1;
+        }
+    }
+    for &(t1, t2, t3, t4) in &s.probes {
+        ev.push((s.host_of(t4), 0, HostInput::Probe(t1, t2, t3, t4)));
+    }
+    ev.sort_by_key(|e| (e.0, e.1));
+    (ev.into_iter().map(|e| e.2).collect(), s.guest.len())
+}
+
+/// What the joined host agent does per record without `-t`, metrics or
+/// `--json` (as in `viotrace-vm bench`): the host elements' table, the join,
+/// the joined records' table and the always-on output (1 in 1000 written).
+struct HostPath {
+    engine: JoinEngine,
+    decoder: FrameDecoder,
+    elems: Aggregator,
+    joined: Aggregator,
+    elem_label: PairLabel,
+    joined_label: PairLabel,
+    out: Vec<JoinedIo>,
+    file: JsonLines<std::io::Sink>,
+    offered: u64,
+    written: u64,
+}
+
+impl HostPath {
+    fn new() -> Self {
+        HostPath {
+            engine: JoinEngine::default(),
+            decoder: FrameDecoder::new(),
+            elems: Aggregator::new(),
+            joined: Aggregator::new(),
+            elem_label: PairLabel::default(),
+            joined_label: PairLabel::default(),
+            out: Vec::with_capacity(1024),
+            file: JsonLines::new(std::io::sink()),
+            offered: 0,
+            written: 0,
+        }
+    }
+
+    fn input(&mut self, i: HostInput) {
+        match i {
+            HostInput::Elem(e) => {
+                let label = self.elem_label.get(&e.vm, &e.device);
+                self.elems.record_points(label, &e.ts);
+                self.engine.push_host(e, &mut self.out);
+                self.emit();
+            }
+            HostInput::Frame(f) => {
+                self.decoder.feed(&f);
+                while let Some(m) = self.decoder.next_message().unwrap() {
+                    let Message::Batch { records, .. } = m else {
+                        continue;
+                    };
+                    for r in records {
+                        if let GuestRecord::Rq(rq) = r {
+                            self.engine.push_guest("vm0", rq, &mut self.out);
+                        }
+                    }
+                    self.emit();
+                }
+            }
+            HostInput::Probe(a, b, c, d) => {
+                let _ = self.engine.clock("vm0").add_guest_probe(a, b, c, d);
+            }
+        }
+    }
+
+    /// Handles the records in place, as the agent does (`Joined::emit`).
+    fn emit(&mut self) {
+        for j in &self.out {
+            if j.joined {
+                let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("?");
+                let label = self.joined_label.get(&j.vm, disk);
+                self.joined.record_stages(label, &j.stages, j.total_ns);
+            }
+            self.offered += 1;
+            if self.offered.is_multiple_of(1000) {
+                self.written += 1;
+                let _ = self.file.write(j);
+            }
+        }
+        self.out.clear();
+    }
+
+    fn finish(&mut self) -> u64 {
+        self.engine.flush(&mut self.out);
+        self.emit();
+        self.offered
+    }
+}
+
+/// The joined host agent's whole per-I/O path (decode the guest's frames →
+/// join with the host elements → statistics → always-on output) on a
+/// QD32-like stream: CPU per I/O.
+fn bench_host_path(c: &mut Criterion) {
+    let (inputs, ios) = host_inputs(100_000);
+    let run = |inputs: Vec<HostInput>| {
+        let mut p = HostPath::new();
+        for i in inputs {
+            p.input(i);
+        }
+        let n = p.finish();
+        let s = p.engine.stats();
+        assert_eq!(s.joined, ios as u64, "{s:?}");
+        (n, p.written)
+    };
+    let mut cpu = u64::MAX;
+    for _ in 0..5 {
+        let ev = inputs.clone();
+        let c0 = thread_cpu_ns();
+        black_box(run(ev));
+        cpu = cpu.min(thread_cpu_ns() - c0);
+    }
+    eprintln!(
+        "host_path/qd32: {ios} I/Os in {:.1} ms CPU (best of 5) = {:.0} ns CPU per I/O",
+        cpu as f64 / 1e6,
+        cpu as f64 / ios as f64
+    );
+    let mut g = c.benchmark_group("host_path");
+    g.measurement_time(Duration::from_secs(5));
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(ios as u64));
+    g.bench_function("qd32_joined", |b| {
+        b.iter_batched(
+            || inputs.clone(),
+            |ev| black_box(run(ev)),
+            BatchSize::LargeInput,
+        )
+    });
+    g.finish();
+}
+
 criterion_group!(
     benches,
     bench_join,
+    bench_host_path,
     bench_proto,
     bench_clock,
     bench_transport

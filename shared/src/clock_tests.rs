@@ -263,3 +263,19 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// The selecting median equals the middle of the sorted values.
+    #[test]
+    fn median_is_the_sorted_middle(mut v in prop::collection::vec(-1e9f64..1e9, 1..200)) {
+        let mut sorted = v.clone();
+        sorted.sort_by(|a, b| a.total_cmp(b));
+        let n = sorted.len();
+        let want = if n % 2 == 1 {
+            sorted[n / 2]
+        } else {
+            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
+        };
+        prop_assert_eq!(median(&mut v), want);
+    }
+}

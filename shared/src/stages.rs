@@ -218,20 +218,37 @@ fn diff(a: u64, b: u64) -> i64 {
 /// Derives the breakdown from a point set (joined, guest-only or host-only;
 /// all points must be in one clock domain).
 pub fn derive(ts: &Points) -> Breakdown {
-    let mut stages = SmallVec::new();
-    let (total_ns, start_ns) = visit_stages(ts, |name, ns| stages.push((Cow::Borrowed(name), ns)));
-    let mut substages = SmallVec::new();
+    let mut b = Breakdown::default();
+    (b.total_ns, b.start_ns) = derive_into(ts, &mut b.stages, &mut b.substages);
+    b
+}
+
+/// [`derive`] into a record's own (empty) `stages` and `substages`, where
+/// they stay (an output record is built in place); returns the total and the
+/// time of the first anchor.
+pub fn derive_into(
+    ts: &Points,
+    stages: &mut Stages,
+    substages: &mut Stages,
+) -> (Option<i64>, Option<u64>) {
+    // Gathered first, then added at once (one capacity check per list).
+    let mut found: [(&'static str, i64); INLINE_STAGES] = [("", 0); INLINE_STAGES];
+    let mut n = 0;
+    let total = visit_stages(ts, |name, ns| {
+        found[n] = (name, ns);
+        n += 1;
+    });
+    let named = |&(name, ns): &(&'static str, i64)| (Cow::Borrowed(name), ns);
+    stages.0.extend(found[..n].iter().map(named));
+    n = 0;
     for (name, a, b) in SUBSTAGES {
         if let (Some(x), Some(y)) = (ts.get(*a), ts.get(*b)) {
-            substages.push((Cow::Borrowed(*name), diff(x, y)));
+            found[n] = (name, diff(x, y));
+            n += 1;
         }
     }
-    Breakdown {
-        stages: Stages(stages),
-        substages: Stages(substages),
-        total_ns,
-        start_ns,
-    }
+    substages.0.extend(found[..n].iter().map(named));
+    total
 }
 
 /// The stages of [`derive`], handed to `stage` in path order as they are

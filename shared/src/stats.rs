@@ -23,28 +23,82 @@ const HIST_SIGFIG: u8 = 2;
 /// Name of the whole request's duration (first to last anchor, see [`crate::stages`]).
 pub const TOTAL_STAGE: &str = "total";
 
-/// Latency distribution of one stage.
+/// The bucket layout of an HDR histogram of `1..=HIST_HIGH_NS` with
+/// `HIST_SIGFIG` digits: 256 sub-buckets (128 new per power of two), 35
+/// buckets. [`StageHist`] counts in this layout itself (a record is one
+/// increment) and makes the `hdrhistogram` only to summarize; the tests check
+/// the layout against the crate's.
+const SUB_BUCKET_MASK: u64 = 255;
+const SUB_BUCKET_HALF_MAGNITUDE: u32 = 7;
+const HIST_BUCKETS: usize = 35;
+const HIST_LEN: usize = (HIST_BUCKETS + 1) << SUB_BUCKET_HALF_MAGNITUDE;
+
+/// The slot of a value (`value >= 1`) in that layout; past the end for a
+/// value beyond the last bucket.
+fn hist_index(value: u64) -> usize {
+    let bucket = 56 - (value | SUB_BUCKET_MASK).leading_zeros();
+    let sub = (value >> bucket) as usize;
+    (((bucket + 1) as usize) << SUB_BUCKET_HALF_MAGNITUDE) + sub - (1 << SUB_BUCKET_HALF_MAGNITUDE)
+}
+
+/// The lowest value of a slot.
+fn hist_value(index: usize) -> u64 {
+    let half = 1usize << SUB_BUCKET_HALF_MAGNITUDE;
+    let (bucket, sub) = match (index >> SUB_BUCKET_HALF_MAGNITUDE).checked_sub(1) {
+        Some(b) => (b, (index & (half - 1)) + half),
+        None => (0, index & (half - 1)),
+    };
+    (sub as u64) << bucket
+}
+
+/// Latency distribution of one stage: counts in the HDR histogram's layout
+/// (values beyond its range saturate, as `saturating_record` does).
 #[derive(Clone, Debug)]
 pub struct StageHist {
-    hist: Histogram<u64>,
+    counts: Box<[u64]>,
     sum: u128,
 }
 
 impl StageHist {
     fn new() -> Self {
-        let hist = Histogram::new_with_bounds(1, HIST_HIGH_NS, HIST_SIGFIG)
-            .expect("static histogram bounds are valid");
-        StageHist { hist, sum: 0 }
+        StageHist {
+            counts: vec![0; HIST_LEN].into_boxed_slice(),
+            sum: 0,
+        }
     }
 
     fn record(&mut self, ns: u64) {
-        self.hist.saturating_record(ns.max(1));
+        let i = hist_index(ns.max(1));
+        let i = if i < HIST_LEN {
+            i
+        } else {
+            hist_index(HIST_HIGH_NS)
+        };
+        self.counts[i] = self.counts[i].saturating_add(1);
         self.sum += u128::from(ns);
+    }
+
+    fn add(&mut self, other: &StageHist) {
+        for (m, t) in self.counts.iter_mut().zip(other.counts.iter()) {
+            *m = m.saturating_add(*t);
+        }
+        self.sum += other.sum;
+    }
+
+    /// The values as an HDR histogram (each slot's count at its lowest value).
+    fn histogram(&self) -> Histogram<u64> {
+        let mut h = Histogram::new_with_bounds(1, HIST_HIGH_NS, HIST_SIGFIG)
+            .expect("static histogram bounds are valid");
+        for (i, &c) in self.counts.iter().enumerate().filter(|e| *e.1 > 0) {
+            h.saturating_record_n(hist_value(i), c);
+        }
+        h
     }
 
     /// Summary of the recorded values.
     pub fn summary(&self) -> Summary {
-        let count = self.hist.len();
+        let hist = self.histogram();
+        let count = hist.len();
         Summary {
             count,
             mean_ns: if count == 0 {
@@ -52,9 +106,9 @@ impl StageHist {
             } else {
                 (self.sum / u128::from(count)) as u64
             },
-            p50_ns: self.hist.value_at_quantile(0.5),
-            p99_ns: self.hist.value_at_quantile(0.99),
-            max_ns: self.hist.max(),
+            p50_ns: hist.value_at_quantile(0.5),
+            p99_ns: hist.value_at_quantile(0.99),
+            max_ns: hist.max(),
         }
     }
 }
@@ -230,11 +284,7 @@ impl Aggregator {
             let mine = &mut self.labels.entry(label.clone()).or_default().stages;
             for (stage, h) in &theirs.stages {
                 match mine.iter_mut().find(|(s, _)| same(s, stage)) {
-                    Some((_, m)) => {
-                        // Both histograms share bounds, so add cannot fail.
-                        let _ = m.hist.add(&h.hist);
-                        m.sum += h.sum;
-                    }
+                    Some((_, m)) => m.add(h),
                     None => mine.push((stage.clone(), h.clone())),
                 }
             }
@@ -386,6 +436,60 @@ pub fn render_waterfall(header: &str, points: &Points) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn hdr() -> Histogram<u64> {
+        Histogram::new_with_bounds(1, HIST_HIGH_NS, HIST_SIGFIG).unwrap()
+    }
+
+    #[test]
+    fn stage_hist_layout_is_hdrhistograms() {
+        let h = hdr();
+        assert_eq!(h.distinct_values(), HIST_LEN);
+        let mut v = 1u64;
+        while v < HIST_HIGH_NS {
+            for x in [v, v + 1, v * 3 / 2, (v * 2).saturating_sub(1)] {
+                assert_eq!(hist_value(hist_index(x)), h.lowest_equivalent(x), "{x}");
+            }
+            v *= 2;
+        }
+        assert!(hist_index(HIST_HIGH_NS) < HIST_LEN);
+        assert!(hist_index(u64::MAX) >= HIST_LEN);
+    }
+
+    proptest! {
+        /// Same count, mean and quantiles as recording into the HDR histogram
+        /// (also when merged, and for values beyond its range).
+        #[test]
+        fn stage_hist_summary_is_hdrhistograms(
+            a in prop::collection::vec(prop_oneof![0u64..5_000_000, any::<u64>()], 0..300),
+            b in prop::collection::vec(0u64..50_000_000_000, 0..300),
+        ) {
+            let (mut x, mut y) = (StageHist::new(), StageHist::new());
+            let mut h = hdr();
+            let mut sum = 0u128;
+            for &v in &a {
+                x.record(v);
+                h.saturating_record(v.max(1));
+                sum += u128::from(v);
+            }
+            for &v in &b {
+                y.record(v);
+                h.saturating_record(v.max(1));
+                sum += u128::from(v);
+            }
+            x.add(&y);
+            let n = h.len();
+            let want = Summary {
+                count: n,
+                mean_ns: if n == 0 { 0 } else { (sum / u128::from(n)) as u64 },
+                p50_ns: h.value_at_quantile(0.5),
+                p99_ns: h.value_at_quantile(0.99),
+                max_ns: h.max(),
+            };
+            prop_assert_eq!(x.summary(), want);
+        }
+    }
 
     fn pts(v: &[(Point, u64)]) -> Points {
         v.iter().copied().collect()

@@ -8,9 +8,6 @@ use std::time::Instant;
 use libbpf_rs::{MapCore, MapFlags};
 use viotrace_shared::record::HostElem;
 
-/// The elements a ring-buffer record releases: one, except when a held VM passes its check.
-pub type Elems = smallvec::SmallVec<[HostElem; 1]>;
-
 use super::{Target, Tracer, HR_HAVE_BYTES, HR_HDR_FAULT, QL_HAVE_NOTIFIER};
 use crate::bpf::types::{host_rec, qemu_layout};
 use crate::qemu::proc::{fd_target, read_i32, read_ptr};
@@ -71,19 +68,26 @@ fn refusal(t: &Target, f: &Failure, r: Option<&host_rec>) -> String {
 }
 
 impl Tracer<'_> {
-    /// The records to emit for a ring-buffer entry: none while the VM's layout is
-    /// being checked (held), all held ones once it passes. None: not a traced VM.
-    pub fn make_record(&mut self, r: &host_rec) -> Option<Elems> {
+    /// Hands `emit` the records of a ring-buffer entry, each built where it
+    /// is passed on (not collected and moved again): none while the VM's
+    /// layout is being checked (held), all held ones once it passes. False:
+    /// not a traced VM.
+    pub fn make_record(&mut self, r: &host_rec, mut emit: impl FnMut(HostElem)) -> bool {
         // (a map lookup, a system call: only for a queue not checked yet)
         let notifiers = self.targets.get(&r.tgid).is_some_and(|t| {
             matches!(t.probation.standing, Standing::Checking) && !t.checked_vqs.contains(&r.vq)
         }) && self.notifiers_in_use(r.tgid);
-        let t = self.targets.get_mut(&r.tgid)?;
+        let Some(t) = self.targets.get_mut(&r.tgid) else {
+            return false;
+        };
         match t.probation.standing {
-            Standing::Trusted => return Some(smallvec::smallvec![Self::build(t, r)]),
+            Standing::Trusted => {
+                emit(Self::build(t, r));
+                return true;
+            }
             Standing::Refused => {
                 t.probation.dropped += 1;
-                return Some(Elems::new());
+                return true;
             }
             Standing::Checking => {}
         }
@@ -96,15 +100,15 @@ impl Tracer<'_> {
         match res {
             Ok(()) => {
                 let ready = t.probation.pass(*r, Instant::now());
-                Some(ready.iter().map(|x| Self::build(t, x)).collect())
+                ready.iter().for_each(|x| emit(Self::build(t, x)));
             }
             Err(f) => {
                 let msg = refusal(t, &f, Some(r));
                 t.probation.dropped += 1; // the record that failed
                 self.refuse(r.tgid, msg);
-                Some(Elems::new())
             }
         }
+        true
     }
 
     fn notifiers_in_use(&self, pid: u32) -> bool {

@@ -5,17 +5,18 @@ use crate::clock::{narrow, CausalBounds, OffsetEstimate};
 use crate::record::{
     ClockDomain, GuestRq, HostElem, JoinedIo, Name, Point, Points, UnmatchedReason,
 };
-use crate::stages;
+use crate::stages::{self, Stages};
 
 use super::pending::{Pending, Side, Times};
 use super::JoinEngine;
 
-/// The records an output record is made of (moved straight into [`build`]).
-#[allow(clippy::large_enum_variant)]
-pub(super) enum Parts {
-    Joined(GuestRq, HostElem),
-    Guest(GuestRq),
-    Host(HostElem),
+/// The records an output record is made of. They are read in place (a
+/// pending record is dropped only once its output is built), not moved.
+#[derive(Clone, Copy)]
+pub(super) enum Parts<'a> {
+    Joined(&'a GuestRq, &'a HostElem),
+    Guest(&'a GuestRq),
+    Host(&'a HostElem),
 }
 
 /// The guest→host offset applied to one output record's guest points.
@@ -35,18 +36,19 @@ impl From<OffsetEstimate> for Mapping {
     }
 }
 
-/// Builds an output record. `ts` are its points (in `ts_domain`); the
+/// Builds an output record at the end of `out` (in place: the 1 KiB record
+/// is not moved after it is made). `ts` are its points (in `ts_domain`); the
 /// records' own points are not read. Without a host element the record is
 /// labelled with `vm`.
 fn build(
     vm: &str,
-    parts: Parts,
-    ts: Points,
-    ts_domain: ClockDomain,
+    parts: Parts<'_>,
+    (ts, ts_domain): (Points, ClockDomain),
     clock_uncertainty_ns: Option<u64>,
     reason: Option<UnmatchedReason>,
-) -> JoinedIo {
-    let (op, sector, bytes) = match &parts {
+    out: &mut Vec<JoinedIo>,
+) {
+    let (op, sector, bytes) = match parts {
         Parts::Joined(g, _) | Parts::Guest(g) => (g.op, g.sector, g.bytes),
         Parts::Host(h) => (h.op, h.sector, h.bytes),
     };
@@ -58,10 +60,9 @@ fn build(
     // Left in the guest's clock: the guest's own wall-clock time.
     let time = match ts_domain {
         ClockDomain::Host => crate::walltime::of_points(&ts),
-        ClockDomain::Guest => g.as_ref().and_then(|g| g.time),
+        ClockDomain::Guest => g.and_then(|g| g.time),
     };
-    let bd = stages::derive(&ts);
-    let mut io = JoinedIo {
+    out.push(JoinedIo {
         vm: Name::default(),
         time,
         disk: None,
@@ -85,21 +86,23 @@ fn build(
         status: None,
         ts,
         ts_domain,
-        stages: bd.stages,
-        substages: bd.substages,
-        total_ns: bd.total_ns,
+        stages: Stages::default(),
+        substages: Stages::default(),
+        total_ns: None,
         clock_uncertainty_ns,
         joined: reason.is_none(),
         reason,
         cause: None,
         interference: None,
-    };
+    });
+    let io = out.last_mut().expect("pushed above");
+    (io.total_ns, _) = stages::derive_into(&io.ts, &mut io.stages, &mut io.substages);
     if let Some(g) = g {
-        io.disk = Some(g.disk);
+        io.disk = Some(g.disk.clone());
         (io.queue, io.head) = (g.queue, g.head);
         io.pid = Some(g.pid);
         io.tid = Some(g.tid);
-        io.comm = Some(g.comm);
+        io.comm = Some(g.comm.clone());
         io.cgroup_id = Some(g.cgroup_id);
         io.inode = Some(g.inode);
         io.file_offset = g.file_offset;
@@ -108,109 +111,116 @@ fn build(
     }
     match h {
         Some(h) => {
-            io.vm = h.vm;
-            io.device = Some(h.device);
+            io.vm = h.vm.clone();
+            io.device = Some(h.device.clone());
             (io.queue, io.head) = (Some(h.queue), Some(h.head));
             io.qemu_pid = Some(h.qemu_pid);
             io.backend = Some(h.backend);
             io.merge_id = Some(h.merge_id);
             io.status = h.status;
-            io.interference = h.interference.map(Box::new);
+            io.interference = h.interference.clone().map(Box::new);
         }
         None => io.vm = vm.into(),
     }
-    io
+}
+
+/// What the emission of a joined pair changes besides its output: the
+/// VM's clock and bindings, the join's counters.
+pub(super) struct JoinCtx<'a> {
+    pub vm: &'a mut super::Vm,
+    pub stats: &'a mut super::JoinStats,
+    pub max_drift_ppm: f64,
+}
+
+/// Emits a joined pair (with each record's causal points, the records read in
+/// place), feeds it to the VM's clock when it is a trustworthy sample and
+/// learns its disk ↔ device binding.
+pub(super) fn make_joined(
+    cx: JoinCtx<'_>,
+    (rq, g): (&GuestRq, &Times),
+    (el, h): (&HostElem, &Times),
+    est: Option<OffsetEstimate>,
+    unambiguous: bool,
+    out: &mut Vec<JoinedIo>,
+) {
+    let JoinCtx {
+        vm: v,
+        stats,
+        max_drift_ppm,
+    } = cx;
+    stats.joined += 1;
+    let mut b = CausalBounds::default();
+    if let (Some(s), Some(p)) = (g.start, h.start) {
+        b = b.before(s, p);
+    }
+    if let (Some(d), Some(u)) = (g.end, h.end) {
+        b = b.after(u, d);
+    }
+    let max_drift = max_drift_ppm * 1e-6;
+    let span = match (g.start, g.end) {
+        (Some(s), Some(d)) => d.saturating_sub(s),
+        _ => 0,
+    };
+    let allow = (span as f64 * max_drift).ceil() as u64 + 1;
+    let (mapping, consistent) = match est {
+        Some(e) => match narrow(e, b, allow) {
+            Some(n) => (Some(Mapping::from(n)), true),
+            None => {
+                stats.clock_conflicts += 1;
+                (Some(Mapping::from(e)), false)
+            }
+        },
+        // Without a clock the pair's own bounds place it; one-sided or
+        // inconsistent bounds place it at the bound, uncertainty unknown.
+        None => match b.estimate(allow) {
+            Some(n) => (Some(Mapping::from(n)), true),
+            None => (
+                b.lo.or(b.hi).map(|x| Mapping {
+                    offset_ns: x,
+                    uncertainty_ns: None,
+                }),
+                true,
+            ),
+        },
+    };
+    // Only an unambiguous pair that agrees with the current estimate
+    // becomes a clock sample: a mis-join must not steer the clock.
+    if let (Some(s), Some(p), Some(u), Some(d)) = (g.start, h.start, h.end, g.end) {
+        if !(unambiguous && consistent) {
+            stats.clock_skipped += 1;
+        } else if v.clock.add_request(s, p, u, d).is_err() {
+            stats.clock_rejected += 1;
+        }
+    }
+    if !v.bindings.iter().any(|(d, _)| *d == rq.disk) {
+        v.bindings.push((rq.disk.clone(), el.device.clone()));
+    }
+    // Without any time relation (no causal points at all) only the host
+    // points are kept.
+    let ts = match mapping {
+        Some(m) => {
+            let mut ts = rq.ts.clone();
+            ts.shift(m.offset_ns);
+            for (p, t) in el.ts.iter() {
+                ts.set(p, t);
+            }
+            drop_unrelated_notifications(&mut ts, m.uncertainty_ns.unwrap_or(0));
+            ts
+        }
+        None => el.ts.clone(),
+    };
+    let unc = mapping.and_then(|m| m.uncertainty_ns);
+    build(
+        &v.name,
+        Parts::Joined(rq, el),
+        (ts, ClockDomain::Host),
+        unc,
+        None,
+        out,
+    );
 }
 
 impl JoinEngine {
-    /// Emits a joined pair (with each record's causal points), feeds it to
-    /// the VM's clock when it is a trustworthy sample and learns its
-    /// disk ↔ device binding.
-    pub(super) fn make_joined(
-        &mut self,
-        vid: u32,
-        (mut rq, g): (GuestRq, Times),
-        (mut el, h): (HostElem, Times),
-        est: Option<OffsetEstimate>,
-        unambiguous: bool,
-        out: &mut Vec<JoinedIo>,
-    ) {
-        self.stats.joined += 1;
-        let mut b = CausalBounds::default();
-        if let (Some(s), Some(p)) = (g.start, h.start) {
-            b = b.before(s, p);
-        }
-        if let (Some(d), Some(u)) = (g.end, h.end) {
-            b = b.after(u, d);
-        }
-        let max_drift = self.cfg.clock.max_drift_ppm * 1e-6;
-        let span = match (g.start, g.end) {
-            (Some(s), Some(d)) => d.saturating_sub(s),
-            _ => 0,
-        };
-        let allow = (span as f64 * max_drift).ceil() as u64 + 1;
-        let (mapping, consistent) = match est {
-            Some(e) => match narrow(e, b, allow) {
-                Some(n) => (Some(Mapping::from(n)), true),
-                None => {
-                    self.stats.clock_conflicts += 1;
-                    (Some(Mapping::from(e)), false)
-                }
-            },
-            // Without a clock the pair's own bounds place it; one-sided or
-            // inconsistent bounds place it at the bound, uncertainty unknown.
-            None => match b.estimate(allow) {
-                Some(n) => (Some(Mapping::from(n)), true),
-                None => (
-                    b.lo.or(b.hi).map(|x| Mapping {
-                        offset_ns: x,
-                        uncertainty_ns: None,
-                    }),
-                    true,
-                ),
-            },
-        };
-        // Only an unambiguous pair that agrees with the current estimate
-        // becomes a clock sample: a mis-join must not steer the clock.
-        if let (Some(s), Some(p), Some(u), Some(d)) = (g.start, h.start, h.end, g.end) {
-            let v = &mut self.vms[vid as usize];
-            if !(unambiguous && consistent) {
-                self.stats.clock_skipped += 1;
-            } else if v.clock.add_request(s, p, u, d).is_err() {
-                self.stats.clock_rejected += 1;
-            }
-        }
-        let v = &mut self.vms[vid as usize];
-        if !v.bindings.iter().any(|(d, _)| *d == rq.disk) {
-            v.bindings.push((rq.disk.clone(), el.device.clone()));
-        }
-        // Without any time relation (no causal points at all) only the host
-        // points are kept.
-        let host_ts = std::mem::take(&mut el.ts);
-        let ts = match mapping {
-            Some(m) => {
-                let mut ts = std::mem::take(&mut rq.ts);
-                ts.shift(m.offset_ns);
-                for (p, t) in host_ts.iter() {
-                    ts.set(p, t);
-                }
-                drop_unrelated_notifications(&mut ts, m.uncertainty_ns.unwrap_or(0));
-                ts
-            }
-            None => host_ts,
-        };
-        let unc = mapping.and_then(|m| m.uncertainty_ns);
-        let io = build(
-            &v.name,
-            Parts::Joined(rq, el),
-            ts,
-            ClockDomain::Host,
-            unc,
-            None,
-        );
-        out.push(io);
-    }
-
     /// Emits a record of side `S` without a partner (guest points mapped onto
     /// the host clock when the VM has an estimate).
     pub(super) fn unmatched<S: Side>(
@@ -233,8 +243,7 @@ impl JoinEngine {
         } else {
             None
         };
-        let mut rec = p.rec;
-        let mut ts = std::mem::take(S::ts_mut(&mut rec));
+        let mut ts = S::ts(&p.rec).clone();
         let domain = match est {
             Some(e) => {
                 ts.shift(e.offset_ns);
@@ -244,7 +253,14 @@ impl JoinEngine {
             None => ClockDomain::Host,
         };
         let unc = est.map(|e| e.uncertainty_ns);
-        out.push(build(&v.name, S::alone(rec), ts, domain, unc, Some(reason)));
+        build(
+            &v.name,
+            S::alone(&p.rec),
+            (ts, domain),
+            unc,
+            Some(reason),
+            out,
+        );
     }
 }
 

@@ -5,6 +5,7 @@
 use crate::clock::OffsetEstimate;
 use crate::record::{GuestRq, HostElem, JoinedIo, Name, Op};
 
+use super::emit::{make_joined, JoinCtx};
 use super::pending::{head_key, Guest, Host, Pending, PendingSet, Side, Times};
 use super::JoinEngine;
 
@@ -182,19 +183,44 @@ impl JoinEngine {
         }
         let found = self.find::<S>(vid, &rec, &t);
         let defer = found.valid > 1 && !self.vms[vid as usize].clock.is_synced();
-        let partner = match (found.best, defer) {
-            (Some((id, est)), false) => self.take::<S::Other>(id).map(|p| (p, est)),
-            _ => None,
-        };
-        match partner {
-            Some((p, est)) => {
-                let (g, h) = S::join(rec, p.rec);
-                let (gt, ht) = S::guest_first(t, p.t);
-                self.make_joined(vid, (g, gt), (h, ht), est, found.valid == 1, out);
+        let joined = match (found.best, defer) {
+            (Some((id, est)), false) => {
+                self.join_pending::<S>(vid, (&rec, &t), id, est, found.valid == 1, out)
             }
-            None => self.wait::<S>(vid, rec, t, found, defer, out),
+            _ => false,
+        };
+        if !joined {
+            self.wait::<S>(vid, rec, t, found, defer, out);
         }
         self.expire_vm(vid, out);
+    }
+
+    /// Joins a record of side `S` with the other side's pending record `id`
+    /// (read in place, then dropped); false when that one is not pending.
+    fn join_pending<S: Side>(
+        &mut self,
+        vid: u32,
+        (rec, t): (&S::Rec, &Times),
+        id: u32,
+        est: Option<OffsetEstimate>,
+        unambiguous: bool,
+        out: &mut Vec<JoinedIo>,
+    ) -> bool {
+        let others = <S::Other as Side>::set(&self.sides);
+        let Some(p) = others.get(id) else {
+            return false;
+        };
+        let vm = p.vm;
+        let (g, h) = S::refs(rec, &p.rec);
+        let (gt, ht) = S::guest_first(t, &p.t);
+        let cx = JoinCtx {
+            vm: &mut self.vms[vid as usize],
+            stats: &mut self.stats,
+            max_drift_ppm: self.cfg.clock.max_drift_ppm,
+        };
+        make_joined(cx, (g, gt), (h, ht), est, unambiguous, out);
+        let headless = self.vms[vm as usize].headless;
+        <S::Other as Side>::set_mut(&mut self.sides).discard(id, headless)
     }
 
     /// Keeps a record without a partner pending (evicting first if a cap is reached).
@@ -347,8 +373,13 @@ impl JoinEngine {
         let (Some(partner), Some(me)) = (self.take::<S::Other>(pid), self.take::<S>(id)) else {
             return;
         };
-        let (g, h) = S::join(me.rec, partner.rec);
-        let (gt, ht) = S::guest_first(me.t, partner.t);
-        self.make_joined(vid, (g, gt), (h, ht), est, found.valid == 1, out);
+        let (g, h) = S::refs(&me.rec, &partner.rec);
+        let (gt, ht) = S::guest_first(&me.t, &partner.t);
+        let cx = JoinCtx {
+            vm: &mut self.vms[vid as usize],
+            stats: &mut self.stats,
+            max_drift_ppm: self.cfg.clock.max_drift_ppm,
+        };
+        make_joined(cx, (g, gt), (h, ht), est, found.valid == 1, out);
     }
 }

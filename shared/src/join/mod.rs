@@ -176,6 +176,8 @@ pub struct JoinEngine {
     cfg: JoinConfig,
     vms: Vec<Vm>,
     vm_ids: rustc_hash::FxHashMap<String, u32>,
+    /// The VM of the previous record (records come in runs of one VM).
+    last_vm: u32,
     sides: Sides,
     stats: JoinStats,
 }
@@ -192,6 +194,7 @@ impl JoinEngine {
             cfg,
             vms: Vec::new(),
             vm_ids: Default::default(),
+            last_vm: 0,
             sides: Sides::new(),
             stats: JoinStats::default(),
         }
@@ -209,7 +212,12 @@ impl JoinEngine {
     }
 
     fn vm_id(&mut self, vm: &str) -> u32 {
+        let last = self.last_vm;
+        if self.vms.get(last as usize).is_some_and(|v| v.name == vm) {
+            return last;
+        }
         if let Some(&id) = self.vm_ids.get(vm) {
+            self.last_vm = id;
             return id;
         }
         let id = self.vms.len() as u32;

@@ -4,16 +4,16 @@
 //! record type, which points bound it, how it is indexed, what its list order
 //! is); [`PendingSet`] keeps the records of one side that wait for a partner:
 //! a generational slab, the `(vm, queue, head)` and `(vm, sector)` indexes and,
-//! per VM, the side's progress and its expiry heap.
+//! per VM, the side's progress and its expiry order.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::VecDeque;
 use std::marker::PhantomData;
 
 use crate::clock::OffsetEstimate;
 use crate::record::{GuestRq, HostElem, Point, Points, UnmatchedReason};
 
 use super::emit::Parts;
+use super::expiry::Deadlines;
 use super::matching::{ended_too_late, submitted_too_late};
 
 type FxMap<K, V> = rustc_hash::FxHashMap<K, V>;
@@ -75,7 +75,6 @@ pub(super) trait Side: Sized + 'static {
     const SECTOR_INDEX_HEADLESS_ONLY: bool;
 
     fn ts(r: &Self::Rec) -> &Points;
-    fn ts_mut(r: &mut Self::Rec) -> &mut Points;
     fn sector(r: &Self::Rec) -> u64;
     /// `(queue, head)` when the record has both.
     fn queue_head(r: &Self::Rec) -> Option<(u16, u16)>;
@@ -92,8 +91,7 @@ pub(super) trait Side: Sized + 'static {
         mine: &'a Self::Rec,
         theirs: &'a <Self::Other as Side>::Rec,
     ) -> (&'a GuestRq, &'a HostElem);
-    fn join(mine: Self::Rec, theirs: <Self::Other as Side>::Rec) -> (GuestRq, HostElem);
-    fn alone(r: Self::Rec) -> Parts;
+    fn alone(r: &Self::Rec) -> Parts<'_>;
     fn set(s: &Sides) -> &PendingSet<Self>;
     fn set_mut(s: &mut Sides) -> &mut PendingSet<Self>;
     fn split(s: &mut Sides) -> (&mut PendingSet<Self>, &mut PendingSet<Self::Other>);
@@ -122,9 +120,6 @@ impl Side for Guest {
     fn ts(r: &GuestRq) -> &Points {
         &r.ts
     }
-    fn ts_mut(r: &mut GuestRq) -> &mut Points {
-        &mut r.ts
-    }
     fn sector(r: &GuestRq) -> u64 {
         r.sector
     }
@@ -146,10 +141,7 @@ impl Side for Guest {
     fn refs<'a>(mine: &'a GuestRq, theirs: &'a HostElem) -> (&'a GuestRq, &'a HostElem) {
         (mine, theirs)
     }
-    fn join(mine: GuestRq, theirs: HostElem) -> (GuestRq, HostElem) {
-        (mine, theirs)
-    }
-    fn alone(r: GuestRq) -> Parts {
+    fn alone(r: &GuestRq) -> Parts<'_> {
         Parts::Guest(r)
     }
     fn set(s: &Sides) -> &PendingSet<Self> {
@@ -179,9 +171,6 @@ impl Side for Host {
     fn ts(r: &HostElem) -> &Points {
         &r.ts
     }
-    fn ts_mut(r: &mut HostElem) -> &mut Points {
-        &mut r.ts
-    }
     fn sector(r: &HostElem) -> u64 {
         r.sector
     }
@@ -203,10 +192,7 @@ impl Side for Host {
     fn refs<'a>(mine: &'a HostElem, theirs: &'a GuestRq) -> (&'a GuestRq, &'a HostElem) {
         (theirs, mine)
     }
-    fn join(mine: HostElem, theirs: GuestRq) -> (GuestRq, HostElem) {
-        (theirs, mine)
-    }
-    fn alone(r: HostElem) -> Parts {
+    fn alone(r: &HostElem) -> Parts<'_> {
         Parts::Host(r)
     }
     fn set(s: &Sides) -> &PendingSet<Self> {
@@ -235,16 +221,14 @@ impl Sides {
     }
 }
 
-/// Expiry heap entries `(deadline, id, generation)`, earliest first.
-type Heap = BinaryHeap<Reverse<(u64, u32, u32)>>;
-
 /// One side's state for one VM.
 #[derive(Default)]
 pub(super) struct SideVm {
     /// The side's newest point for this VM (its progress), and its first.
     pub now: Option<u64>,
     pub first: Option<u64>,
-    pub heap: Heap,
+    /// Expiry entries of this VM's records on this side.
+    pub deadlines: Deadlines,
     /// Live pending records of this VM on this side.
     pub pending: usize,
 }
@@ -362,26 +346,39 @@ impl<S: Side> PendingSet<S> {
         }
         let v = &mut self.vms[vm as usize];
         v.pending += 1;
-        v.heap.push(Reverse((deadline, id, gen)));
-        // Matched records leave stale heap entries until their deadline;
+        v.deadlines.push((deadline, id, gen));
+        // Matched records leave stale expiry entries until their deadline;
         // if time stalls, drop them so memory stays bounded by the cap.
-        if v.heap.len() > 4 * slab.len + 4096 {
-            v.heap.retain(|Reverse((_, id, gen))| slab.live(*id, *gen));
+        if v.deadlines.len() > 4 * slab.len + 4096 {
+            v.deadlines.retain(|&(_, id, gen)| slab.live(id, gen));
         }
         (id, gen)
     }
 
     /// Removes a live record from the set and its indexes.
     pub fn remove(&mut self, id: u32, headless: bool) -> Option<Pending<S::Rec>> {
-        let p = self.slab.remove(id)?;
-        let v = &mut self.vms[p.vm as usize];
+        self.unindex(id, headless)?;
+        self.slab.remove(id)
+    }
+
+    /// Removes a live record and drops it in place (its output was built
+    /// from it where it was); whether it was live.
+    pub fn discard(&mut self, id: u32, headless: bool) -> bool {
+        self.unindex(id, headless).is_some() && self.slab.discard(id)
+    }
+
+    /// Takes a live record out of its VM's count and its indexes.
+    fn unindex(&mut self, id: u32, headless: bool) -> Option<()> {
+        let p = self.slab.get(id)?;
+        let (vm, sector) = (p.vm, S::sector(&p.rec));
+        let key = S::queue_head(&p.rec).map(|qh| head_key(vm, qh));
+        let v = &mut self.vms[vm as usize];
         v.pending = v.pending.saturating_sub(1);
-        let key = S::queue_head(&p.rec).map(|qh| head_key(p.vm, qh));
         if let Some(l) = key.and_then(|k| self.by_head.get_mut(&k)) {
             remove_id(l, id);
         }
         if Self::sector_indexed(key, headless) {
-            let sk = (p.vm, S::sector(&p.rec));
+            let sk = (vm, sector);
             if let Some(l) = self.by_sector.get_mut(&sk) {
                 remove_id(l, id);
                 if l.is_empty() {
@@ -389,7 +386,7 @@ impl<S: Side> PendingSet<S> {
                 }
             }
         }
-        Some(p)
+        Some(())
     }
 
     /// Indexes every pending record of `vm` by sector (the VM turned out to
@@ -411,24 +408,24 @@ impl<S: Side> PendingSet<S> {
     /// (stale entries are dropped on the way).
     pub fn next_deadline(&mut self, vm: u32) -> Option<(u64, u32)> {
         let v = &mut self.vms[vm as usize];
-        while let Some(&Reverse((deadline, id, gen))) = v.heap.peek() {
+        while let Some((deadline, id, gen)) = v.deadlines.peek() {
             if self.slab.live(id, gen) {
                 return Some((deadline, id));
             }
-            v.heap.pop();
+            v.deadlines.pop();
         }
         None
     }
 
     /// Drops the earliest expiry entry of a VM.
     pub fn pop_deadline(&mut self, vm: u32) {
-        self.vms[vm as usize].heap.pop();
+        self.vms[vm as usize].deadlines.pop();
     }
 
     /// Drops every expiry entry (all records are being emitted).
     pub fn clear_deadlines(&mut self) {
         for v in &mut self.vms {
-            v.heap.clear();
+            v.deadlines.clear();
         }
     }
 
@@ -513,5 +510,15 @@ impl<T> Slab<T> {
         self.free.push(id);
         self.len -= 1;
         Some(v)
+    }
+    /// [`remove`](Self::remove) without moving the value out.
+    fn discard(&mut self, id: u32) -> bool {
+        let Some(s) = self.items.get_mut(id as usize).filter(|s| s.val.is_some()) else {
+            return false;
+        };
+        s.val = None;
+        self.free.push(id);
+        self.len -= 1;
+        true
     }
 }

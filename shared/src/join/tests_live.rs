@@ -363,7 +363,7 @@ fn reboot_resets_the_clock() {
 }
 
 #[test]
-fn stale_heap_entries_are_compacted_when_time_stalls() {
+fn stale_expiry_entries_are_compacted_when_time_stalls() {
     let s = generate(&SynthConfig {
         requests: 20_000,
         probe_every_ns: 0,
@@ -381,9 +381,9 @@ fn stale_heap_entries_are_compacted_when_time_stalls() {
     }
     assert_eq!(out.len(), 20_000);
     assert!(
-        e.sides.host.vm(0).heap.len() <= 4096 + 4,
+        e.sides.host.vm(0).deadlines.len() <= 4096 + 4,
         "{}",
-        e.sides.host.vm(0).heap.len()
+        e.sides.host.vm(0).deadlines.len()
     );
 }
 

@@ -372,10 +372,12 @@ fn qemu_throttling_is_named_as_the_cause_and_a_clean_run_is_not_flagged() {
 /// 32 MiB of vdb written, then 24 s of reads by fio paced at 25/s; with `hog`, a
 /// nice -20 busy loop takes the guest's only CPU for 1 s every 3 s.
 fn guest_hog_workload(hog: bool) -> String {
-    // (busybox has renice, not nice: the hog raises its own priority)
+    // (busybox has renice, not nice: the hog raises its own priority; `timeout`
+    // ends each burst with a failure status, which must not end the loop under
+    // the script's `set -e`: before, only the first of the 8 bursts ran)
     let hog = if hog {
         "( i=0; while [ $i -lt 8 ]; do sleep 2; \
-         timeout 1 sh -c 'renice -n -20 -p $$ >/dev/null; while :; do :; done'; \
+         timeout 1 sh -c 'renice -n -20 -p $$ >/dev/null; while :; do :; done' || true; \
          i=$((i+1)); done ) &\n"
     } else {
         ""

@@ -189,47 +189,43 @@ struct {
 	__type(value, struct rq_state);
 } rqs SEC(".maps");
 
-/* Request states, direct-mapped first (dm_find, below). */
+/*
+ * A direct-mapped table (see dm_find, below): `name`_slots, an array of
+ * `slot_type` (its owner's key first), and `name`_claims, which arbitrates
+ * the claim of each slot (index → owner).
+ */
+#define DM_TABLE(name, nslots, slot_type)				\
+struct {								\
+	__uint(type, BPF_MAP_TYPE_ARRAY);				\
+	__uint(max_entries, nslots);					\
+	__type(key, __u32);						\
+	__type(value, slot_type);					\
+} name##_slots SEC(".maps");						\
+struct {								\
+	__uint(type, BPF_MAP_TYPE_HASH);				\
+	__uint(max_entries, nslots);					\
+	__type(key, __u32);						\
+	__type(value, __u64);						\
+} name##_claims SEC(".maps")
+
+/* Request states, direct-mapped first; `rqs` for the rest. */
 #define RQ_SLOTS 4096
 struct rq_slot {
 	__u64 key;		/* struct request *, 0: free */
 	struct rq_state st;
 };
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, RQ_SLOTS);
-	__type(key, __u32);
-	__type(value, struct rq_slot);
-} rq_slots SEC(".maps");
+DM_TABLE(rq, RQ_SLOTS, struct rq_slot);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, RQ_SLOTS);
-	__type(key, __u32);	/* slot */
-	__type(value, __u64);	/* its request */
-} rq_claims SEC(".maps");
-
-/* Virtqueue states, direct-mapped first (dm_find, below); `vqs` for the rest. */
-#define VQ_SLOTS 256
+/* Virtqueue states, direct-mapped first; `vqs` for the rest. A guest has a
+ * few virtqueues per disk. */
+#define VQ_SLOTS 64
 struct vq_slot {
 	__u64 key;		/* struct virtqueue *, 0: free */
 	struct vq_state v;
 };
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, VQ_SLOTS);
-	__type(key, __u32);
-	__type(value, struct vq_slot);
-} vq_slots SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, VQ_SLOTS);
-	__type(key, __u32);	/* slot */
-	__type(value, __u64);	/* its virtqueue */
-} vq_claims SEC(".maps");
+DM_TABLE(vq, VQ_SLOTS, struct vq_slot);
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);

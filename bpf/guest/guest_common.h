@@ -295,15 +295,19 @@ static __always_inline __u64 arg_key(void *ctx, __u32 n, const void *ptr)
 	return v;
 }
 
-static __always_inline void *dm_find(void *slots, __u32 nslots, __u64 key)
+/* The slot of `key` (its owner's key first), or NULL without slots. */
+static __always_inline __u64 *dm_slot(void *slots, __u32 nslots, __u64 key, __u32 *i)
 {
-	__u64 *owner;
-	__u32 i;
-
 	if (!DM_ON)
 		return NULL;
-	i = ptr_slot(key, nslots);
-	owner = bpf_map_lookup_elem(slots, &i);
+	*i = ptr_slot(key, nslots);
+	return bpf_map_lookup_elem(slots, i);
+}
+
+static __always_inline void *dm_find(void *slots, __u32 nslots, __u64 key)
+{
+	__u32 i;
+	__u64 *owner = dm_slot(slots, nslots, key, &i);
 
 	return owner && *owner == key ? owner : NULL;
 }
@@ -312,13 +316,9 @@ static __always_inline void *dm_find(void *slots, __u32 nslots, __u64 key)
  * when it is taken. */
 static __always_inline void *dm_claim(void *slots, void *claims, __u32 nslots, __u64 key)
 {
-	__u64 *owner;
 	__u32 i;
+	__u64 *owner = dm_slot(slots, nslots, key, &i);
 
-	if (!DM_ON)
-		return NULL;
-	i = ptr_slot(key, nslots);
-	owner = bpf_map_lookup_elem(slots, &i);
 	if (!owner || *owner || bpf_map_update_elem(claims, &i, &key, BPF_NOEXIST))
 		return NULL;
 	*owner = key;

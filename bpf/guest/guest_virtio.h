@@ -58,6 +58,19 @@ static __always_inline void on_queue_rqs(void *list)
 	bpf_loop(CHAIN_MAX, queue_rqs_one, &w, 0);
 }
 
+/* The state of virtqueue `key`, created on first sight: its slot if free, else
+ * an entry of the hash map (as rq_new, for requests). */
+static __always_inline struct vq_state *vq_get_or_create(__u64 *key)
+{
+	struct vq_state *v = vq_find(key);
+	struct vq_slot *sl;
+
+	if (v)
+		return v;
+	sl = dm_claim(&vq_slots, &vq_claims, VQ_SLOTS, *key);
+	return sl ? &sl->v : map_create(&vqs, key, &zero_vq, S_FULL_VQ);
+}
+
 static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *data)
 {
 	/* virtblk_req is the request's pdu: it directly follows struct request */
@@ -93,12 +106,7 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 		st->ev.has_head = 1;
 	}
 	st->vq = vq;
-	v = vq_find(&vk);
-	if (!v) {
-		struct vq_slot *sl = dm_claim(&vq_slots, &vq_claims, VQ_SLOTS, vk);
-
-		v = sl ? &sl->v : map_create(&vqs, &vk, &zero_vq, S_FULL_VQ);
-	}
+	v = vq_get_or_create(&vk);
 	st->kick_seq = v ? v->kick_seq : 0;
 	/* A flush lasts as long as the host's sync: its kick is kept apart
 	 * (REQ_OP_FLUSH = 2 since 4.10; the low 8 bits of cmd_flags are the op). */

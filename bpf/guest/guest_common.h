@@ -21,6 +21,11 @@ const volatile __u8 have_driver_complete = 0;
 const volatile __u64 vring_interrupt_addr = 0;
 /* Wake the reader once this many bytes are pending (else it polls). */
 const volatile __u64 wakeup_bytes = 256 * 1024;
+/*
+ * A syscall faster than this sends no record: its latency is counted in
+ * `io_hist` instead (0: every syscall sends its record; see sys_summarized).
+ */
+const volatile __u64 io_detail_ns = 0;
 
 /*
  * Set by userspace once aio_prep_rw's program is attached (.bss: after load):
@@ -207,6 +212,30 @@ struct {								\
 	__type(key, __u32);						\
 	__type(value, __u64);						\
 } name##_claims SEC(".maps")
+
+/*
+ * Latencies of the syscalls that sent no record (io_detail_ns), in the bucket
+ * layout of the agent's stage histograms (shared/src/stats.rs: HDR, 2
+ * significant digits): `io_hist` counts them, IO_HIST_KEY(nr, slot) → count
+ * (only the slots that occur exist), and `io_sum` adds up their latencies
+ * (ns) per syscall number. The agent reads both once an interval.
+ */
+#define IO_HIST_MAX 8192
+#define IO_HIST_KEY(nr, slot) ((nr) << 16 | (slot))
+#define IO_SUM_NRS 512
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, IO_HIST_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} io_hist SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, IO_SUM_NRS);
+	__type(key, __u32);
+	__type(value, __u64);
+} io_sum SEC(".maps");
 
 /* Request states, direct-mapped first; `rqs` for the rest. */
 #define RQ_SLOTS 4096

@@ -503,19 +503,94 @@ int uring_submit_sqe(unsigned long long *ctx)
 	return 0;
 }
 
-/* Exit of a traced syscall: its record. */
+/* floor(log2(v)) of v > 0 (BPF has no count of leading zeros). */
+static __always_inline __u32 log2_u64(__u64 v)
+{
+	__u32 r = 0;
+
+	if (v >> 32) {
+		v >>= 32;
+		r += 32;
+	}
+	if (v >> 16) {
+		v >>= 16;
+		r += 16;
+	}
+	if (v >> 8) {
+		v >>= 8;
+		r += 8;
+	}
+	if (v >> 4) {
+		v >>= 4;
+		r += 4;
+	}
+	if (v >> 2) {
+		v >>= 2;
+		r += 2;
+	}
+	return r + (__u32)(v >> 1);
+}
+
+/* The slot of `ns` (1 <= ns < 2^41) in the stage histograms' layout: the
+ * agent's hist_index (shared/src/stats.rs), which a unit test mirrors. */
+static __always_inline __u32 hist_slot(__u64 ns)
+{
+	__u32 bucket = log2_u64(ns | 255) - 7;
+
+	return ((bucket + 1) << 7) + (__u32)(ns >> bucket) - 128;
+}
+
+/*
+ * A syscall faster than io_detail_ns is counted in io_hist/io_sum and sends no
+ * record; false: it sends its record (slow, io_hist full, or not measurable).
+ */
+static __always_inline bool sys_summarized(__u32 nr, __u64 enter, __u64 exit)
+{
+	__u64 ns = exit - enter, one = 1, *c, *sum;
+	__u32 key;
+
+	if (!enter || exit <= enter || ns >= io_detail_ns || ns >> 41 || nr >= IO_SUM_NRS)
+		return false;
+	sum = bpf_map_lookup_elem(&io_sum, &nr);
+	if (!sum)
+		return false;
+	key = IO_HIST_KEY(nr, hist_slot(ns));
+	c = bpf_map_lookup_elem(&io_hist, &key);
+	if (c) {
+		__sync_fetch_and_add(c, 1);
+	} else if (bpf_map_update_elem(&io_hist, &key, &one, BPF_NOEXIST)) {
+		/* another CPU may have inserted it meanwhile */
+		c = bpf_map_lookup_elem(&io_hist, &key);
+		if (!c) {
+			stat_inc(S_IO_HIST_FULL);
+			return false;
+		}
+		__sync_fetch_and_add(c, 1);
+	}
+	__sync_fetch_and_add(sum, ns);
+	stat_inc(S_IO_SUMMARIZED);
+	return true;
+}
+
+/* Exit of a traced syscall: its record, or its latency summarized. */
 static __always_inline void sys_exit_ret(long ret)
 {
 	__u64 pt = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)pt;
 	struct sys_state *s;
 	struct vt_io_event *e;
+	__u64 now;
 
 	if (!sys_task_ok(pt))
 		return;
 	s = sys_get(&tid);
 	if (!s)
 		return;
+	now = bpf_ktime_get_ns();
+	if (io_detail_ns && sys_summarized(s->nr, s->enter_ts, now)) {
+		s->enter_ts = 0;
+		return;
+	}
 	e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 	if (!e) {
 		stat_inc(S_RB_DROP_IO);
@@ -525,7 +600,7 @@ static __always_inline void sys_exit_ret(long ret)
 	e->kind = K_IO;
 	e->nr = s->nr;
 	e->enter_ts = s->enter_ts;
-	e->exit_ts = bpf_ktime_get_ns();
+	e->exit_ts = now;
 	e->ret = ret;
 	e->bytes = s->bytes;
 	e->inode = s->inode;

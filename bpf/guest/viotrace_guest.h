@@ -60,7 +60,9 @@ enum vt_kick {
 	X(S_REFS_TRUNC, "io_refs_truncated", syscall caused more requests than listed)   \
 	X(S_KICK_LOST, "kick_slot_lost", kick slot overwritten before completion)        \
 	X(S_KICK_AFTER_DONE, "kick_after_completion", completed before its kick was recorded) \
-	X(S_CHAIN_TRUNC, "bio_chain_truncated", request with more bios than walked)
+	X(S_CHAIN_TRUNC, "bio_chain_truncated", request with more bios than walked)      \
+	X(S_IO_SUMMARIZED, "io_summarized", syscalls counted in io_hist: no record)      \
+	X(S_IO_HIST_FULL, "io_hist_full", io_hist full: the syscall sent its record)
 
 #define VT_STAT_ENUM(id, name, what) id,
 enum vt_stat_id {

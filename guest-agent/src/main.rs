@@ -7,6 +7,7 @@ mod bpf {
 }
 mod btf_file;
 mod embedded;
+mod io_hist;
 mod kernel;
 mod load;
 mod plan;
@@ -94,6 +95,8 @@ pub(crate) struct Filters {
     off_cpu: bool,
     /// Trap virtqueue_notify too (`--exact-kick`).
     exact_kick: bool,
+    /// Syscalls faster than this send no record, only their latency (0: all send one).
+    io_detail_ns: u64,
 }
 
 fn resolve_filters(cli: &Cli) -> Result<Filters> {
@@ -102,6 +105,14 @@ fn resolve_filters(cli: &Cli) -> Result<Filters> {
         tid: cli.tid.unwrap_or(0),
         off_cpu: cli.threshold.is_some(),
         exact_kick: cli.exact_kick,
+        // Always-on (no --json, no -t): the syscall table needs only each
+        // syscall's latency, and the kernel counts it (io_hist). JSON lines
+        // and the verdicts of -t (their baselines) need every record.
+        io_detail_ns: if cli.json || cli.threshold.is_some() {
+            0
+        } else {
+            u64::MAX
+        },
         ..Default::default()
     };
     if let Some(c) = &cli.comm {
@@ -167,6 +178,22 @@ fn read_stats(run: &load::Running) -> Vec<(&'static str, u64)> {
         v.push(("bpf_runs_lost", n));
     }
     v
+}
+
+/// The syscalls the kernel summarized since the last call, into the sink's
+/// syscall table.
+fn take_io_hist(run: &load::Running, h: &mut io_hist::IoHist, sink: &mut Sink) {
+    let at_least = bpf_stats(&run.skel)
+        .iter()
+        .find(|(n, _)| *n == "io_summarized")
+        .map_or(0, |s| s.1);
+    if at_least == 0 {
+        return;
+    }
+    let maps = &run.skel.maps;
+    for (nr, g) in h.take(&maps.io_hist, &maps.io_sum, at_least) {
+        sink.syscall_summary(nr, &g);
+    }
 }
 
 fn bpf_stats(skel: &ViotraceGuestSkel<'_>) -> Vec<(&'static str, u64)> {
@@ -283,6 +310,7 @@ fn main() -> Result<()> {
             .with_context(|| format!("writing ready file {}", p.display()))?;
     }
 
+    let mut hist = io_hist::IoHist::default();
     let started = Instant::now();
     let mut next_table = started + cli.interval;
     while !stop.load(Ordering::SeqCst) {
@@ -295,6 +323,7 @@ fn main() -> Result<()> {
         let now = Instant::now();
         let mut s = sink.borrow_mut();
         if now >= next_table {
+            take_io_hist(&run, &mut hist, &mut s);
             s.interval_table(started.elapsed());
             s.send_counters(&read_stats(&run));
             next_table = now + cli.interval;
@@ -307,8 +336,10 @@ fn main() -> Result<()> {
             eprintln!("viotrace-guest: the kernel skipped {n} runs of program {p} (recursion)");
         }
     }
-    let mut stats = read_stats(&run);
     let mut s = sink.borrow_mut();
+    take_io_hist(&run, &mut hist, &mut s);
+    let mut stats = read_stats(&run);
+    stats.push(("io_hist_reread", hist.batch_short));
     stats.extend(s.verdict_counters());
     s.close_uplink(&mut stats);
     s.finish(started.elapsed(), &stats);

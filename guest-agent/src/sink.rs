@@ -12,6 +12,7 @@ use viotrace_shared::record::{GuestIo, GuestRq, Point, Points, Stats};
 use viotrace_shared::stats::{render_waterfall, Aggregator};
 use viotrace_shared::transport::GuestSender;
 
+use crate::io_hist::Gained;
 use crate::raw::{Decoder, Record};
 
 /// Label under which syscall-level latencies are aggregated.
@@ -198,6 +199,17 @@ impl Sink {
                 self.on_io(&io);
             }
         }
+    }
+
+    /// Syscalls of number `nr` the kernel summarized (no record): their
+    /// latencies into the syscall table, as their records' would go.
+    pub fn syscall_summary(&mut self, nr: u32, g: &Gained) {
+        let n = g.count();
+        self.ios += n;
+        self.interval_records += n;
+        let name = crate::raw::syscall_name(nr);
+        self.interval
+            .record_slots(SYSCALL_LABEL, &name, &g.slots, g.sum_ns);
     }
 
     fn on_rq(&mut self, r: &GuestRq) {

@@ -642,3 +642,67 @@ fn kernel_5_10_descriptor_heads_equal_qemus() {
         "queue depth 8-16 spreads the heads: {heads:?}"
     );
 }
+
+/// The rows of `label` in the guest log's totals table: stage → count.
+fn totals_rows(log: &str, label: &str) -> std::collections::BTreeMap<String, u64> {
+    let totals = log
+        .split("=== viotrace-guest totals")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no totals table: {log}"));
+    let mut rows = std::collections::BTreeMap::new();
+    let mut inside = false;
+    for l in totals.lines().skip(1) {
+        if l.starts_with("  ") && !l.starts_with("    ") {
+            inside = l.trim() == label;
+        } else if let (true, [stage, count, ..]) =
+            (inside, &l.split_whitespace().collect::<Vec<_>>()[..])
+        {
+            if let Ok(n) = count.parse() {
+                rows.insert(stage.to_string(), n);
+            }
+        }
+    }
+    rows
+}
+
+/// A counter of the totals' `counters:` line.
+fn counter(log: &str, name: &str) -> u64 {
+    let line = log
+        .lines()
+        .find(|l| l.trim_start().starts_with("counters:"));
+    line.and_then(|l| {
+        l.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+    })
+    .and_then(|v| v.parse().ok())
+    .unwrap_or_else(|| panic!("no counter {name}: {log}"))
+}
+
+/// Always-on (no `--json`, no `-t`): the syscalls send no records, the kernel counts their
+/// latencies (`io_hist`), and the syscall table still has every one of them.
+#[test]
+fn always_on_syscalls_are_counted_in_the_kernel_and_tabled() {
+    let cfg = VmConfig {
+        guest_json: false,
+        guest_args: "-c fio".into(),
+        ..VmConfig::default()
+    };
+    let r = run_guest("guest-always-on", cfg, KNOWN_IO);
+    // Without --json the tables are the agent's standard output.
+    let log = std::fs::read_to_string(r.path("guest.jsonl")).unwrap_or_default();
+    let syscalls = totals_rows(&log, "syscalls");
+    // fio's 300 writes and 300 reads, and a few reads of its own (4 on 6.1).
+    assert_eq!(syscalls.get("pwrite64"), Some(&300), "{syscalls:?}\n{log}");
+    let reads = syscalls.get("pread64").copied().unwrap_or(0);
+    assert!((300..=310).contains(&reads), "{syscalls:?}\n{log}");
+    // Every syscall was summarized, none sent a record, none was lost.
+    let tabled: u64 = syscalls.values().sum();
+    assert_eq!(counter(&log, "io_summarized"), tabled, "{log}");
+    assert_eq!(counter(&log, "io_emitted"), 0, "{log}");
+    assert_eq!(
+        counter(&log, "io_hist_full") + counter(&log, "io_hist_reread"),
+        0
+    );
+    // fio's requests on vdb are all still in the request table.
+    assert_eq!(totals_rows(&log, "vdb").get("total"), Some(&600), "{log}");
+}

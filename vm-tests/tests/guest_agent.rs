@@ -682,12 +682,23 @@ fn counter(log: &str, name: &str) -> u64 {
 /// latencies (`io_hist`), and the syscall table still has every one of them.
 #[test]
 fn always_on_syscalls_are_counted_in_the_kernel_and_tabled() {
+    check_always_on("guest-always-on", GuestKernel::default());
+}
+
+/// The same on 5.10 (kprobes for the driver, raw syscall tracepoints).
+#[test]
+fn kernel_5_10_always_on_syscalls_are_counted_in_the_kernel() {
+    check_always_on("guest-5-10-always-on", GuestKernel::V5_10);
+}
+
+fn check_always_on(name: &str, kernel: GuestKernel) {
     let cfg = VmConfig {
         guest_json: false,
         guest_args: "-c fio".into(),
+        guest_kernel: kernel,
         ..VmConfig::default()
     };
-    let r = run_guest("guest-always-on", cfg, KNOWN_IO);
+    let r = run_guest(name, cfg, KNOWN_IO);
     // Without --json the tables are the agent's standard output.
     let log = std::fs::read_to_string(r.path("guest.jsonl")).unwrap_or_default();
     let syscalls = totals_rows(&log, "syscalls");

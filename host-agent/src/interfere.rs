@@ -32,7 +32,7 @@ pub struct Wait {
     pub vcpu: bool,
     /// The task that ran on that CPU just before the thread got it.
     pub holder_tgid: u32,
-    pub holder_comm: String,
+    pub holder_comm: Name,
 }
 
 #[derive(Default)]
@@ -84,13 +84,16 @@ fn dev_of_label(label: &str) -> Option<u32> {
     Some((ma.parse::<u32>().ok()? << 20) | mi.parse::<u32>().ok()?)
 }
 
-fn c_str(b: &[i8]) -> String {
-    let bytes: Vec<u8> = b
-        .iter()
-        .take_while(|&&c| c != 0)
-        .map(|&c| c as u8)
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
+/// A task name of the BPF side (NUL-padded), kept inline (no allocation: a
+/// VM keeps up to MAX_WAITS_PER_VM of them).
+fn c_str(b: &[i8]) -> Name {
+    let mut bytes = [0u8; 16];
+    let mut n = 0;
+    for (d, &c) in bytes.iter_mut().zip(b.iter().take_while(|&&c| c != 0)) {
+        *d = c as u8;
+        n += 1;
+    }
+    Name::from_utf8_lossy(&bytes[..n])
 }
 
 impl Interfere {
@@ -168,7 +171,7 @@ impl Interfere {
             if n > 0 {
                 top.entry(k.dev)
                     .or_default()
-                    .push((k.tgid, c_str(&v.comm), n));
+                    .push((k.tgid, c_str(&v.comm).to_string(), n));
             }
         }
         for v in top.values_mut() {

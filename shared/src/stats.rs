@@ -584,6 +584,57 @@ mod tests {
         assert_eq!(a.get("h", "total").unwrap().max_ns, 30);
     }
 
+    /// The per-record path (stage ids from the points) makes the same
+    /// statistics as recording each record's derived, named stages: joined
+    /// records of a synthetic stream, with some points dropped so that stand-ins
+    /// and merged stages occur, under two labels, drained into totals.
+    #[test]
+    fn recording_points_equals_recording_derived_stages() {
+        use crate::join::synth::{generate, interleave, Event, SynthConfig};
+        let s = generate(&SynthConfig {
+            requests: 3000,
+            queues: 2,
+            seed: 5,
+            ..SynthConfig::default()
+        });
+        let mut e = crate::join::JoinEngine::default();
+        let mut out = Vec::new();
+        for ev in interleave(&s, 1_000_000, 100, 9) {
+            match ev {
+                Event::Guest(g) => e.push_guest("vm0", g, &mut out),
+                Event::Host(h) => e.push_host(h, &mut out),
+                Event::Probe(a, b, c, d) => {
+                    let _ = e.clock("vm0").add_guest_probe(a, b, c, d);
+                }
+            }
+        }
+        e.flush(&mut out);
+        let drop = [Point::RqIssue, Point::HostPop, Point::HostCompleteCb, Point::Irq];
+        let (mut by_ids, mut by_names) = (Aggregator::new(), Aggregator::new());
+        let (mut ids_total, mut names_total) = (Aggregator::new(), Aggregator::new());
+        for (k, j) in out.iter_mut().enumerate() {
+            if k % 3 == 0 {
+                j.ts.remove(drop[k % drop.len()]);
+            }
+            let bd = crate::stages::derive(&j.ts);
+            let label = if k % 2 == 0 { "vm0/vda" } else { "vm0/vdb" };
+            // a label of its own for negative (cross-clock) stages
+            let label = if bd.stages.iter().any(|s| s.1 < 0) { "neg" } else { label };
+            assert_eq!(by_ids.record_points(label, &j.ts), bd.total_ns);
+            by_names.record_breakdown(label, &bd);
+            if k % 500 == 0 {
+                by_ids.drain_into(&mut ids_total);
+                by_names.drain_into(&mut names_total);
+            }
+        }
+        by_ids.drain_into(&mut ids_total);
+        by_names.drain_into(&mut names_total);
+        assert_eq!(ids_total.summaries(), names_total.summaries());
+        assert_eq!(ids_total.render_table("t"), names_total.render_table("t"));
+        let stages = ids_total.summaries().len();
+        assert!(stages > 12, "merged stages and stand-ins occur: {stages}");
+    }
+
     #[test]
     fn records_with_different_stage_sets_keep_each_stage_apart() {
         // The lookup hint (the slot after the previous stage) must not mix up

@@ -609,7 +609,12 @@ mod tests {
             }
         }
         e.flush(&mut out);
-        let drop = [Point::RqIssue, Point::HostPop, Point::HostCompleteCb, Point::Irq];
+        let drop = [
+            Point::RqIssue,
+            Point::HostPop,
+            Point::HostCompleteCb,
+            Point::Irq,
+        ];
         let (mut by_ids, mut by_names) = (Aggregator::new(), Aggregator::new());
         let (mut ids_total, mut names_total) = (Aggregator::new(), Aggregator::new());
         for (k, j) in out.iter_mut().enumerate() {
@@ -619,7 +624,11 @@ mod tests {
             let bd = crate::stages::derive(&j.ts);
             let label = if k % 2 == 0 { "vm0/vda" } else { "vm0/vdb" };
             // a label of its own for negative (cross-clock) stages
-            let label = if bd.stages.iter().any(|s| s.1 < 0) { "neg" } else { label };
+            let label = if bd.stages.iter().any(|s| s.1 < 0) {
+                "neg"
+            } else {
+                label
+            };
             assert_eq!(by_ids.record_points(label, &j.ts), bd.total_ns);
             by_names.record_breakdown(label, &bd);
             if k % 500 == 0 {

@@ -166,6 +166,7 @@ impl Joined {
                 capture: opts.capture,
                 sample_every: opts.sample_every,
                 file: JsonLines::new(out),
+                built: Vec::with_capacity(1),
                 interval: Aggregator::new(),
                 label: PairLabel::default(),
                 threshold_ns: opts.threshold_ns,

@@ -44,6 +44,8 @@ pub struct Outputs {
     pub(super) capture: bool,
     pub(super) sample_every: u64,
     pub(super) file: JsonLines<Box<dyn Write>>,
+    /// The record being handled, when it had to be built (at most one).
+    pub(super) built: Vec<JoinedIo>,
     pub interval: Aggregator,
     pub(super) label: PairLabel,
     pub(super) threshold_ns: Option<u64>,
@@ -121,9 +123,10 @@ impl Output for Outputs {
     /// Statistics, metrics, verdicts and the always-on output of one record.
     fn emit(&mut self, r: Emitted<'_>) {
         self.records += 1;
+        self.built.clear();
         // `-t`: the verdicts read every whole record.
-        let mut built = self.verdicts.is_some().then(|| r.build());
-        if let (Some(v), Some(j)) = (self.verdicts.as_mut(), built.as_mut()) {
+        if let Some(v) = self.verdicts.as_mut() {
+            let j = built(&mut self.built, &r);
             self.interfere.note_request(j);
             if v.may_judge(j) {
                 self.interfere.fill(j);
@@ -145,7 +148,7 @@ impl Output for Outputs {
             _ => false,
         };
         if slow {
-            let j = built.get_or_insert_with(|| r.build());
+            let j = built(&mut self.built, &r);
             if let Some(o) = &self.otlp {
                 o.slow(j);
             }
@@ -167,12 +170,21 @@ impl Output for Outputs {
             return;
         }
         o.written += 1;
-        let j = built.get_or_insert_with(|| r.build());
+        let j = built(&mut self.built, &r);
         if let Some((_, c, err @ None)) = self.chrome.as_mut() {
             *err = c.add(j).err();
         }
         let _ = self.file.write(j);
     }
+}
+
+/// The record of `r`, built into `buf` (reused: no allocation per record)
+/// unless it already is.
+fn built<'b>(buf: &'b mut Vec<JoinedIo>, r: &Emitted<'_>) -> &'b mut JoinedIo {
+    if buf.is_empty() {
+        r.build_into(buf);
+    }
+    &mut buf[0]
 }
 
 /// A slow joined record's header and waterfall (and its verdict).
@@ -229,6 +241,7 @@ mod tests {
             capture: false,
             sample_every,
             file: JsonLines::new(Box::new(file)),
+            built: Vec::new(),
             interval: Aggregator::new(),
             label: PairLabel::default(),
             threshold_ns: Some(threshold_ns),
@@ -259,7 +272,8 @@ mod tests {
 
     /// From the views: the same statistics, the same written lines and the
     /// same slow-I/O reports as from every record built (joined and
-    /// unmatched records; slow, sampled and summarized ones).
+    /// unmatched records; slow, sampled and summarized ones), with and
+    /// without verdicts (`-t`).
     #[test]
     fn views_make_the_outputs_of_the_built_records() {
         let s = generate(&SynthConfig {
@@ -277,33 +291,48 @@ mod tests {
         let mut totals: Vec<i64> = all.iter().filter_map(|j| j.total_ns).collect();
         totals.sort_unstable();
         let (threshold, every) = (totals[totals.len() * 4 / 5] as u64, 7);
-        let file = Shared::default();
-        let mut o = outputs(file.clone(), threshold, every);
-        feed(&events, &mut o);
+        for judged in [false, true] {
+            let file = Shared::default();
+            let mut o = outputs(file.clone(), threshold, every);
+            o.verdicts = judged.then(|| Verdicts::new(threshold));
+            feed(&events, &mut o);
 
-        let want_file = Shared::default();
-        let mut want_out = JsonLines::new(want_file.clone());
-        let (mut want, mut label, mut human) = (Aggregator::new(), PairLabel::default(), vec![]);
-        for (k, j) in all.iter().enumerate() {
-            if j.joined {
-                let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("?");
-                want.record_stages(label.get(&j.vm, disk), &j.stages, j.total_ns);
+            let mut recs = all.clone();
+            let mut verdicts = judged.then(|| Verdicts::new(threshold));
+            let mut interfere = Interfere::default();
+            let want_file = Shared::default();
+            let mut want_out = JsonLines::new(want_file.clone());
+            let mut want = Aggregator::new();
+            let (mut label, mut human) = (PairLabel::default(), vec![]);
+            for (k, j) in recs.iter_mut().enumerate() {
+                if let Some(v) = verdicts.as_mut() {
+                    interfere.note_request(j);
+                    if v.may_judge(j) {
+                        interfere.fill(j);
+                    }
+                    v.judge(j);
+                }
+                if j.joined {
+                    let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("?");
+                    want.record_stages(label.get(&j.vm, disk), &j.stages, j.total_ns);
+                }
+                let slow = j.joined && j.total_ns.is_some_and(|t| t >= threshold as i64);
+                if slow {
+                    human.push(slow_report(j));
+                }
+                if slow || (k as u64 + 1).is_multiple_of(every) {
+                    want_out.write(j).unwrap();
+                }
             }
-            let slow = j.joined && j.total_ns.is_some_and(|t| t >= threshold as i64);
-            if slow {
-                human.push(slow_report(j));
-            }
-            if slow || (k as u64 + 1).is_multiple_of(every) {
-                want_out.write(j).unwrap();
-            }
+            assert_eq!(o.records, all.len() as u64);
+            assert_eq!(o.interval.summaries(), want.summaries());
+            assert_eq!(o.human, human);
+            assert!(!human.is_empty() && human.len() < all.len() / 2);
+            let vm = &o.vms["vm0"];
+            assert_eq!(vm.written + vm.summarized, all.len() as u64);
+            assert!(all.iter().any(|j| !j.joined));
+            assert_eq!(*file.0.lock().unwrap(), *want_file.0.lock().unwrap());
+            assert_eq!(o.verdicts.map(|v| v.flagged), verdicts.map(|v| v.flagged));
         }
-        assert_eq!(o.records, all.len() as u64);
-        assert_eq!(o.interval.summaries(), want.summaries());
-        assert_eq!(o.human, human);
-        assert!(!human.is_empty() && human.len() < all.len() / 2);
-        let vm = &o.vms["vm0"];
-        assert_eq!(vm.written + vm.summarized, all.len() as u64);
-        assert!(all.iter().any(|j| !j.joined));
-        assert_eq!(*file.0.lock().unwrap(), *want_file.0.lock().unwrap());
     }
 }

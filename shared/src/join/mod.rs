@@ -53,7 +53,8 @@
 //! Layout: `pending` holds each side's pending records (one generic
 //! implementation for the guest side and the host side), `matching` finds a
 //! record's partner and defers ambiguous choices, `expiry` decides when a
-//! record stops waiting, `emit` builds the output records.
+//! record stops waiting, `emit` hands the output records to an [`Output`]
+//! as views ([`Emitted`], built into a [`crate::record::JoinedIo`] on request).
 
 mod emit;
 mod expiry;

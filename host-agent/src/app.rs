@@ -166,7 +166,7 @@ impl<'obj> App<'obj> {
         let _ = rb.consume();
         let waits = std::mem::take(&mut self.queue.borrow_mut().waits);
         if let Some(j) = self.sink.joined.as_mut() {
-            waits.iter().for_each(|w| j.interfere.add_wait(w));
+            waits.iter().for_each(|w| j.out.interfere.add_wait(w));
         }
         let mut recs = std::mem::take(&mut self.queue.borrow_mut().recs);
         for r in &recs {
@@ -269,8 +269,8 @@ impl<'obj> App<'obj> {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        j.metrics = self.metrics.as_ref().map(|m| Recorder::new(m.clone()));
-        j.otlp = self.otlp.as_ref().map(|o| o.traces());
+        j.out.metrics = self.metrics.as_ref().map(|m| Recorder::new(m.clone()));
+        j.out.otlp = self.otlp.as_ref().map(|o| o.traces());
         self.sink.joined = Some(j);
         Ok(())
     }
@@ -330,10 +330,16 @@ impl<'obj> App<'obj> {
         if self.scans.is_multiple_of(10) {
             tracer::trim_heap();
         }
-        if let Some(j) = self.sink.joined.as_mut().filter(|j| j.verdicts.is_some()) {
-            j.interfere
+        if let Some(j) = self
+            .sink
+            .joined
+            .as_mut()
+            .filter(|j| j.out.verdicts.is_some())
+        {
+            j.out
+                .interfere
                 .refresh_issuers(self.tracer.device_issuers().into_iter());
-            j.interfere.vms = (self.tracer.targets.iter())
+            j.out.interfere.vms = (self.tracer.targets.iter())
                 .map(|(pid, t)| (*pid, t.proc.vm.clone()))
                 .collect();
         }
@@ -370,15 +376,20 @@ impl<'obj> App<'obj> {
         let s = &mut self.sink;
         if let Some(j) = s.joined.as_mut() {
             let mut t = String::new();
-            if !j.interval.is_empty() {
-                t = j.interval.render_table(&format!(
+            if !j.out.interval.is_empty() {
+                t = j.out.interval.render_table(&format!(
                     "== viotrace end-to-end (guest + host, host clock): last {every}"
                 ));
-                j.interval.drain_into(&mut j.total);
+                j.out.interval.drain_into(&mut j.total);
             }
             let title =
                 format!("== viotrace why-slow: causes of the slow I/Os of the last {every}");
-            if let Some(c) = j.verdicts.as_mut().and_then(|v| v.take_interval(&title)) {
+            if let Some(c) = j
+                .out
+                .verdicts
+                .as_mut()
+                .and_then(|v| v.take_interval(&title))
+            {
                 t += &c;
             }
             if !t.is_empty() {
@@ -424,17 +435,17 @@ impl<'obj> App<'obj> {
             for n in notes {
                 self.sink.human(&n);
             }
-            j.interval.drain_into(&mut j.total);
+            j.out.interval.drain_into(&mut j.total);
             let t = j.total.render_table(&format!(
                 "== viotrace end-to-end totals ({} records)",
-                j.records
+                j.out.records
             ));
             self.sink.human(&t);
             stats.extend(j.counters());
             // The final metrics publication below still reports the join's counters;
             // its slow-I/O trace sender is closed first, or the OTLP exporter's
             // finish would wait for it.
-            j.otlp = None;
+            j.out.otlp = None;
             self.sink.joined = Some(j);
         }
         if self.otlp.is_some() {
@@ -507,7 +518,7 @@ impl<'obj> App<'obj> {
         let mut g = Vec::new();
         if let Some(j) = s.joined.as_ref() {
             c.extend(j.counters());
-            for (vm, u) in &j.clock_uncertainty {
+            for (vm, u) in &j.out.clock_uncertainty {
                 g.push((
                     "viotrace_clock_uncertainty_seconds".to_string(),
                     vm.clone(),
@@ -576,7 +587,7 @@ impl<'obj> App<'obj> {
         let (t, leftover, abandoned) = self.tracer.remove(pid);
         let Some(t) = t else { return };
         if let Some(j) = self.sink.joined.as_mut() {
-            j.interfere.forget(pid);
+            j.out.interfere.forget(pid);
         }
         for r in &leftover {
             let e = Tracer::record_of_gone(&t, r);

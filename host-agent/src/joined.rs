@@ -2,6 +2,8 @@
 //! VM's guest→host clock mapping, and join guest requests with this agent's virtqueue
 //! elements into one end-to-end record per I/O.
 
+mod outputs;
+
 use std::collections::HashMap;
 
 use rustc_hash::FxHashMap;
@@ -17,13 +19,14 @@ use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::join::{JoinConfig, JoinEngine, JoinStats};
 use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::proto::GuestRecord;
-use viotrace_shared::record::{HostElem, JoinedIo};
-use viotrace_shared::stats::{fmt_ns, render_waterfall, Aggregator, PairLabel};
+use viotrace_shared::record::HostElem;
+use viotrace_shared::stats::{Aggregator, PairLabel};
 use viotrace_shared::transport::host::{
-    self, ClockSample, EventKind, Inbox, Listen, Origin, Server, TokenBucket, VmAccount,
+    self, ClockSample, EventKind, Inbox, Listen, Origin, Server, VmAccount,
 };
 
 use crate::interfere::Interfere;
+pub use outputs::Outputs;
 
 /// Time the main loop spends on guest events per pass (the BPF ring buffer and
 /// signals come first, whatever the guests send).
@@ -54,11 +57,6 @@ pub struct JoinOpts {
     pub capture: bool,
     pub sample_every: u64,
 }
-
-/// Records flushed (and written) at a time when the agent stops.
-const FLUSH_CHUNK: usize = 512;
-/// Joined records the output buffer keeps room for between records (~1 KiB each).
-const KEPT_OUTPUT_BUF: usize = 1024;
 
 /// Per-connection bookkeeping.
 struct Conn {
@@ -93,60 +91,17 @@ const STOP_GRACE_MAX: Duration = Duration::from_millis(1200);
 /// At stop, how long without a newly matched host record ends the wait.
 const STOP_GRACE_IDLE: Duration = Duration::from_millis(400);
 
-/// Per-VM output state.
-struct VmOut {
-    bucket: TokenBucket,
-    written: u64,
-    rate_limited: u64,
-    /// Always-on: records neither slow nor sampled (statistics only).
-    summarized: u64,
-    /// Records offered to the output (for the 1-in-N sample).
-    offered: u64,
-    /// Syscall-level records (they stay in the guest's own output).
-    io_records: u64,
-    /// Live guest connections, and since when there has been none.
-    conns: usize,
-    stalled_since: Option<Instant>,
-}
-
 /// The joined-mode state, driven from the agent's main loop.
 pub struct Joined {
     rt: tokio::runtime::Runtime,
     server: Option<Server>,
     inbox: Inbox,
     accounts: host::AccountsHandle,
-    vms: FxHashMap<String, VmOut>,
-    max_vm_rate: f64,
-    /// See [`JoinOpts::capture`].
-    capture: bool,
-    sample_every: u64,
     engine: JoinEngine,
-    out: JsonLines<Box<dyn Write>>,
-    buf: Vec<JoinedIo>,
-    pub interval: Aggregator,
+    /// Where the join's records go, as it emits them.
+    pub out: Outputs,
     pub total: Aggregator,
-    label: PairLabel,
-    threshold_ns: Option<u64>,
-    /// The Chrome trace, streamed as records are written, and its first write error.
-    chrome: Option<(
-        PathBuf,
-        ChromeTrace<BufWriter<File>>,
-        Option<std::io::Error>,
-    )>,
     conns: FxHashMap<u64, Conn>,
-    pub records: u64,
-    /// Human output (tables, waterfalls, notices).
-    human: Vec<String>,
-    /// Fleet metrics of the end-to-end records (`--metrics-listen`), and each
-    /// VM's newest clock uncertainty for them.
-    pub metrics: Option<viotrace_shared::metrics::Recorder>,
-    pub clock_uncertainty: FxHashMap<String, u64>,
-    /// OTLP traces of slow I/Os (`--otlp`).
-    pub otlp: Option<viotrace_shared::metrics::otlp::SlowTraces>,
-    /// Why-slow verdicts of joined records above the threshold (`-t`).
-    pub verdicts: Option<Verdicts>,
-    /// Their interference evidence (QEMU's CPU waits, host device issuers).
-    pub interfere: Interfere,
 }
 
 impl Joined {
@@ -204,41 +159,43 @@ impl Joined {
             server: Some(server),
             inbox,
             accounts,
-            vms: FxHashMap::default(),
-            max_vm_rate,
-            capture: opts.capture,
-            sample_every: opts.sample_every,
             engine: JoinEngine::new(JoinConfig::default()),
-            out: JsonLines::new(out),
-            buf: Vec::new(),
-            interval: Aggregator::new(),
-            total: Aggregator::new(),
-            label: PairLabel::default(),
-            threshold_ns: opts.threshold_ns,
-            chrome: match &opts.chrome {
-                Some(p) => {
-                    let f = File::create(p).with_context(|| format!("create {}", p.display()))?;
-                    let c = ChromeTrace::new(BufWriter::new(f))
-                        .with_context(|| format!("write {}", p.display()))?;
-                    Some((p.clone(), c, None))
-                }
-                None => None,
+            out: Outputs {
+                vms: FxHashMap::default(),
+                max_vm_rate,
+                capture: opts.capture,
+                sample_every: opts.sample_every,
+                file: JsonLines::new(out),
+                built: Vec::with_capacity(1),
+                interval: Aggregator::new(),
+                label: PairLabel::default(),
+                threshold_ns: opts.threshold_ns,
+                chrome: match &opts.chrome {
+                    Some(p) => {
+                        let f =
+                            File::create(p).with_context(|| format!("create {}", p.display()))?;
+                        let c = ChromeTrace::new(BufWriter::new(f))
+                            .with_context(|| format!("write {}", p.display()))?;
+                        Some((p.clone(), c, None))
+                    }
+                    None => None,
+                },
+                records: 0,
+                human: Vec::new(),
+                metrics: None,
+                clock_uncertainty: FxHashMap::default(),
+                otlp: None,
+                verdicts: opts.threshold_ns.map(Verdicts::new),
+                interfere: Interfere::default(),
             },
+            total: Aggregator::new(),
             conns: FxHashMap::default(),
-            records: 0,
-            human: Vec::new(),
-            metrics: None,
-            clock_uncertainty: FxHashMap::default(),
-            otlp: None,
-            verdicts: opts.threshold_ns.map(Verdicts::new),
-            interfere: Interfere::default(),
         })
     }
 
     /// Feeds one of this agent's host elements.
     pub fn host_elem(&mut self, e: HostElem) {
-        self.engine.push_host(e, &mut self.buf);
-        self.emit();
+        self.engine.push_host(e, &mut self.out);
     }
 
     /// Handles what the guests sent (within [`INBOX_BUDGET`]), advances the join's
@@ -247,16 +204,15 @@ impl Joined {
     pub fn poll(&mut self) -> Vec<String> {
         self.take_events(INBOX_BUDGET);
         let now = Instant::now();
-        for (vm, o) in &mut self.vms {
+        for (vm, o) in &mut self.out.vms {
             if o.stalled_since.is_some_and(|t| now - t > STALL_GRACE) {
                 o.stalled_since = None;
                 self.engine.set_guest_live(vm);
             }
         }
-        self.engine.advance(monotonic_ns(), &mut self.buf);
-        self.emit();
-        let _ = self.out.flush();
-        std::mem::take(&mut self.human)
+        self.engine.advance(monotonic_ns(), &mut self.out);
+        let _ = self.out.file.flush();
+        std::mem::take(&mut self.out.human)
     }
 
     fn take_events(&mut self, budget: Duration) -> usize {
@@ -279,13 +235,12 @@ impl Joined {
                 }
                 for r in records {
                     match r {
-                        GuestRecord::Rq(rq) => self.engine.push_guest(&vm, rq, &mut self.buf),
-                        GuestRecord::Io(_) => self.vm_out(&vm).io_records += 1,
+                        GuestRecord::Rq(rq) => self.engine.push_guest(&vm, rq, &mut self.out),
+                        GuestRecord::Io(_) => self.out.vm_out(&vm).io_records += 1,
                     }
                 }
                 // The VM's pending-record budget is released only now.
                 drop(permit);
-                self.emit();
             }
             EventKind::Clock(ClockSample::GuestInitiated { t1, t2, t3, t4 }) => {
                 if let Err(e) = self.engine.clock(&vm).add_guest_probe(t1, t2, t3, t4) {
@@ -299,18 +254,18 @@ impl Joined {
             }
             EventKind::Connected(hello) => {
                 if self.engine.guest_connected(&vm, &hello.boot_id) {
-                    self.human.push(format!(
+                    self.out.human.push(format!(
                         "viotrace-host: vm {vm}: guest rebooted (boot id {}), clock reset\n",
                         hello.boot_id
                     ));
                 }
-                self.human.push(format!(
+                self.out.human.push(format!(
                     "viotrace-host: guest agent {} connected from {} as vm={vm} (kernel {}, boot {}, session {:016x})\n",
                     hello.agent_version, ev.origin, hello.kernel_release, hello.boot_id, hello.session
                 ));
                 // Resending now: the join waits until the guest has caught up
                 // (at most STALL_GRACE after the connection was lost).
-                let o = self.vm_out(&vm);
+                let o = self.out.vm_out(&vm);
                 o.conns += 1;
                 self.engine.set_guest_stalled(&vm, false);
                 let c = Conn {
@@ -331,7 +286,7 @@ impl Joined {
                 let gone = self.conns.remove(&ev.conn);
                 if let Some(c) = &gone {
                     // The guest will reconnect and resend: keep its host records waiting.
-                    let o = self.vm_out(&c.vm);
+                    let o = self.out.vm_out(&c.vm);
                     o.conns = o.conns.saturating_sub(1);
                     if o.conns == 0 && !bye {
                         o.stalled_since.get_or_insert_with(Instant::now);
@@ -348,126 +303,9 @@ impl Joined {
                         ev.origin
                     ),
                 };
-                self.human.push(line);
+                self.out.human.push(line);
             }
         }
-    }
-
-    fn vm_out(&mut self, vm: &str) -> &mut VmOut {
-        // (no key allocation per record: the entry exists after the first)
-        if self.vms.contains_key(vm) {
-            return self.vms.get_mut(vm).expect("checked above");
-        }
-        let rate = self.max_vm_rate;
-        self.vms.entry(vm.to_string()).or_insert_with(|| VmOut {
-            bucket: TokenBucket::new(rate, rate.min(1e12)),
-            written: 0,
-            rate_limited: 0,
-            summarized: 0,
-            offered: 0,
-            io_records: 0,
-            conns: 0,
-            stalled_since: None,
-        })
-    }
-
-    fn emit(&mut self) {
-        // Taken for the loop and put back: its allocation serves every record
-        // (the records are handled in place, not moved out). A buffer that a burst of
-        // expiries grew (a VM's whole pending set) is given back.
-        let mut ready = std::mem::take(&mut self.buf);
-        for j in ready.iter_mut() {
-            self.emit_one(j);
-        }
-        ready.clear();
-        if ready.capacity() <= KEPT_OUTPUT_BUF {
-            self.buf = ready;
-        }
-    }
-
-    /// Statistics, metrics, verdicts and the always-on output of one record.
-    fn emit_one(&mut self, j: &mut JoinedIo) {
-        self.records += 1;
-        if let Some(v) = self.verdicts.as_mut() {
-            self.interfere.note_request(j);
-            if v.may_judge(j) {
-                self.interfere.fill(j);
-            }
-            v.judge(j);
-        }
-        if let Some(m) = self.metrics.as_mut() {
-            let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("");
-            m.record(
-                "joined", &j.vm, disk, j.queue, j.op, j.bytes, &j.stages, j.total_ns, j.joined,
-            );
-            if let Some(u) = j.clock_uncertainty_ns {
-                match self.clock_uncertainty.get_mut(j.vm.as_str()) {
-                    Some(x) => *x = u,
-                    None => {
-                        self.clock_uncertainty.insert(j.vm.to_string(), u);
-                    }
-                }
-            }
-        }
-        if j.joined {
-            let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("?");
-            let label = self.label.get(&j.vm, disk);
-            // into the interval only: the totals take whole intervals (drain_into)
-            self.interval.record_stages(label, &j.stages, j.total_ns);
-        }
-        if let (Some(th), Some(t)) = (self.threshold_ns, j.total_ns) {
-            if j.joined && t >= 0 && t as u64 >= th {
-                if let Some(o) = &self.otlp {
-                    o.slow(j);
-                }
-                let header = format!(
-                    "slow I/O: vm={} disk={} q{} head={} {} sector={} bytes={} pid={} comm={} inode={} offset={} total={} (clock ±{}) at {}",
-                    j.vm,
-                    j.disk.as_deref().unwrap_or("?"),
-                    j.queue.map_or("?".into(), |q| q.to_string()),
-                    j.head.map_or("?".into(), |h| h.to_string()),
-                    j.op,
-                    j.sector,
-                    j.bytes,
-                    j.pid.map_or("?".into(), |p| p.to_string()),
-                    j.comm.as_deref().unwrap_or("?"),
-                    j.inode.map_or("?".into(), |i| i.to_string()),
-                    j.file_offset.map_or("?".into(), |o| o.to_string()),
-                    fmt_ns(t as u64),
-                    fmt_ns(j.clock_uncertainty_ns.unwrap_or(0)),
-                    j.time.map_or("?".to_string(), |t| t.to_string()),
-                );
-                let mut w = render_waterfall(&header, &j.ts);
-                if let Some(c) = &j.cause {
-                    w += &format!("  cause: {}: {}\n", c.kind.name(), c.evidence);
-                }
-                self.human.push(w);
-            }
-        }
-        // Always-on: the files get the slow and the sampled records; the
-        // statistics above keep every one.
-        let slow = match (self.threshold_ns, j.total_ns) {
-            (Some(th), Some(t)) => j.joined && t >= 0 && t as u64 >= th,
-            _ => false,
-        };
-        let (capture, every) = (self.capture, self.sample_every);
-        let o = self.vm_out(&j.vm);
-        o.offered += 1;
-        if !capture && !slow && (every == 0 || !o.offered.is_multiple_of(every)) {
-            o.summarized += 1;
-            return;
-        }
-        // Per-VM output rate: the files get at most the VM's rate, the rest
-        // is counted.
-        if !o.bucket.try_take(1.0, Instant::now()) {
-            o.rate_limited += 1;
-            return;
-        }
-        o.written += 1;
-        if let Some((_, c, err @ None)) = self.chrome.as_mut() {
-            *err = c.add(j).err();
-        }
-        let _ = self.out.write(j);
     }
 
     /// Every VM's transport accounting, with what this agent did with the records.
@@ -476,7 +314,7 @@ impl Joined {
             .accounts()
             .into_iter()
             .map(|transport| {
-                let o = self.vms.get(&transport.vm);
+                let o = self.out.vms.get(&transport.vm);
                 VmReport {
                     written: o.map_or(0, |o| o.written),
                     output_rate_limited: o.map_or(0, |o| o.rate_limited),
@@ -502,10 +340,10 @@ impl Joined {
             ("join_evicted_lost".to_string(), s.evicted),
             ("clock_conflicts".to_string(), s.clock_conflicts),
         ];
-        v.push(("joined_write_errors".to_string(), self.out.errors));
-        if let Some(vd) = &self.verdicts {
+        v.push(("joined_write_errors".to_string(), self.out.file.errors));
+        if let Some(vd) = &self.out.verdicts {
             v.push(("slow_with_cause".to_string(), vd.flagged));
-            let f = &self.interfere;
+            let f = &self.out.interfere;
             v.push(("interference_filled".to_string(), f.filled));
             v.push(("qemu_cpu_waits_seen".to_string(), f.waits_seen));
             v.push(("qemu_cpu_waits_evicted".to_string(), f.waits_evicted));
@@ -617,13 +455,10 @@ impl Joined {
             self.rt.block_on(s.shutdown(Duration::from_millis(700)));
         }
         self.take_events(Duration::from_millis(200));
-        // In chunks: a flooding guest can leave 16k records pending per side.
-        while !self.engine.flush_some(&mut self.buf, FLUSH_CHUNK) {
-            self.emit();
-        }
-        self.emit();
-        self.out.flush().context("write joined records")?;
-        if let Some((p, mut c, mut err)) = self.chrome.take() {
+        // (Streamed: a flooding guest can leave 16k records pending per side.)
+        self.engine.flush(&mut self.out);
+        self.out.file.flush().context("write joined records")?;
+        if let Some((p, mut c, mut err)) = self.out.chrome.take() {
             if err.is_none() {
                 err = c.finish().err();
             }
@@ -635,14 +470,14 @@ impl Joined {
             if let Some(e) = err {
                 return Err(e).with_context(|| format!("write {}", p.display()));
             }
-            self.human.push(format!(
+            self.out.human.push(format!(
                 "viotrace-host: Chrome trace with {n} requests in {}{overlapping} (open in ui.perfetto.dev)\n",
                 p.display()
             ));
         }
         let lines = self.account_lines();
-        self.human.extend(lines);
-        Ok(std::mem::take(&mut self.human))
+        self.out.human.extend(lines);
+        Ok(std::mem::take(&mut self.out.human))
     }
 }
 

@@ -14,10 +14,10 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use viotrace_shared::clock::ClockEstimator;
 use viotrace_shared::join::synth::{generate, interleave, Event, SynthConfig};
-use viotrace_shared::join::JoinEngine;
+use viotrace_shared::join::{Emitted, JoinEngine, Output};
 use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::proto::{encode_frame_into, FrameDecoder, GuestRecord, Message};
-use viotrace_shared::record::{HostElem, JoinedIo, Point};
+use viotrace_shared::record::{HostElem, Point};
 use viotrace_shared::stats::{Aggregator, PairLabel};
 
 fn feed(events: Vec<Event>) -> usize {
@@ -365,13 +365,34 @@ struct HostPath {
     engine: JoinEngine,
     decoder: FrameDecoder,
     elems: Aggregator,
-    joined: Aggregator,
     elem_label: PairLabel,
-    joined_label: PairLabel,
-    out: Vec<JoinedIo>,
+    out: Written,
+}
+
+/// The join's records, handled as they come, as the agent does
+/// (`joined::Outputs`): statistics from the view, the record built only
+/// when written.
+struct Written {
+    joined: Aggregator,
+    label: PairLabel,
     file: JsonLines<std::io::Sink>,
     offered: u64,
     written: u64,
+}
+
+impl Output for Written {
+    fn emit(&mut self, r: Emitted<'_>) {
+        if r.joined() {
+            let disk = r.disk().or(r.device()).unwrap_or("?");
+            let label = self.label.get(r.vm(), disk);
+            self.joined.record_points(label, r.ts());
+        }
+        self.offered += 1;
+        if self.offered.is_multiple_of(1000) {
+            self.written += 1;
+            let _ = self.file.write(&r.build());
+        }
+    }
 }
 
 impl HostPath {
@@ -380,13 +401,14 @@ impl HostPath {
             engine: JoinEngine::default(),
             decoder: FrameDecoder::new(),
             elems: Aggregator::new(),
-            joined: Aggregator::new(),
             elem_label: PairLabel::default(),
-            joined_label: PairLabel::default(),
-            out: Vec::with_capacity(1024),
-            file: JsonLines::new(std::io::sink()),
-            offered: 0,
-            written: 0,
+            out: Written {
+                joined: Aggregator::new(),
+                label: PairLabel::default(),
+                file: JsonLines::new(std::io::sink()),
+                offered: 0,
+                written: 0,
+            },
         }
     }
 
@@ -396,7 +418,6 @@ impl HostPath {
                 let label = self.elem_label.get(&e.vm, &e.device);
                 self.elems.record_points(label, &e.ts);
                 self.engine.push_host(e, &mut self.out);
-                self.emit();
             }
             HostInput::Frame(f) => {
                 self.decoder.feed(&f);
@@ -409,7 +430,6 @@ impl HostPath {
                             self.engine.push_guest("vm0", rq, &mut self.out);
                         }
                     }
-                    self.emit();
                 }
             }
             HostInput::Probe(a, b, c, d) => {
@@ -418,27 +438,9 @@ impl HostPath {
         }
     }
 
-    /// Handles the records in place, as the agent does (`Joined::emit`).
-    fn emit(&mut self) {
-        for j in &self.out {
-            if j.joined {
-                let disk = j.disk.as_deref().or(j.device.as_deref()).unwrap_or("?");
-                let label = self.joined_label.get(&j.vm, disk);
-                self.joined.record_stages(label, &j.stages, j.total_ns);
-            }
-            self.offered += 1;
-            if self.offered.is_multiple_of(1000) {
-                self.written += 1;
-                let _ = self.file.write(j);
-            }
-        }
-        self.out.clear();
-    }
-
     fn finish(&mut self) -> u64 {
         self.engine.flush(&mut self.out);
-        self.emit();
-        self.offered
+        self.out.offered
     }
 }
 
@@ -455,7 +457,7 @@ fn bench_host_path(c: &mut Criterion) {
         let n = p.finish();
         let s = p.engine.stats();
         assert_eq!(s.joined, ios as u64, "{s:?}");
-        (n, p.written)
+        (n, p.out.written)
     };
     let mut cpu = u64::MAX;
     for _ in 0..5 {

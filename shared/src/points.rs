@@ -149,6 +149,25 @@ impl Points {
         self.mask == 0
     }
 
+    /// Which slots are present (bit [`Points::slot`]): sets with the same
+    /// mask have the same points.
+    #[inline]
+    pub(crate) fn mask(&self) -> u32 {
+        self.mask
+    }
+
+    /// The slot of a point in every set.
+    #[inline]
+    pub(crate) fn slot(p: Point) -> usize {
+        slot(p)
+    }
+
+    /// The value in `slot` (0 when absent).
+    #[inline]
+    pub(crate) fn at_slot(&self, slot: usize) -> u64 {
+        self.vals[slot]
+    }
+
     pub fn len(&self) -> usize {
         self.mask.count_ones() as usize
     }

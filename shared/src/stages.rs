@@ -43,9 +43,11 @@
 //! before the guest's kick) a cross-domain stage can be slightly negative.
 
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::fmt;
 use std::sync::OnceLock;
 
+use rustc_hash::FxHashMap;
 use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -111,31 +113,97 @@ pub const SUBSTAGES: &[(&str, Point, Point)] = &[
     ("push_to_irq.delivery", Point::HostIrq, Point::Irq),
 ];
 
-fn merged_names() -> &'static Vec<Vec<String>> {
-    static NAMES: OnceLock<Vec<Vec<String>>> = OnceLock::new();
-    NAMES.get_or_init(|| {
-        let n = ANCHORS.len();
-        let mut t = vec![vec![String::new(); n]; n];
-        for (i, row) in t.iter_mut().enumerate() {
-            for (j, cell) in row.iter_mut().enumerate().skip(i + 1) {
-                *cell = if i == KICK && j == IRQ {
-                    DEVICE_STAGE.to_string()
-                } else {
-                    STAGE_NAMES[i..j].join("+")
-                };
-            }
+/// Name of the whole request's duration (first to last anchor).
+pub const TOTAL_STAGE: &str = "total";
+
+/// Spans `i..j` (`i < j`) of the anchors: every stage or merge of stages.
+const SPANS: usize = ANCHORS.len() * (ANCHORS.len() - 1) / 2;
+
+/// Number of stage ids: every span of the anchors, the sub-stages, the total.
+pub const STAGE_IDS: usize = SPANS + SUBSTAGES.len() + 1;
+
+const _: () = assert!(STAGE_IDS <= u8::MAX as usize);
+
+/// The id of the span `i..j`, by row: `SPAN_ID[i][j]` (`i < j`).
+const SPAN_ID: [[u8; ANCHORS.len()]; ANCHORS.len()] = {
+    let mut t = [[0u8; ANCHORS.len()]; ANCHORS.len()];
+    let mut k = 0;
+    let mut i = 0;
+    while i < ANCHORS.len() {
+        let mut j = i + 1;
+        while j < ANCHORS.len() {
+            t[i][j] = k;
+            k += 1;
+            j += 1;
         }
-        t
-    })
+        i += 1;
+    }
+    t
+};
+
+/// A stage of the closed set this module derives (a stage, a merge of
+/// stages, a sub-stage or the total), as a small number: the statistics'
+/// per-record path carries ids, a name is looked up only to be shown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StageId(u8);
+
+impl StageId {
+    pub const TOTAL: StageId = StageId((STAGE_IDS - 1) as u8);
+
+    /// The stage spanning anchors `i..j` (`i < j`).
+    fn span(i: usize, j: usize) -> StageId {
+        StageId(SPAN_ID[i][j])
+    }
+
+    /// Sub-stage `k` of [`SUBSTAGES`].
+    fn substage(k: usize) -> StageId {
+        StageId((SPANS + k) as u8)
+    }
+
+    /// Its position in `0..STAGE_IDS`.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+
+    pub fn name(self) -> &'static str {
+        id_names()[self.index()]
+    }
+
+    /// The id of a stage name (None: not a name of this module).
+    pub fn of_name(name: &str) -> Option<StageId> {
+        static IDS: OnceLock<FxHashMap<&'static str, StageId>> = OnceLock::new();
+        IDS.get_or_init(|| {
+            (0..STAGE_IDS as u8)
+                .map(|k| (StageId(k).name(), StageId(k)))
+                .collect()
+        })
+        .get(name)
+        .copied()
+    }
 }
 
-/// The name of the stage spanning anchors `i..j` (`i < j`).
-fn stage_name(i: usize, j: usize) -> &'static str {
-    if j == i + 1 {
-        STAGE_NAMES[i]
-    } else {
-        merged_names()[i][j].as_str()
-    }
+/// Every stage id's name, by id.
+fn id_names() -> &'static [&'static str] {
+    static NAMES: OnceLock<Vec<&'static str>> = OnceLock::new();
+    NAMES.get_or_init(|| {
+        let n = ANCHORS.len();
+        let mut v = vec![""; STAGE_IDS];
+        for (i, j) in (0..n).flat_map(|i| (i + 1..n).map(move |j| (i, j))) {
+            v[StageId::span(i, j).index()] = if j == i + 1 {
+                STAGE_NAMES[i]
+            } else if i == KICK && j == IRQ {
+                DEVICE_STAGE
+            } else {
+                // Made once, for the program's life.
+                STAGE_NAMES[i..j].join("+").leak()
+            };
+        }
+        for (k, (name, _, _)) in SUBSTAGES.iter().enumerate() {
+            v[StageId::substage(k).index()] = name;
+        }
+        v[StageId::TOTAL.index()] = TOTAL_STAGE;
+        v
+    })
 }
 
 /// Room for every stage (or sub-stage) of one request without allocating.
@@ -232,18 +300,18 @@ pub fn derive_into(
     substages: &mut Stages,
 ) -> (Option<i64>, Option<u64>) {
     // Gathered first, then added at once (one capacity check per list).
-    let mut found: [(&'static str, i64); INLINE_STAGES] = [("", 0); INLINE_STAGES];
+    let mut found: [(StageId, i64); INLINE_STAGES] = [(StageId::TOTAL, 0); INLINE_STAGES];
     let mut n = 0;
-    let total = visit_stages(ts, |name, ns| {
-        found[n] = (name, ns);
+    let total = visit_stages(ts, |id, ns| {
+        found[n] = (id, ns);
         n += 1;
     });
-    let named = |&(name, ns): &(&'static str, i64)| (Cow::Borrowed(name), ns);
+    let named = |&(id, ns): &(StageId, i64)| (Cow::Borrowed(id.name()), ns);
     stages.0.extend(found[..n].iter().map(named));
     n = 0;
-    for (name, a, b) in SUBSTAGES {
+    for (k, (_, a, b)) in SUBSTAGES.iter().enumerate() {
         if let (Some(x), Some(y)) = (ts.get(*a), ts.get(*b)) {
-            found[n] = (name, diff(x, y));
+            found[n] = (StageId::substage(k), diff(x, y));
             n += 1;
         }
     }
@@ -251,52 +319,83 @@ pub fn derive_into(
     total
 }
 
-/// The stages of [`derive`], handed to `stage` in path order as they are
-/// found (nothing is built: the statistics' per-record path). Returns the
-/// total and the time of the first anchor.
+/// The stages of [`derive`], handed to `stage` by id in path order as they
+/// are found (nothing is built: the statistics' per-record path). Returns
+/// the total and the time of the first anchor.
 pub fn visit_stages(
     ts: &Points,
-    mut stage: impl FnMut(&'static str, i64),
+    mut stage: impl FnMut(StageId, i64),
 ) -> (Option<i64>, Option<u64>) {
-    // Resolve anchors (with stand-ins, each point used at most once).
-    let mut present: [Option<u64>; 11] = [None; 11];
-    // Points already used as an anchor, by id (ids are < 64).
-    let mut used = 0u64;
-    for (i, (p, alts)) in ANCHORS.iter().enumerate() {
-        if let Some(t) = ts.get(*p) {
-            present[i] = Some(t);
-            used |= 1 << (*p as u8);
-            continue;
-        }
-        for a in alts.iter() {
-            // A point stands in at most once (g.driver_complete serves two anchors).
-            if used & (1 << (*a as u8)) != 0 {
-                continue;
-            }
-            if let Some(t) = ts.get(*a) {
-                present[i] = Some(t);
-                used |= 1 << (*a as u8);
-                break;
-            }
-        }
-    }
-    let mut first: Option<(usize, u64)> = None;
-    let mut prev: Option<(usize, u64)> = None;
-    for (j, t) in present.iter().enumerate() {
-        let Some(t) = *t else { continue };
-        if let Some((i, pt)) = prev {
-            stage(stage_name(i, j), diff(pt, t));
-        }
-        if first.is_none() {
-            first = Some((j, t));
-        }
-        prev = Some((j, t));
-    }
-    let total_ns = match (first, prev) {
-        (Some((i, a)), Some((j, b))) if j > i => Some(diff(a, b)),
-        _ => None,
+    let plan = Plan::of(ts.mask());
+    let anchors = &plan.anchors[..plan.n as usize];
+    let Some(&(_, first)) = anchors.first() else {
+        return (None, None);
     };
-    (total_ns, first.map(|f| f.1))
+    let start = ts.at_slot(first as usize);
+    let mut prev = (plan.anchors[0].0, start);
+    for &(j, slot) in &anchors[1..] {
+        let t = ts.at_slot(slot as usize);
+        stage(StageId::span(prev.0 as usize, j as usize), diff(prev.1, t));
+        prev = (j, t);
+    }
+    let total_ns = (anchors.len() > 1).then(|| diff(start, prev.1));
+    (total_ns, Some(start))
+}
+
+/// The anchors present in a set of points, in path order, as
+/// `(anchor, slot of the point standing for it)`: the same for every set
+/// with the same presence mask, so it is resolved once per mask.
+#[derive(Clone, Copy, Debug)]
+struct Plan {
+    mask: u32,
+    n: u8,
+    anchors: [(u8, u8); ANCHORS.len()],
+}
+
+/// Plans cached per thread (direct-mapped by mask): a stream's records
+/// have a few masks (joined, host-only, guest-only).
+const PLAN_CACHE: usize = 8;
+
+thread_local! {
+    static PLANS: [Cell<Option<Plan>>; PLAN_CACHE] = const { [const { Cell::new(None) }; PLAN_CACHE] };
+}
+
+impl Plan {
+    fn of(mask: u32) -> Plan {
+        let k = (mask.wrapping_mul(0x9E37_79B9) >> 29) as usize % PLAN_CACHE;
+        PLANS.with(|c| match c[k].get() {
+            Some(p) if p.mask == mask => p,
+            _ => {
+                let p = Plan::resolve(mask);
+                c[k].set(Some(p));
+                p
+            }
+        })
+    }
+
+    /// Resolves the anchors (with stand-ins, each point used at most once).
+    fn resolve(mask: u32) -> Plan {
+        let mut plan = Plan {
+            mask,
+            n: 0,
+            anchors: [(0, 0); ANCHORS.len()],
+        };
+        let present = |p: Point| mask & (1 << Points::slot(p)) != 0;
+        // Points already used as an anchor, by id (ids are < 64).
+        let mut used = 0u64;
+        for (i, (p, alts)) in ANCHORS.iter().enumerate() {
+            // A point stands in at most once (g.driver_complete serves two anchors).
+            let found = std::iter::once(p)
+                .chain(alts.iter().filter(|a| used & (1 << (**a as u8)) == 0))
+                .find(|p| present(**p));
+            if let Some(p) = found {
+                used |= 1 << (*p as u8);
+                plan.anchors[plan.n as usize] = (i as u8, Points::slot(*p) as u8);
+                plan.n += 1;
+            }
+        }
+        plan
+    }
 }
 
 #[cfg(test)]
@@ -393,6 +492,122 @@ mod tests {
         let b = derive(&pts(&[(Point::Irq, 5)]));
         assert!(b.stages.is_empty());
         assert_eq!(b.total_ns, None);
+    }
+
+    /// The ids map one to one onto the names of `stage_name(i, j)` over the
+    /// anchors (the partition's names joined by `+`, `device` for
+    /// `g.kick`→`g.irq`), the sub-stages and the total.
+    #[test]
+    fn stage_ids_map_exactly_onto_the_names() {
+        let n = ANCHORS.len();
+        let mut want: Vec<String> = Vec::new();
+        for i in 0..n {
+            for j in i + 1..n {
+                want.push(if (i, j) == (KICK, IRQ) {
+                    DEVICE_STAGE.to_string()
+                } else {
+                    STAGE_NAMES[i..j].join("+")
+                });
+                assert_eq!(StageId::span(i, j).index(), want.len() - 1);
+            }
+        }
+        want.extend(SUBSTAGES.iter().map(|s| s.0.to_string()));
+        want.push(TOTAL_STAGE.to_string());
+        assert_eq!(want.len(), STAGE_IDS);
+        let mut seen = std::collections::HashSet::new();
+        for (k, w) in want.iter().enumerate() {
+            let id = StageId(k as u8);
+            assert_eq!(id.name(), w);
+            assert_eq!(StageId::of_name(w), Some(id));
+            assert!(seen.insert(w.clone()), "{w} twice");
+        }
+        for (k, s) in SUBSTAGES.iter().enumerate() {
+            assert_eq!(StageId::substage(k).name(), s.0);
+        }
+        assert_eq!(StageId::of_name("guest_fs+nope"), None);
+        assert_eq!(StageId::of_name(""), None);
+    }
+
+    /// The resolution of the anchors point by point, as it was before
+    /// plans (the reference for [`Plan`]).
+    fn reference(ts: &Points) -> (Vec<(&'static str, i64)>, Option<i64>, Option<u64>) {
+        let mut present: [Option<u64>; 11] = [None; 11];
+        let mut used = 0u64;
+        for (i, (p, alts)) in ANCHORS.iter().enumerate() {
+            if let Some(t) = ts.get(*p) {
+                present[i] = Some(t);
+                used |= 1 << (*p as u8);
+                continue;
+            }
+            for a in alts.iter() {
+                if used & (1 << (*a as u8)) != 0 {
+                    continue;
+                }
+                if let Some(t) = ts.get(*a) {
+                    present[i] = Some(t);
+                    used |= 1 << (*a as u8);
+                    break;
+                }
+            }
+        }
+        let found: Vec<(usize, u64)> = (present.iter().enumerate())
+            .filter_map(|(i, t)| t.map(|t| (i, t)))
+            .collect();
+        let stages = (found.windows(2))
+            .map(|w| (StageId::span(w[0].0, w[1].0).name(), diff(w[0].1, w[1].1)))
+            .collect();
+        let total = match (found.first(), found.last()) {
+            (Some(a), Some(b)) if b.0 > a.0 => Some(diff(a.1, b.1)),
+            _ => None,
+        };
+        (stages, total, found.first().map(|f| f.1))
+    }
+
+    /// The stages visited (by id) and derived (by name) are those of the
+    /// point-by-point resolution, for subsets of every point that matters,
+    /// each seen twice (the second time from the cached plan).
+    #[test]
+    fn visited_and_derived_stages_follow_the_reference() {
+        let all = [
+            Point::SyscallEnter,
+            Point::BioQueue,
+            Point::RqInsert,
+            Point::QueueRq,
+            Point::RqIssue,
+            Point::VqAdd,
+            Point::Kick,
+            Point::HostNotify,
+            Point::HostPop,
+            Point::HostSubmit,
+            Point::HostIoIssue,
+            Point::HostIoComplete,
+            Point::HostCompleteCb,
+            Point::HostPush,
+            Point::HostIrq,
+            Point::Irq,
+            Point::DriverComplete,
+            Point::RqComplete,
+            Point::BioComplete,
+            Point::SyscallExit,
+        ];
+        for mask in (0u32..1 << all.len())
+            .step_by(89)
+            .chain([(1 << all.len()) - 1])
+        {
+            for round in 0..2u64 {
+                let ts: Points = (all.iter().enumerate())
+                    .filter(|(k, _)| mask & (1 << k) != 0)
+                    .map(|(k, p)| (*p, 1000 + 37 * k as u64 + (mask as u64 + round) % 50))
+                    .collect();
+                let (want, total, start) = reference(&ts);
+                let mut ids = Vec::new();
+                let got = visit_stages(&ts, |id, ns| ids.push((id.name(), ns)));
+                assert_eq!((&ids, got), (&want, (total, start)), "{mask:b}");
+                let b = derive(&ts);
+                assert_eq!(b.stages.iter().collect::<Vec<_>>(), want);
+                assert_eq!((b.total_ns, b.start_ns), (total, start));
+            }
+        }
     }
 
     #[test]

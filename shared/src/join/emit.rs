@@ -1,9 +1,10 @@
-//! Emission: the one place a [`JoinedIo`] is built, for a joined pair and for
-//! a record of either side alone.
+//! Emission: the one place a [`JoinedIo`] is made, for a joined pair and for
+//! a record of either side alone; an [`Output`] gets each as an [`Emitted`]
+//! view and builds the record only if it needs it.
 
 use crate::clock::{narrow, CausalBounds, OffsetEstimate};
 use crate::record::{
-    ClockDomain, GuestRq, HostElem, JoinedIo, Name, Point, Points, UnmatchedReason,
+    ClockDomain, GuestRq, HostElem, JoinedIo, Name, Op, Point, Points, UnmatchedReason,
 };
 use crate::stages::{self, Stages};
 
@@ -36,91 +37,174 @@ impl From<OffsetEstimate> for Mapping {
     }
 }
 
-/// Builds an output record at the end of `out` (in place: the 1 KiB record
-/// is not moved after it is made). `ts` are its points (in `ts_domain`); the
-/// records' own points are not read. Without a host element the record is
-/// labelled with `vm`.
-fn build(
-    vm: &str,
-    parts: Parts<'_>,
-    (ts, ts_domain): (Points, ClockDomain),
+/// A record the join emits, borrowed from the join's pending records: what
+/// the statistics read without building the output record, which
+/// [`Emitted::build_into`] makes only for the records that are written.
+pub struct Emitted<'a> {
+    /// The VM, for a record without a host element.
+    vm: &'a str,
+    parts: Parts<'a>,
+    /// Its points, in `ts_domain`; the records' own points are not read.
+    ts: Points,
+    ts_domain: ClockDomain,
     clock_uncertainty_ns: Option<u64>,
     reason: Option<UnmatchedReason>,
-    out: &mut Vec<JoinedIo>,
-) {
-    let (op, sector, bytes) = match parts {
-        Parts::Joined(g, _) | Parts::Guest(g) => (g.op, g.sector, g.bytes),
-        Parts::Host(h) => (h.op, h.sector, h.bytes),
-    };
-    let (g, h) = match parts {
-        Parts::Joined(g, h) => (Some(g), Some(h)),
-        Parts::Guest(g) => (Some(g), None),
-        Parts::Host(h) => (None, Some(h)),
-    };
-    // Left in the guest's clock: the guest's own wall-clock time.
-    let time = match ts_domain {
-        ClockDomain::Host => crate::walltime::of_points(&ts),
-        ClockDomain::Guest => g.and_then(|g| g.time),
-    };
-    out.push(JoinedIo {
-        vm: Name::default(),
-        time,
-        disk: None,
-        device: None,
-        queue: None,
-        head: None,
-        op,
-        sector,
-        bytes,
-        pid: None,
-        tid: None,
-        comm: None,
-        cgroup_id: None,
-        inode: None,
-        file_offset: None,
-        kicked: None,
-        error: None,
-        qemu_pid: None,
-        backend: None,
-        merge_id: None,
-        status: None,
-        ts,
-        ts_domain,
-        stages: Stages::default(),
-        substages: Stages::default(),
-        total_ns: None,
-        clock_uncertainty_ns,
-        joined: reason.is_none(),
-        reason,
-        cause: None,
-        interference: None,
-    });
-    let io = out.last_mut().expect("pushed above");
-    (io.total_ns, _) = stages::derive_into(&io.ts, &mut io.stages, &mut io.substages);
-    if let Some(g) = g {
-        io.disk = Some(g.disk.clone());
-        (io.queue, io.head) = (g.queue, g.head);
-        io.pid = Some(g.pid);
-        io.tid = Some(g.tid);
-        io.comm = Some(g.comm.clone());
-        io.cgroup_id = Some(g.cgroup_id);
-        io.inode = Some(g.inode);
-        io.file_offset = g.file_offset;
-        io.kicked = g.kicked;
-        io.error = Some(g.error);
+}
+
+/// Where the join's records go. A `Vec<JoinedIo>` takes them built.
+pub trait Output {
+    fn emit(&mut self, r: Emitted<'_>);
+}
+
+impl Output for Vec<JoinedIo> {
+    fn emit(&mut self, r: Emitted<'_>) {
+        r.build_into(self);
     }
-    match h {
-        Some(h) => {
-            io.vm = h.vm.clone();
-            io.device = Some(h.device.clone());
-            (io.queue, io.head) = (Some(h.queue), Some(h.head));
-            io.qemu_pid = Some(h.qemu_pid);
-            io.backend = Some(h.backend);
-            io.merge_id = Some(h.merge_id);
-            io.status = h.status;
-            io.interference = h.interference.clone().map(Box::new);
+}
+
+impl Emitted<'_> {
+    fn guest(&self) -> Option<&GuestRq> {
+        match self.parts {
+            Parts::Joined(g, _) | Parts::Guest(g) => Some(g),
+            Parts::Host(_) => None,
         }
-        None => io.vm = vm.into(),
+    }
+
+    fn host(&self) -> Option<&HostElem> {
+        match self.parts {
+            Parts::Joined(_, h) | Parts::Host(h) => Some(h),
+            Parts::Guest(_) => None,
+        }
+    }
+
+    /// [`JoinedIo::vm`].
+    pub fn vm(&self) -> &str {
+        self.host().map_or(self.vm, |h| h.vm.as_str())
+    }
+
+    /// [`JoinedIo::disk`].
+    pub fn disk(&self) -> Option<&str> {
+        self.guest().map(|g| g.disk.as_str())
+    }
+
+    /// [`JoinedIo::device`].
+    pub fn device(&self) -> Option<&str> {
+        self.host().map(|h| h.device.as_str())
+    }
+
+    /// [`JoinedIo::queue`].
+    pub fn queue(&self) -> Option<u16> {
+        match self.parts {
+            Parts::Joined(_, h) | Parts::Host(h) => Some(h.queue),
+            Parts::Guest(g) => g.queue,
+        }
+    }
+
+    /// [`JoinedIo::op`] and [`JoinedIo::bytes`].
+    pub fn op_bytes(&self) -> (Op, u32) {
+        match self.parts {
+            Parts::Joined(g, _) | Parts::Guest(g) => (g.op, g.bytes),
+            Parts::Host(h) => (h.op, h.bytes),
+        }
+    }
+
+    /// [`JoinedIo::ts`]: the stages derive from them.
+    pub fn ts(&self) -> &Points {
+        &self.ts
+    }
+
+    /// [`JoinedIo::clock_uncertainty_ns`].
+    pub fn clock_uncertainty_ns(&self) -> Option<u64> {
+        self.clock_uncertainty_ns
+    }
+
+    /// [`JoinedIo::joined`].
+    pub fn joined(&self) -> bool {
+        self.reason.is_none()
+    }
+
+    /// The output record.
+    pub fn build(&self) -> JoinedIo {
+        let mut v = Vec::with_capacity(1);
+        self.build_into(&mut v);
+        v.pop().expect("built above")
+    }
+
+    /// Builds the output record at the end of `out` (in place: the 1 KiB
+    /// record is not moved after it is made).
+    pub fn build_into(&self, out: &mut Vec<JoinedIo>) {
+        let (ts, ts_domain) = (self.ts.clone(), self.ts_domain);
+        let (op, bytes) = self.op_bytes();
+        let sector = match self.parts {
+            Parts::Joined(g, _) | Parts::Guest(g) => g.sector,
+            Parts::Host(h) => h.sector,
+        };
+        let (g, h) = (self.guest(), self.host());
+        // Left in the guest's clock: the guest's own wall-clock time.
+        let time = match ts_domain {
+            ClockDomain::Host => crate::walltime::of_points(&ts),
+            ClockDomain::Guest => g.and_then(|g| g.time),
+        };
+        out.push(JoinedIo {
+            vm: Name::default(),
+            time,
+            disk: None,
+            device: None,
+            queue: None,
+            head: None,
+            op,
+            sector,
+            bytes,
+            pid: None,
+            tid: None,
+            comm: None,
+            cgroup_id: None,
+            inode: None,
+            file_offset: None,
+            kicked: None,
+            error: None,
+            qemu_pid: None,
+            backend: None,
+            merge_id: None,
+            status: None,
+            ts,
+            ts_domain,
+            stages: Stages::default(),
+            substages: Stages::default(),
+            total_ns: None,
+            clock_uncertainty_ns: self.clock_uncertainty_ns,
+            joined: self.reason.is_none(),
+            reason: self.reason,
+            cause: None,
+            interference: None,
+        });
+        let io = out.last_mut().expect("pushed above");
+        (io.total_ns, _) = stages::derive_into(&io.ts, &mut io.stages, &mut io.substages);
+        if let Some(g) = g {
+            io.disk = Some(g.disk.clone());
+            (io.queue, io.head) = (g.queue, g.head);
+            io.pid = Some(g.pid);
+            io.tid = Some(g.tid);
+            io.comm = Some(g.comm.clone());
+            io.cgroup_id = Some(g.cgroup_id);
+            io.inode = Some(g.inode);
+            io.file_offset = g.file_offset;
+            io.kicked = g.kicked;
+            io.error = Some(g.error);
+        }
+        match h {
+            Some(h) => {
+                io.vm = h.vm.clone();
+                io.device = Some(h.device.clone());
+                (io.queue, io.head) = (Some(h.queue), Some(h.head));
+                io.qemu_pid = Some(h.qemu_pid);
+                io.backend = Some(h.backend);
+                io.merge_id = Some(h.merge_id);
+                io.status = h.status;
+                io.interference = h.interference.clone().map(Box::new);
+            }
+            None => io.vm = self.vm.into(),
+        }
     }
 }
 
@@ -141,7 +225,7 @@ pub(super) fn make_joined(
     (el, h): (&HostElem, &Times),
     est: Option<OffsetEstimate>,
     unambiguous: bool,
-    out: &mut Vec<JoinedIo>,
+    out: &mut dyn Output,
 ) {
     let JoinCtx {
         vm: v,
@@ -210,14 +294,14 @@ pub(super) fn make_joined(
         None => el.ts.clone(),
     };
     let unc = mapping.and_then(|m| m.uncertainty_ns);
-    build(
-        &v.name,
-        Parts::Joined(rq, el),
-        (ts, ClockDomain::Host),
-        unc,
-        None,
-        out,
-    );
+    out.emit(Emitted {
+        vm: &v.name,
+        parts: Parts::Joined(rq, el),
+        ts,
+        ts_domain: ClockDomain::Host,
+        clock_uncertainty_ns: unc,
+        reason: None,
+    });
 }
 
 impl JoinEngine {
@@ -227,7 +311,7 @@ impl JoinEngine {
         &mut self,
         p: Pending<S::Rec>,
         reason: UnmatchedReason,
-        out: &mut Vec<JoinedIo>,
+        out: &mut dyn Output,
     ) {
         if S::IS_GUEST {
             self.stats.unmatched_guest += 1;
@@ -253,14 +337,14 @@ impl JoinEngine {
             None => ClockDomain::Host,
         };
         let unc = est.map(|e| e.uncertainty_ns);
-        build(
-            &v.name,
-            S::alone(&p.rec),
-            (ts, domain),
-            unc,
-            Some(reason),
-            out,
-        );
+        out.emit(Emitted {
+            vm: &v.name,
+            parts: S::alone(&p.rec),
+            ts,
+            ts_domain: domain,
+            clock_uncertainty_ns: unc,
+            reason: Some(reason),
+        });
     }
 }
 

@@ -5,10 +5,10 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-use crate::record::{JoinedIo, UnmatchedReason};
+use crate::record::UnmatchedReason;
 
 use super::pending::{Guest, Host, Pending, Side};
-use super::JoinEngine;
+use super::{JoinEngine, Output};
 
 fn reason<R>(p: &Pending<R>, no_partner: UnmatchedReason) -> UnmatchedReason {
     if p.mismatch {
@@ -21,7 +21,7 @@ fn reason<R>(p: &Pending<R>, no_partner: UnmatchedReason) -> UnmatchedReason {
 impl JoinEngine {
     /// Emits what of VM `vid` timed out (after the deferred choices that can
     /// be made now).
-    pub(super) fn expire_vm(&mut self, vid: u32, out: &mut Vec<JoinedIo>) {
+    pub(super) fn expire_vm(&mut self, vid: u32, out: &mut dyn Output) {
         let v = &self.vms[vid as usize];
         if !v.deferred.is_empty() && v.clock.is_synced() {
             self.resolve_deferred(vid, false, out);
@@ -33,7 +33,7 @@ impl JoinEngine {
     /// Emits the records of side `S` of VM `vid` that are `timeout_ns` old on
     /// their own side and that the other side has progressed `timeout_ns`
     /// past since they arrived (or that the other side never sent anything for).
-    fn expire_side<S: Side>(&mut self, vid: u32, out: &mut Vec<JoinedIo>) {
+    fn expire_side<S: Side>(&mut self, vid: u32, out: &mut dyn Output) {
         let timeout = self.cfg.timeout_ns;
         loop {
             let (own, other) = S::split(&mut self.sides);
@@ -70,7 +70,7 @@ impl JoinEngine {
     }
 
     /// Evicts the oldest pending record of side `S` of VM `vid` (only that VM's).
-    pub(super) fn evict<S: Side>(&mut self, vid: u32, out: &mut Vec<JoinedIo>) {
+    pub(super) fn evict<S: Side>(&mut self, vid: u32, out: &mut dyn Output) {
         let set = S::set_mut(&mut self.sides);
         let Some((_, id)) = set.next_deadline(vid) else {
             return;
@@ -82,20 +82,15 @@ impl JoinEngine {
         }
     }
 
-    /// Emits the pending records of side `S`, oldest first, until `out` holds
-    /// `max`; true when none is left.
-    pub(super) fn drain<S: Side>(&mut self, out: &mut Vec<JoinedIo>, max: usize) -> bool {
+    /// Emits the pending records of side `S`, oldest first.
+    pub(super) fn drain<S: Side>(&mut self, out: &mut dyn Output) {
         for id in S::set(&self.sides).ids_by_last() {
-            if out.len() >= max {
-                return false;
-            }
             if let Some(p) = self.take::<S>(id) {
                 let r = reason(&p, S::NO_PARTNER);
                 self.unmatched::<S>(p, r, out);
             }
         }
         S::set_mut(&mut self.sides).clear_deadlines();
-        true
     }
 }
 

@@ -3,11 +3,11 @@
 //! choice deferred until the VM has a clock).
 
 use crate::clock::OffsetEstimate;
-use crate::record::{GuestRq, HostElem, JoinedIo, Name, Op};
+use crate::record::{GuestRq, HostElem, Name, Op};
 
 use super::emit::{make_joined, JoinCtx};
 use super::pending::{head_key, Guest, Host, Pending, PendingSet, Side, Times};
-use super::JoinEngine;
+use super::{JoinEngine, Output};
 
 /// The outcome of a partner search.
 #[derive(Default)]
@@ -173,7 +173,7 @@ impl JoinEngine {
 
     /// Adds a record of side `S` from VM `vid`: joins it with its partner,
     /// or keeps it pending; then emits what of the VM expired.
-    pub(super) fn push<S: Side>(&mut self, vid: u32, rec: S::Rec, out: &mut Vec<JoinedIo>) {
+    pub(super) fn push<S: Side>(&mut self, vid: u32, rec: S::Rec, out: &mut dyn Output) {
         let t = PendingSet::<S>::times(&rec);
         S::set_mut(&mut self.sides)
             .vm_mut(vid)
@@ -204,7 +204,7 @@ impl JoinEngine {
         id: u32,
         est: Option<OffsetEstimate>,
         unambiguous: bool,
-        out: &mut Vec<JoinedIo>,
+        out: &mut dyn Output,
     ) -> bool {
         let others = <S::Other as Side>::set(&self.sides);
         let Some(p) = others.get(id) else {
@@ -231,7 +231,7 @@ impl JoinEngine {
         t: Times,
         found: Found,
         defer: bool,
-        out: &mut Vec<JoinedIo>,
+        out: &mut dyn Output,
     ) {
         let (own, other) = S::split(&mut self.sides);
         for &id in &found.mismatched {
@@ -326,7 +326,7 @@ impl JoinEngine {
     /// merely late). Called once the clock is synced, or with `fallback`
     /// before anything of the VM expires and at flush (then the oldest
     /// candidate wins, as a last resort).
-    pub(super) fn resolve_deferred(&mut self, vid: u32, fallback: bool, out: &mut Vec<JoinedIo>) {
+    pub(super) fn resolve_deferred(&mut self, vid: u32, fallback: bool, out: &mut dyn Output) {
         let mut deferred = std::mem::take(&mut self.vms[vid as usize].deferred);
         // Oldest first on each side (guests, then hosts): a head is reused in
         // order, so without a clock the oldest request takes the oldest element.
@@ -355,7 +355,7 @@ impl JoinEngine {
         id: u32,
         gen: u32,
         fallback: bool,
-        out: &mut Vec<JoinedIo>,
+        out: &mut dyn Output,
     ) {
         let set = S::set(&self.sides);
         let Some(p) = set.get(id).filter(|_| set.live(id, gen)) else {

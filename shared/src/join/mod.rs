@@ -53,7 +53,8 @@
 //! Layout: `pending` holds each side's pending records (one generic
 //! implementation for the guest side and the host side), `matching` finds a
 //! record's partner and defers ambiguous choices, `expiry` decides when a
-//! record stops waiting, `emit` builds the output records.
+//! record stops waiting, `emit` hands the output records to an [`Output`]
+//! as views ([`Emitted`], built into a [`crate::record::JoinedIo`] on request).
 
 mod emit;
 mod expiry;
@@ -67,8 +68,10 @@ mod tests;
 mod tests_live;
 
 use crate::clock::{ClockConfig, ClockEstimator};
-use crate::record::{GuestRq, HostElem, JoinedIo};
+use crate::record::{GuestRq, HostElem};
+
 use crate::stages;
+pub use emit::{Emitted, Output};
 
 use pending::{Guest, Host, Sides};
 
@@ -293,14 +296,14 @@ impl JoinEngine {
     }
 
     /// Adds a guest request from VM `vm`; joined or expired records go to `out`.
-    pub fn push_guest(&mut self, vm: &str, rq: GuestRq, out: &mut Vec<JoinedIo>) {
+    pub fn push_guest(&mut self, vm: &str, rq: GuestRq, out: &mut dyn Output) {
         self.stats.guest_records += 1;
         let vid = self.vm_id(vm);
         self.push::<Guest>(vid, rq, out);
     }
 
     /// Adds a host element (its `vm` field names the VM).
-    pub fn push_host(&mut self, el: HostElem, out: &mut Vec<JoinedIo>) {
+    pub fn push_host(&mut self, el: HostElem, out: &mut dyn Output) {
         self.stats.host_records += 1;
         let vid = self.vm_id(&el.vm);
         self.push::<Host>(vid, el, out);
@@ -308,7 +311,7 @@ impl JoinEngine {
 
     /// Tells the engine the host's current time (live mode, when records are
     /// sparse) and emits what timed out.
-    pub fn advance(&mut self, host_now: u64, out: &mut Vec<JoinedIo>) {
+    pub fn advance(&mut self, host_now: u64, out: &mut dyn Output) {
         for vid in 0..self.vms.len() as u32 {
             self.sides.host.vm_mut(vid).observe(host_now, host_now);
             let v = &mut self.vms[vid as usize];
@@ -330,20 +333,14 @@ impl JoinEngine {
         }
     }
 
-    /// Emits every pending record as unmatched (end of input).
-    pub fn flush(&mut self, out: &mut Vec<JoinedIo>) {
-        while !self.flush_some(out, usize::MAX) {}
-    }
-
-    /// Like [`flush`](Self::flush), but stops once `out` holds `max` records
-    /// (the caller writes them out and calls again, so the end of a run with
-    /// tens of thousands of pending records needs no memory for all of them at
-    /// once). True when nothing is pending any more.
-    pub fn flush_some(&mut self, out: &mut Vec<JoinedIo>, max: usize) -> bool {
+    /// Emits every pending record as unmatched (end of input), oldest first
+    /// per side.
+    pub fn flush(&mut self, out: &mut dyn Output) {
         for vid in 0..self.vms.len() as u32 {
             self.resolve_deferred(vid, true, out);
         }
-        self.drain::<Guest>(out, max) && self.drain::<Host>(out, max)
+        self.drain::<Guest>(out);
+        self.drain::<Host>(out);
     }
 }
 

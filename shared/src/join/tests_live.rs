@@ -4,7 +4,7 @@ use super::emit::drop_unrelated_notifications;
 use super::synth::*;
 use super::tests::ambiguous_pair;
 use super::*;
-use crate::record::{ClockDomain, Point, Points, UnmatchedReason};
+use crate::record::{ClockDomain, JoinedIo, Point, Points, UnmatchedReason};
 
 #[test]
 fn unmatched_are_emitted_with_reasons() {

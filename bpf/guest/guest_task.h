@@ -503,30 +503,17 @@ int uring_submit_sqe(unsigned long long *ctx)
 	return 0;
 }
 
-/* floor(log2(v)) of v > 0 (BPF has no count of leading zeros). */
+/* floor(log2(v)) of v > 0 (BPF has no count of leading zeros): halving steps. */
 static __always_inline __u32 log2_u64(__u64 v)
 {
 	__u32 r = 0;
 
-	if (v >> 32) {
-		v >>= 32;
-		r += 32;
-	}
-	if (v >> 16) {
-		v >>= 16;
-		r += 16;
-	}
-	if (v >> 8) {
-		v >>= 8;
-		r += 8;
-	}
-	if (v >> 4) {
-		v >>= 4;
-		r += 4;
-	}
-	if (v >> 2) {
-		v >>= 2;
-		r += 2;
+#pragma unroll
+	for (__u32 sh = 32; sh > 1; sh >>= 1) {
+		if (v >> sh) {
+			v >>= sh;
+			r += sh;
+		}
 	}
 	return r + (__u32)(v >> 1);
 }

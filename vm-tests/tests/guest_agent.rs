@@ -5,6 +5,7 @@ use viotrace_vm_tests::assets::GuestKernel;
 use viotrace_vm_tests::{Agents, RunResult, VmConfig, VsockMode};
 
 mod common;
+use common::guest::{counter, totals_rows};
 use common::{known_io_shape, run_agents, Shape, KNOWN_IO};
 
 fn run_guest(name: &str, cfg: VmConfig, workload: &str) -> RunResult {
@@ -641,41 +642,6 @@ fn kernel_5_10_descriptor_heads_equal_qemus() {
         heads.len() >= 8,
         "queue depth 8-16 spreads the heads: {heads:?}"
     );
-}
-
-/// The rows of `label` in the guest log's totals table: stage → count.
-fn totals_rows(log: &str, label: &str) -> std::collections::BTreeMap<String, u64> {
-    let totals = log
-        .split("=== viotrace-guest totals")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no totals table: {log}"));
-    let mut rows = std::collections::BTreeMap::new();
-    let mut inside = false;
-    for l in totals.lines().skip(1) {
-        if l.starts_with("  ") && !l.starts_with("    ") {
-            inside = l.trim() == label;
-        } else if let (true, [stage, count, ..]) =
-            (inside, &l.split_whitespace().collect::<Vec<_>>()[..])
-        {
-            if let Ok(n) = count.parse() {
-                rows.insert(stage.to_string(), n);
-            }
-        }
-    }
-    rows
-}
-
-/// A counter of the totals' `counters:` line.
-fn counter(log: &str, name: &str) -> u64 {
-    let line = log
-        .lines()
-        .find(|l| l.trim_start().starts_with("counters:"));
-    line.and_then(|l| {
-        l.split_whitespace()
-            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
-    })
-    .and_then(|v| v.parse().ok())
-    .unwrap_or_else(|| panic!("no counter {name}: {log}"))
 }
 
 /// Always-on (no `--json`, no `-t`): the syscalls send no records, the kernel counts their

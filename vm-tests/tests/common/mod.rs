@@ -7,6 +7,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use viotrace_vm_tests::{assets, Agents, Lab, RunResult, VmConfig};
 
 pub mod checks;
+pub mod guest;
 pub mod host;
 
 /// The lab, prepared once per test binary.

@@ -7,9 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use nix::sched::{sched_setaffinity, CpuSet};
@@ -21,6 +21,15 @@ pub struct Injector {
     threads: Vec<JoinHandle<()>>,
     /// Bursts started.
     pub bursts: Arc<AtomicU64>,
+    /// When each burst ran (Unix ns, wall clock: start, end), where the
+    /// injector knows (the noisy neighbour).
+    pub windows: Arc<Mutex<Vec<(i64, i64)>>>,
+}
+
+fn unix_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i64)
 }
 
 impl Drop for Injector {
@@ -54,9 +63,11 @@ pub fn noisy_neighbour(dir: &Path, on: Duration, off: Duration) -> Result<Inject
     }
     let stop = Arc::new(AtomicBool::new(false));
     let bursts = Arc::new(AtomicU64::new(0));
-    let (s, b) = (stop.clone(), bursts.clone());
+    let windows = Arc::new(Mutex::new(Vec::new()));
+    let (s, b, w) = (stop.clone(), bursts.clone(), windows.clone());
     let t = std::thread::spawn(move || {
         while !s.load(Ordering::Relaxed) {
+            let start = unix_ns();
             let child = Command::new("fio")
                 .args([
                     "--name=neighbour",
@@ -84,6 +95,9 @@ pub fn noisy_neighbour(dir: &Path, on: Duration, off: Duration) -> Result<Inject
                 }
                 let _ = c.kill();
                 let _ = c.wait();
+                w.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((start, unix_ns()));
             }
             sleep_unless(&s, off);
         }
@@ -93,6 +107,7 @@ pub fn noisy_neighbour(dir: &Path, on: Duration, off: Duration) -> Result<Inject
         stop,
         threads: vec![t],
         bursts,
+        windows,
     })
 }
 
@@ -177,6 +192,7 @@ pub fn starve_qemu(pid: u32, spin: Duration, period: Duration) -> Result<Injecto
         stop,
         threads: vec![pinner, hog],
         bursts,
+        windows: Arc::default(),
     };
     ready_rx
         .recv()

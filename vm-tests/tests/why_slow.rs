@@ -116,13 +116,16 @@ fn slower_than(recs: &[JoinedIo], ns: u64) -> Vec<&JoinedIo> {
         .collect()
 }
 
+/// What an injector did: its bursts, and when they ran (Unix ns) where it knows.
+type Injected = (u64, Vec<(i64, i64)>);
+
 /// Runs `start(qemu pid)` once the run's QEMU (`-name vt-<name>`) is up and keeps
 /// what it returns until `done` is set.
 fn inject_when_up(
     name: &str,
     done: Arc<AtomicBool>,
     start: impl FnOnce(u32) -> anyhow::Result<Injector> + Send + 'static,
-) -> std::thread::JoinHandle<Option<u64>> {
+) -> std::thread::JoinHandle<Option<Injected>> {
     let needle = format!("vt-{name}");
     std::thread::spawn(move || {
         let pid = loop {
@@ -142,7 +145,8 @@ fn inject_when_up(
         while !done.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(100));
         }
-        Some(inj.bursts.load(Ordering::Relaxed))
+        let windows = inj.windows.lock().map(|w| w.clone()).unwrap_or_default();
+        Some((inj.bursts.load(Ordering::Relaxed), windows))
     })
 }
 
@@ -183,9 +187,26 @@ fn check_kinds(what: &str, all: usize, slow: &[Option<CauseKind>], want: CauseKi
 /// CPU fio held, with no other request on the device meanwhile. Its verdict is
 /// then `qemu_starved` naming fio, which is true and still names the neighbour.
 /// Checks that ≥ 90 % of the reads above `threshold_ns` name the neighbour
-/// either way and ≥ 75 % as `noisy_neighbour`.
-fn check_neighbour_named(rec: &[JoinedIo], threshold_ns: u64) {
-    let slow = slower_than(rec, threshold_ns);
+/// either way and ≥ 75 % as `noisy_neighbour`. Only the reads that began
+/// while a burst ran (`windows`, Unix ns, plus 1 s for its writes to drain)
+/// count: a read slow while the neighbour was idle (a slow host) is not its.
+fn check_neighbour_named(rec: &[JoinedIo], threshold_ns: u64, windows: &[(i64, i64)]) {
+    let during = |j: &JoinedIo| {
+        j.time.is_some_and(|t| {
+            let t = t.unix_ns();
+            windows
+                .iter()
+                .any(|&(a, b)| t >= a - 100_000_000 && t <= b + 1_000_000_000)
+        })
+    };
+    let all = slower_than(rec, threshold_ns);
+    let slow: Vec<&JoinedIo> = all.iter().copied().filter(|j| during(j)).collect();
+    eprintln!(
+        "noisy: {} of {} slow reads began during one of the {} bursts",
+        slow.len(),
+        all.len(),
+        windows.len()
+    );
     let starved_by_fio = |j: &JoinedIo| {
         kind(j) == Some(CauseKind::QemuStarved)
             && j.interference
@@ -246,9 +267,9 @@ fn a_noisy_neighbour_on_the_host_disk_is_named_with_its_process() {
     };
     let (rec, hlog) = run_with(name, cfg, "4ms", PREFILLED_PACED, 600);
     done.store(true, Ordering::Relaxed);
-    let bursts = inj.join().unwrap().expect("the neighbour ran");
+    let (bursts, windows) = inj.join().unwrap().expect("the neighbour ran");
     eprintln!("neighbour bursts: {bursts}");
-    check_neighbour_named(&rec, 4_000_000);
+    check_neighbour_named(&rec, 4_000_000, &windows);
     // Issuers are named from the table of the last second: a burst's first
     // second may have none yet, and its last ones may show only the kernel
     // workers that finish fio's writes (extent conversion); most verdicts name fio.
@@ -289,7 +310,7 @@ fn a_starved_qemu_is_named_with_the_cpu_hog() {
     });
     let (rec, hlog) = run_with(name, VmConfig::default(), "5ms", PREFILLED_QD1, 600);
     done.store(true, Ordering::Relaxed);
-    let spins = inj.join().unwrap().expect("the hog ran");
+    let (spins, _) = inj.join().unwrap().expect("the hog ran");
     eprintln!("hog spins: {spins}");
     check_named("starved", &rec, THRESHOLD_NS, CauseKind::QemuStarved);
     let starved: Vec<&JoinedIo> = rec

@@ -181,9 +181,15 @@ fn read_stats(run: &load::Running) -> Vec<(&'static str, u64)> {
 }
 
 /// The syscalls the kernel summarized since the last call, into the sink's
-/// syscall table.
-fn take_io_hist(run: &load::Running, h: &mut io_hist::IoHist, sink: &mut Sink) {
-    let at_least = bpf_stats(&run.skel)
+/// syscall table. `stats`: the counters, read just before (their
+/// `io_summarized` is what the maps must hold at least).
+fn take_io_hist(
+    run: &load::Running,
+    stats: &[(&'static str, u64)],
+    h: &mut io_hist::IoHist,
+    sink: &mut Sink,
+) {
+    let at_least = stats
         .iter()
         .find(|(n, _)| *n == "io_summarized")
         .map_or(0, |s| s.1);
@@ -323,9 +329,10 @@ fn main() -> Result<()> {
         let now = Instant::now();
         let mut s = sink.borrow_mut();
         if now >= next_table {
-            take_io_hist(&run, &mut hist, &mut s);
+            let stats = read_stats(&run);
+            take_io_hist(&run, &stats, &mut hist, &mut s);
             s.interval_table(started.elapsed());
-            s.send_counters(&read_stats(&run));
+            s.send_counters(&stats);
             next_table = now + cli.interval;
         }
         s.flush();
@@ -337,8 +344,8 @@ fn main() -> Result<()> {
         }
     }
     let mut s = sink.borrow_mut();
-    take_io_hist(&run, &mut hist, &mut s);
     let mut stats = read_stats(&run);
+    take_io_hist(&run, &stats, &mut hist, &mut s);
     stats.push(("io_hist_reread", hist.batch_short));
     stats.extend(s.verdict_counters());
     s.close_uplink(&mut stats);

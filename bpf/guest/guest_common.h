@@ -237,6 +237,21 @@ struct {
 	__type(value, __u64);
 } io_sum SEC(".maps");
 
+/*
+ * Per-thread syscall states, direct-mapped first (see dm_find): thread `tid`'s
+ * slot is tid % SYS_SLOTS (thread ids are small and dense), held for good by
+ * the first thread that needed it; a thread whose slot another one holds (or
+ * held: a thread that exited keeps it) uses `sys_inflight`, as all did before.
+ * A thread's state is looked up in about six programs per I/O.
+ */
+#define SYS_SLOTS 1024
+struct sys_slot {
+	__u64 key;		/* tid, 0: free (tid 0 is the idle task) */
+	struct sys_state s;
+};
+
+DM_TABLE(sys, SYS_SLOTS, struct sys_slot);
+
 /* Request states, direct-mapped first; `rqs` for the rest. */
 #define RQ_SLOTS 4096
 struct rq_slot {
@@ -437,9 +452,25 @@ const struct sys_state zero_sys = {};
 const struct rq_state zero_rq = {};
 const struct vq_state zero_vq = {};
 
+/* The slot of thread `tid` (its owner's tid first). */
+static __always_inline struct sys_slot *sys_slot(__u32 tid, __u32 *i)
+{
+	*i = tid & (SYS_SLOTS - 1);
+	return bpf_map_lookup_elem(&sys_slots, i);
+}
+
+/* The syscall state of thread `tid`, live or not (NULL: none yet). */
+static __always_inline struct sys_state *sys_find(__u32 *tid)
+{
+	__u32 i;
+	struct sys_slot *sl = sys_slot(*tid, &i);
+
+	return sl && sl->key == *tid ? &sl->s : bpf_map_lookup_elem(&sys_inflight, tid);
+}
+
 static __always_inline struct sys_state *sys_get(__u32 *tid)
 {
-	struct sys_state *s = bpf_map_lookup_elem(&sys_inflight, tid);
+	struct sys_state *s = sys_find(tid);
 
 	return s && s->enter_ts ? s : NULL;
 }

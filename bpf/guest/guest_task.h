@@ -182,6 +182,22 @@ static __always_inline void sys_reset(struct sys_state *s)
 	s->qbio_next = 0;	/* the slots' old bios are not looked at again */
 }
 
+/* A state for thread `tid`, which has none: its slot if never used (zeroed),
+ * claimed by an atomic insert into sys_claims (two CPUs never take the same
+ * one), else an entry of sys_inflight. */
+static __always_inline struct sys_state *sys_new(__u32 tid)
+{
+	__u64 key = tid;
+	__u32 i;
+	struct sys_slot *sl = sys_slot(tid, &i);
+
+	if (sl && !sl->key && tid && !bpf_map_update_elem(&sys_claims, &i, &key, BPF_NOEXIST)) {
+		sl->key = key;
+		return &sl->s;
+	}
+	return map_insert(&sys_inflight, &tid, &zero_sys, S_FULL_SYS);
+}
+
 /* Whether `nr` is one of the traced I/O syscalls. */
 static __always_inline bool io_syscall(__u32 nr)
 {
@@ -296,11 +312,11 @@ static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, 
 		return;
 
 	/* the thread's entry from its last syscall, reset; created once */
-	s = bpf_map_lookup_elem(&sys_inflight, &tid);
+	s = sys_find(&tid);
 	if (s)
 		sys_reset(s);
 	else
-		s = map_insert(&sys_inflight, &tid, &zero_sys, S_FULL_SYS);
+		s = sys_new(tid);
 	if (!s)
 		return;
 	s->id = who;

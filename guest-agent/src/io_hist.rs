@@ -33,6 +33,10 @@ pub struct IoHist {
     sums: HashMap<u32, u64>,
     /// Batch reads that came up short and were done again key by key.
     pub batch_short: u64,
+    /// `at_least` of the last read: unchanged, nothing new was summarized
+    /// (each syscall is in the maps before it is counted), and the maps are
+    /// not read (a batch read walks every bucket of `io_hist`).
+    last_at_least: u64,
 }
 
 impl IoHist {
@@ -46,6 +50,10 @@ impl IoHist {
         sum: &dyn MapCore,
         at_least: u64,
     ) -> HashMap<u32, Gained> {
+        if at_least == self.last_at_least {
+            return HashMap::new();
+        }
+        self.last_at_least = at_least;
         // A batch covers every slot in use (at most IO_HIST_MAX) in a few
         // calls. Its iterator ends quietly on an error, so a read that comes
         // up short of `at_least` is done again key by key.

@@ -193,9 +193,6 @@ fn take_io_hist(
         .iter()
         .find(|(n, _)| *n == "io_summarized")
         .map_or(0, |s| s.1);
-    if at_least == 0 {
-        return;
-    }
     let maps = &run.skel.maps;
     for (nr, g) in h.take(&maps.io_hist, &maps.io_sum, at_least) {
         sink.syscall_summary(nr, &g);

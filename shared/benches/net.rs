@@ -2,7 +2,8 @@
 //! wakeups of the thread serving one guest that streams QD32-like batches.
 //!
 //! A fake guest sends one batch frame (560 request records, ~5 600 IOPS) every
-//! 100 ms, written in 4 KiB pieces a few µs apart as vsock packets arrive,
+//! 100 ms, written in 16 KiB pieces (the guest's largest write, one vsock packet
+//! each) a few µs apart,
 //! and answers the host's clock pings; the "agent" drains the inbox every
 //! 75 ms. Prints the network thread's CPU ns per record and its wakeups per
 //! second (from `/proc/self/task/*/schedstat`).
@@ -22,7 +23,8 @@ use viotrace_shared::transport::local_hello;
 
 const RECORDS_PER_BATCH: usize = 560;
 const BATCH_EVERY: Duration = Duration::from_millis(100);
-const PIECE: usize = 4096;
+/// The guest's largest write (`transport::stream::WRITE_CHUNK`).
+const PIECE: usize = 16 * 1024;
 const PIECE_GAP: Duration = Duration::from_micros(20);
 const RUN: Duration = Duration::from_secs(4);
 

@@ -219,6 +219,9 @@ impl Conn {
         let mut last_rx = tokio::time::Instant::now();
         let idle = tokio::time::sleep_until(last_rx + cfg.idle_timeout);
         tokio::pin!(idle);
+        // One wait for the stop signal, not a new one per pass.
+        let stopping = stop.changed();
+        tokio::pin!(stopping);
         // Frames decoded before the first read (sent together with the hello).
         if let Err(e) = self.decode_all(&mut st, &mut dec, wr, monotonic_ns()).await {
             return e;
@@ -226,7 +229,7 @@ impl Conn {
         loop {
             tokio::select! {
                 biased;
-                _ = stop.changed() => {
+                _ = &mut stopping => {
                     let bye = Message::Bye { reason: "host agent stopping".into() };
                     let _ = write_msg(wr, &bye).await;
                     return End::ok("host agent stopping");

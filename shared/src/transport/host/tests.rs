@@ -406,3 +406,28 @@ async fn a_guest_that_keeps_sending_is_not_idle_and_one_that_stops_is() {
     let a = account(&server, "v");
     assert_eq!((a.idle_timeouts, a.bad_connections), (1, 1), "{a:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_says_bye_to_a_connected_guest_at_once() {
+    let p = tmp_sock("stop");
+    let (server, _inbox) = serve(unix_cfg(&[(&p, "v")])).await.unwrap();
+    let mut s = UnixStream::connect(&p).unwrap();
+    write_message(&mut s, &Message::Hello(local_hello("v", None))).unwrap();
+    assert!(matches!(
+        read_message(&mut s).unwrap(),
+        Some(Message::HelloAck(_))
+    ));
+    let t = Instant::now();
+    server.shutdown(Duration::from_secs(5)).await;
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let reason = tokio::task::spawn_blocking(move || loop {
+        match read_message(&mut s) {
+            Ok(Some(Message::Bye { reason })) => return reason,
+            Ok(Some(_)) => continue,
+            other => panic!("no bye: {other:?}"),
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(reason, "host agent stopping");
+}

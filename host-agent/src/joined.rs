@@ -93,7 +93,7 @@ const STOP_GRACE_IDLE: Duration = Duration::from_millis(400);
 
 /// The joined-mode state, driven from the agent's main loop.
 pub struct Joined {
-    rt: tokio::runtime::Runtime,
+    rt: host::NetRuntime,
     server: Option<Server>,
     inbox: Inbox,
     accounts: host::AccountsHandle,
@@ -138,12 +138,7 @@ impl Joined {
         } else {
             f64::INFINITY
         };
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("viotrace-net")
-            .enable_all()
-            .build()
-            .context("start the network runtime")?;
+        let rt = host::NetRuntime::start("viotrace-net").context("start the network runtime")?;
         let (server, inbox) = rt
             .block_on(host::serve(cfg))
             .context("listen for guest agents")?;

@@ -355,6 +355,36 @@ impl FrameDecoder {
         self.buf.extend_from_slice(bytes);
     }
 
+    /// Room for the next read, at the end of the buffer, which the caller may
+    /// only append to (e.g. with tokio's `read_buf`): at least `min` bytes, or
+    /// all that the frame being received still lacks (at most the frame limit),
+    /// so a large frame is read in one go rather than through a small buffer
+    /// and a copy.
+    pub fn read_room(&mut self, min: usize) -> &mut Vec<u8> {
+        let want = min.max(self.missing());
+        if self.pos == self.buf.len() {
+            self.buf.clear();
+            self.pos = 0;
+        } else if self.pos > 0 && self.buf.capacity() - self.buf.len() < want {
+            // Only a partial frame is left: move it to the front.
+            self.buf.drain(..self.pos);
+            self.pos = 0;
+        }
+        self.buf.reserve(want);
+        &mut self.buf
+    }
+
+    /// Bytes the frame being received still lacks (its header first); frames
+    /// above the limit count as the limit (they are refused when decoded).
+    fn missing(&self) -> usize {
+        let avail = &self.buf[self.pos..];
+        if avail.len() < FRAME_HEADER {
+            return FRAME_HEADER - avail.len();
+        }
+        let len = u32::from_le_bytes([avail[0], avail[1], avail[2], avail[3]]) as usize;
+        (FRAME_HEADER + len.min(self.max)).saturating_sub(avail.len())
+    }
+
     /// Bytes buffered but not yet decoded.
     pub fn pending(&self) -> usize {
         self.buf.len() - self.pos

@@ -157,6 +157,65 @@ fn incremental_decoder_byte_by_byte() {
     assert_eq!(d.frames(), msgs.len() as u64);
 }
 
+/// Reads straight into the decoder's buffer, in pieces of at most `piece`
+/// bytes, as the host's read loop does.
+fn read_in_pieces(stream: &[u8], piece: usize, min: usize, max: usize) -> Vec<Message> {
+    let mut d = FrameDecoder::with_max(max);
+    let mut got = Vec::new();
+    let mut rest = stream;
+    while !rest.is_empty() {
+        let room = d.read_room(min);
+        let free = room.capacity() - room.len();
+        assert!(free >= min, "room {free} < {min}");
+        let n = piece.min(free).min(rest.len());
+        room.extend_from_slice(&rest[..n]);
+        rest = &rest[n..];
+        while let Some(m) = d.next_message().unwrap() {
+            got.push(m);
+        }
+        // Never more than a partial frame plus one read, plus the growth.
+        assert!(d.buf.capacity() <= 4 * (max + FRAME_HEADER + min));
+    }
+    d.finish().unwrap();
+    got
+}
+
+#[test]
+fn read_room_gives_what_the_frame_lacks_and_decodes_the_same() {
+    let msgs = all_messages();
+    let mut stream = Vec::new();
+    for _ in 0..20 {
+        for m in &msgs {
+            encode_frame_into(m, &mut stream).unwrap();
+        }
+    }
+    let want: Vec<Message> = (0..20).flat_map(|_| msgs.clone()).collect();
+    for (piece, min) in [(1, 1), (7, 16), (100, 64), (4096, 1024), (1 << 20, 4096)] {
+        assert_eq!(read_in_pieces(&stream, piece, min, MAX_FRAME), want);
+    }
+    // A large frame: the room covers the rest of it in one read.
+    let big = Message::Bye {
+        reason: "x".repeat(100_000),
+    };
+    let f = encode_frame(&big).unwrap();
+    let mut d = FrameDecoder::new();
+    d.read_room(16).extend_from_slice(&f[..10]);
+    assert!(d.next_message().unwrap().is_none());
+    let room = d.read_room(16);
+    assert!(room.capacity() - room.len() >= f.len() - 10);
+    room.extend_from_slice(&f[10..]);
+    assert_eq!(d.next_message().unwrap(), Some(big));
+    // An announced frame above the limit asks for no more than the limit.
+    let mut d = FrameDecoder::with_max(1000);
+    d.read_room(4).extend_from_slice(&u32::MAX.to_le_bytes());
+    let room = d.read_room(4);
+    assert!(room.capacity() < 4096, "{}", room.capacity());
+    assert!(matches!(
+        d.next_message(),
+        Err(ProtoError::Oversized { .. })
+    ));
+}
+
 #[test]
 fn truncated_stream_is_reported() {
     let f = encode_frame(&Message::ClockProbe { seq: 1, t1: 2 }).unwrap();

@@ -139,10 +139,7 @@ impl JoinEngine {
                     continue;
                 };
                 let (g, h) = S::refs(rec, &c.rec);
-                if c.vm != vid || !binding_ok(bindings, &g.disk, &h.device) {
-                    continue;
-                }
-                if g.queue.is_some_and(|q| q != h.queue) {
+                if c.vm != vid || g.queue.is_some_and(|q| q != h.queue) {
                     continue;
                 }
                 let (gt, ht) = S::guest_first(t, &c.t);
@@ -150,10 +147,14 @@ impl JoinEngine {
                     Some(e) => e,
                     None => est_at(gt),
                 };
+                // (The list's order, not the candidate's disk, makes every
+                // later one too late as well.)
                 if <S::Other as Side>::beyond(gt, ht, est, slack) {
                     break;
                 }
-                if !time_ok(gt, ht, est, slack) {
+                // The names are compared only for a candidate in time (most
+                // of a reused head's list is not).
+                if !time_ok(gt, ht, est, slack) || !binding_ok(bindings, &g.disk, &h.device) {
                     continue;
                 }
                 if !confirm(g, h) {

@@ -24,6 +24,8 @@ const CLOCK_MEMORY: usize = 16;
 /// The least a frame costs against the VM's byte budget (so floods of tiny
 /// frames are bounded in CPU as well).
 const FRAME_COST: usize = 1024;
+/// Least room offered to one read (more when the frame being received needs it).
+const READ_MIN: usize = 64 * 1024;
 /// A clock exchange longer than this is useless and refused.
 const MAX_RTT_NS: u64 = 5_000_000_000;
 
@@ -212,8 +214,14 @@ impl Conn {
             pings: VecDeque::new(),
             replies: VecDeque::new(),
         };
-        let mut buf = vec![0u8; 16 * 1024];
-        let mut idle_at = tokio::time::Instant::now() + cfg.idle_timeout;
+        // The idle timer is not re-armed by every read: when it fires, it is
+        // set again to the idle timeout after the last read, if that is later.
+        let mut last_rx = tokio::time::Instant::now();
+        let idle = tokio::time::sleep_until(last_rx + cfg.idle_timeout);
+        tokio::pin!(idle);
+        // One wait for the stop signal, not a new one per pass.
+        let stopping = stop.changed();
+        tokio::pin!(stopping);
         // Frames decoded before the first read (sent together with the hello).
         if let Err(e) = self.decode_all(&mut st, &mut dec, wr, monotonic_ns()).await {
             return e;
@@ -221,7 +229,7 @@ impl Conn {
         loop {
             tokio::select! {
                 biased;
-                _ = stop.changed() => {
+                _ = &mut stopping => {
                     let bye = Message::Bye { reason: "host agent stopping".into() };
                     let _ = write_msg(wr, &bye).await;
                     return End::ok("host agent stopping");
@@ -235,11 +243,16 @@ impl Conn {
                         return End::write(e);
                     }
                 }
-                _ = tokio::time::sleep_until(idle_at) => {
+                _ = &mut idle => {
+                    let due = last_rx + cfg.idle_timeout;
+                    if due > tokio::time::Instant::now() {
+                        idle.as_mut().reset(due);
+                        continue;
+                    }
                     self.hub.ledger(&self.vm, |l| l.counters.idle_timeouts += 1);
                     return End::bad(format!("nothing received for {:?}", cfg.idle_timeout));
                 }
-                r = rd.read(&mut buf) => {
+                r = rd.read_buf(dec.read_room(READ_MIN)) => {
                     let now = monotonic_ns();
                     let n = match r {
                         Ok(0) if dec.pending() > 0 => {
@@ -252,8 +265,7 @@ impl Conn {
                         Err(e) => return End::bad(format!("read: {e}")),
                         Ok(n) => n,
                     };
-                    idle_at = tokio::time::Instant::now() + cfg.idle_timeout;
-                    dec.feed(&buf[..n]);
+                    last_rx = tokio::time::Instant::now();
                     let frames = dec.frames();
                     if let Err(e) = self.decode_all(&mut st, &mut dec, wr, now).await {
                         return e;

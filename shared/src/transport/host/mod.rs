@@ -10,6 +10,7 @@
 
 mod conn;
 pub mod ledger;
+mod runtime;
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -24,6 +25,7 @@ use tokio::task::JoinHandle;
 
 use crate::proto::{GuestRecord, GuestStats, Hello};
 pub use ledger::{SessionLedger, TokenBucket, VmAccount, VmLedger};
+pub use runtime::NetRuntime;
 
 /// What to listen on.
 #[derive(Clone, Debug, PartialEq, Eq)]

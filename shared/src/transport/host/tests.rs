@@ -369,3 +369,65 @@ async fn a_flooding_guest_is_throttled_and_the_other_vm_is_served() {
     assert!(flood_n > 0);
     drop((flood, quiet));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_keeps_sending_is_not_idle_and_one_that_stops_is() {
+    let p = tmp_sock("idle");
+    let mut cfg = unix_cfg(&[(&p, "v")]);
+    cfg.idle_timeout = Duration::from_millis(300);
+    let (server, mut inbox) = serve(cfg).await.unwrap();
+    let p2 = p.clone();
+    let ended_after = tokio::task::spawn_blocking(move || {
+        let mut s = UnixStream::connect(&p2).unwrap();
+        write_message(&mut s, &Message::Hello(local_hello("v", None))).unwrap();
+        assert!(matches!(
+            read_message(&mut s).unwrap(),
+            Some(Message::HelloAck(_))
+        ));
+        // Something every 100 ms for 1.2 s: four idle timeouts' worth.
+        for seq in 0..12 {
+            write_message(&mut s, &Message::ClockProbe { seq, t1: 1 }).unwrap();
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // Then silence: the host closes within about one idle timeout.
+        let t = Instant::now();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut b = [0u8; 4096];
+        while matches!(s.read(&mut b), Ok(n) if n > 0) {}
+        t.elapsed()
+    })
+    .await
+    .unwrap();
+    assert!(ended_after < Duration::from_secs(2), "{ended_after:?}");
+    until(&mut inbox, |e| {
+        matches!(e.kind, EventKind::Disconnected { .. })
+    })
+    .await;
+    let a = account(&server, "v");
+    assert_eq!((a.idle_timeouts, a.bad_connections), (1, 1), "{a:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_says_bye_to_a_connected_guest_at_once() {
+    let p = tmp_sock("stop");
+    let (server, _inbox) = serve(unix_cfg(&[(&p, "v")])).await.unwrap();
+    let mut s = UnixStream::connect(&p).unwrap();
+    write_message(&mut s, &Message::Hello(local_hello("v", None))).unwrap();
+    assert!(matches!(
+        read_message(&mut s).unwrap(),
+        Some(Message::HelloAck(_))
+    ));
+    let t = Instant::now();
+    server.shutdown(Duration::from_secs(5)).await;
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let reason = tokio::task::spawn_blocking(move || loop {
+        match read_message(&mut s) {
+            Ok(Some(Message::Bye { reason })) => return reason,
+            Ok(Some(_)) => continue,
+            other => panic!("no bye: {other:?}"),
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(reason, "host agent stopping");
+}

@@ -1,8 +1,10 @@
 //! The syscalls that sent no record: their latencies, counted by the BPF side
-//! in the stage histograms' bucket layout (`io_hist`, `io_sum`; see
-//! `sys_summarized` in bpf/guest/guest_task.h), read once an interval.
+//! in the stage histograms' bucket layout (`io_rows` in .bss for the common
+//! slots, `io_hist` for the rest, `io_sum`; see `sys_summarized` in
+//! bpf/guest/guest_task.h), read once an interval.
 
 use std::collections::HashMap;
+use std::sync::atomic::{compiler_fence, Ordering};
 
 use libbpf_rs::{MapCore, MapFlags};
 
@@ -26,34 +28,88 @@ impl Gained {
     }
 }
 
+/// The kernel's `io_rows` (.bss), as the skeleton maps them: row `i` counts
+/// syscall `nrs[i]` by slot, `counts[i]` is what it holds (incremented after
+/// the slot), `hashed` what went to `io_hist` instead (likewise).
+pub struct Rows<'a> {
+    pub nrs: &'a [u32],
+    pub rows: &'a [[u64; ROW_SLOTS]],
+    pub counts: &'a [u64],
+    pub hashed: u64,
+}
+
+/// Slots per row (`IO_ROW_SLOTS`).
+pub const ROW_SLOTS: usize = 3200;
+
 /// The kernel's totals as last read (the maps only grow; the difference is new).
 #[derive(Default)]
 pub struct IoHist {
     counts: HashMap<u32, u64>,
     sums: HashMap<u32, u64>,
+    /// Each row's counts and total as last read (rows seen in use only).
+    rows: HashMap<usize, (u64, Vec<u64>)>,
     /// Batch reads that came up short and were done again key by key.
     pub batch_short: u64,
-    /// `at_least` of the last read: unchanged, nothing new was summarized
-    /// (each syscall is in the maps before it is counted), and the maps are
-    /// not read (a batch read walks every bucket of `io_hist`).
-    last_at_least: u64,
+    /// `hashed` of the last read of `io_hist`: unchanged, nothing new went
+    /// there, and it is not read (a batch read walks every bucket).
+    last_hashed: u64,
 }
 
 impl IoHist {
-    /// What the kernel counted since the previous call, by syscall number.
-    /// `hist` maps `IO_HIST_KEY(nr, slot)` to a count, `sum` is indexed by
-    /// syscall number. `at_least`: the kernel's count of summarized syscalls,
-    /// read before (each is in `hist` before it is counted there).
+    /// What the kernel counted since the previous call, by syscall number:
+    /// the rows, then `hist` (`IO_HIST_KEY(nr, slot)` → count) when
+    /// `rows.hashed` moved. `sum` is indexed by syscall number.
     pub fn take(
         &mut self,
+        rows: &Rows<'_>,
         hist: &dyn MapCore,
         sum: &dyn MapCore,
-        at_least: u64,
     ) -> HashMap<u32, Gained> {
-        if at_least == self.last_at_least {
-            return HashMap::new();
+        let mut now = Vec::new();
+        if rows.hashed != self.last_hashed {
+            now = self.read_hist(hist, rows.hashed);
+            self.last_hashed = rows.hashed;
         }
-        self.last_at_least = at_least;
+        let mut out = self.gained(now);
+        self.take_rows(rows, &mut out);
+        self.add_sums(&mut out, |nr| {
+            sum.lookup(&nr.to_ne_bytes(), MapFlags::ANY)
+                .ok()
+                .flatten()
+                .and_then(|v| ne_u64(&v))
+        });
+        out
+    }
+
+    /// The rows whose count moved, against their last read.
+    fn take_rows(&mut self, rows: &Rows<'_>, out: &mut HashMap<u32, Gained>) {
+        for (i, (&count, row)) in rows.counts.iter().zip(rows.rows).enumerate() {
+            let Some(&nr) = rows.nrs.get(i) else { break };
+            let (seen, prev) = self
+                .rows
+                .entry(i)
+                .or_insert_with(|| (0, vec![0; ROW_SLOTS]));
+            if count == *seen {
+                continue;
+            }
+            // The count first: each slot is incremented before it.
+            *seen = count;
+            compiler_fence(Ordering::SeqCst);
+            let mut slots = Vec::new();
+            for (slot, (&v, p)) in row.iter().zip(prev.iter_mut()).enumerate() {
+                if v != *p {
+                    slots.push((slot, v.wrapping_sub(*p)));
+                    *p = v;
+                }
+            }
+            if !slots.is_empty() {
+                out.entry(nr).or_default().slots.extend(slots);
+            }
+        }
+    }
+
+    /// `io_hist`'s (key, count) pairs; `at_least`: what it must hold.
+    fn read_hist(&mut self, hist: &dyn MapCore, at_least: u64) -> Vec<(u32, u64)> {
         // A batch covers every slot in use (at most IO_HIST_MAX) in a few
         // calls. Its iterator ends quietly on an error, so a read that comes
         // up short of `at_least` is done again key by key.
@@ -72,21 +128,12 @@ impl IoHist {
                 })
                 .collect();
         }
-        self.gained(now, |nr| {
-            sum.lookup(&nr.to_ne_bytes(), MapFlags::ANY)
-                .ok()
-                .flatten()
-                .and_then(|v| ne_u64(&v))
-        })
+        now
     }
 
     /// The difference between `now` (key → count) and the previous read,
     /// with each syscall's latency sum from `sum_of` (differenced likewise).
-    fn gained(
-        &mut self,
-        now: Vec<(u32, u64)>,
-        sum_of: impl Fn(u32) -> Option<u64>,
-    ) -> HashMap<u32, Gained> {
+    fn gained(&mut self, now: Vec<(u32, u64)>) -> HashMap<u32, Gained> {
         let mut out: HashMap<u32, Gained> = HashMap::new();
         for (key, count) in now {
             let prev = self.counts.insert(key, count).unwrap_or(0);
@@ -96,13 +143,17 @@ impl IoHist {
                 out.entry(nr).or_default().slots.push((slot, d));
             }
         }
+        out
+    }
+
+    /// Each gaining syscall's latency sum from `sum_of`, differenced likewise.
+    fn add_sums(&mut self, out: &mut HashMap<u32, Gained>, sum_of: impl Fn(u32) -> Option<u64>) {
         for (nr, g) in out.iter_mut() {
             if let Some(s) = sum_of(*nr) {
                 let prev = self.sums.insert(*nr, s).unwrap_or(0);
                 g.sum_ns = u128::from(s.wrapping_sub(prev));
             }
         }
-        out
     }
 }
 
@@ -153,17 +204,52 @@ mod tests {
     fn only_what_was_gained_is_handed_on() {
         let mut h = IoHist::default();
         let key = |nr: u32, slot: u32| nr << 16 | slot;
-        let first = h.gained(vec![(key(17, 300), 5), (key(17, 301), 1)], |_| Some(900));
+        let mut first = h.gained(vec![(key(17, 300), 5), (key(17, 301), 1)]);
+        h.add_sums(&mut first, |_| Some(900));
         assert_eq!(first[&17].slots, vec![(300, 5), (301, 1)]);
         assert_eq!((first[&17].count(), first[&17].sum_ns), (6, 900));
         // Nothing new in slot 300, 2 more in 301, a new syscall.
-        let second = h.gained(
-            vec![(key(17, 300), 5), (key(17, 301), 3), (key(0, 4), 1)],
-            |nr| Some(if nr == 17 { 1000 } else { 7 }),
-        );
+        let mut second = h.gained(vec![(key(17, 300), 5), (key(17, 301), 3), (key(0, 4), 1)]);
+        h.add_sums(&mut second, |nr| Some(if nr == 17 { 1000 } else { 7 }));
         assert_eq!(second[&17].slots, vec![(301, 2)]);
         assert_eq!(second[&17].sum_ns, 100);
         assert_eq!((second[&0].count(), second[&0].sum_ns), (1, 7));
-        assert!(h.gained(vec![(key(17, 301), 3)], |_| Some(1000)).is_empty());
+        assert!(h.gained(vec![(key(17, 301), 3)]).is_empty());
+    }
+
+    #[test]
+    fn rows_hand_on_what_moved_and_merge_with_the_hash() {
+        let mut h = IoHist::default();
+        let mut rows = vec![[0u64; ROW_SLOTS]; 3];
+        let nrs = [0u32, 17, 209];
+        rows[1][300] = 4;
+        rows[1][3199] = 1;
+        let mut r = |rows: &[[u64; ROW_SLOTS]], counts: &[u64]| {
+            let mut out = h.gained(vec![(17 << 16 | 5000, 2)]);
+            h.take_rows(
+                &Rows {
+                    nrs: &nrs,
+                    rows,
+                    counts,
+                    hashed: 0,
+                },
+                &mut out,
+            );
+            out
+        };
+        let first = r(&rows, &[0, 5, 0]);
+        let mut slots = first[&17].slots.clone();
+        slots.sort();
+        assert_eq!(slots, vec![(300, 4), (3199, 1), (5000, 2)]);
+        assert_eq!(first.len(), 1);
+        // Row 1 unchanged and its count too: nothing; row 2 moved.
+        rows[2][10] = 1;
+        let second = r(&rows, &[0, 5, 1]);
+        assert_eq!(second[&209].slots, vec![(10, 1)]);
+        assert!(!second.contains_key(&17));
+        // A slot incremented before its count: taken when the count moves.
+        rows[1][300] = 6;
+        assert!(r(&rows, &[0, 5, 1]).is_empty());
+        assert_eq!(r(&rows, &[0, 7, 1])[&17].slots, vec![(300, 2)]);
     }
 }

@@ -181,20 +181,19 @@ fn read_stats(run: &load::Running) -> Vec<(&'static str, u64)> {
 }
 
 /// The syscalls the kernel summarized since the last call, into the sink's
-/// syscall table. `stats`: the counters, read just before (their
-/// `io_summarized` is what the maps must hold at least).
-fn take_io_hist(
-    run: &load::Running,
-    stats: &[(&'static str, u64)],
-    h: &mut io_hist::IoHist,
-    sink: &mut Sink,
-) {
-    let at_least = stats
-        .iter()
-        .find(|(n, _)| *n == "io_summarized")
-        .map_or(0, |s| s.1);
+/// syscall table.
+fn take_io_hist(run: &load::Running, h: &mut io_hist::IoHist, sink: &mut Sink) {
     let maps = &run.skel.maps;
-    for (nr, g) in h.take(&maps.io_hist, &maps.io_sum, at_least) {
+    let (Some(bss), Some(ro)) = (maps.bss_data.as_deref(), maps.rodata_data) else {
+        return;
+    };
+    let rows = io_hist::Rows {
+        nrs: &ro.io_row_nrs,
+        rows: &bss.io_rows,
+        counts: &bss.io_row_counts,
+        hashed: bss.io_hashed,
+    };
+    for (nr, g) in h.take(&rows, &maps.io_hist, &maps.io_sum) {
         sink.syscall_summary(nr, &g);
     }
 }
@@ -327,7 +326,7 @@ fn main() -> Result<()> {
         let mut s = sink.borrow_mut();
         if now >= next_table {
             let stats = read_stats(&run);
-            take_io_hist(&run, &stats, &mut hist, &mut s);
+            take_io_hist(&run, &mut hist, &mut s);
             s.interval_table(started.elapsed());
             s.send_counters(&stats);
             next_table = now + cli.interval;
@@ -342,7 +341,7 @@ fn main() -> Result<()> {
     }
     let mut s = sink.borrow_mut();
     let mut stats = read_stats(&run);
-    take_io_hist(&run, &stats, &mut hist, &mut s);
+    take_io_hist(&run, &mut hist, &mut s);
     stats.push(("io_hist_reread", hist.batch_short));
     stats.extend(s.verdict_counters());
     s.close_uplink(&mut stats);

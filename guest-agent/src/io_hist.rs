@@ -46,7 +46,8 @@ pub const ROW_SLOTS: usize = 3200;
 pub struct IoHist {
     counts: HashMap<u32, u64>,
     sums: HashMap<u32, u64>,
-    /// Each row's counts and total as last read (rows seen in use only).
+    /// Each row's total and counts as last read (a row gets its copy when
+    /// its total first moves).
     rows: HashMap<usize, (u64, Vec<u64>)>,
     /// Batch reads that came up short and were done again key by key.
     pub batch_short: u64,
@@ -85,13 +86,13 @@ impl IoHist {
     fn take_rows(&mut self, rows: &Rows<'_>, out: &mut HashMap<u32, Gained>) {
         for (i, (&count, row)) in rows.counts.iter().zip(rows.rows).enumerate() {
             let Some(&nr) = rows.nrs.get(i) else { break };
+            if count == self.rows.get(&i).map_or(0, |r| r.0) {
+                continue;
+            }
             let (seen, prev) = self
                 .rows
                 .entry(i)
                 .or_insert_with(|| (0, vec![0; ROW_SLOTS]));
-            if count == *seen {
-                continue;
-            }
             // The count first: each slot is incremented before it.
             *seen = count;
             compiler_fence(Ordering::SeqCst);
@@ -131,8 +132,7 @@ impl IoHist {
         now
     }
 
-    /// The difference between `now` (key → count) and the previous read,
-    /// with each syscall's latency sum from `sum_of` (differenced likewise).
+    /// The difference between `now` (key → count) and the previous read.
     fn gained(&mut self, now: Vec<(u32, u64)>) -> HashMap<u32, Gained> {
         let mut out: HashMap<u32, Gained> = HashMap::new();
         for (key, count) in now {

@@ -299,6 +299,12 @@ fn read_varint(b: &[u8]) -> Option<u64> {
     None
 }
 
+/// The payload length a frame's header announces, once the header is there.
+fn announced_len(frame: &[u8]) -> Option<usize> {
+    let h: [u8; FRAME_HEADER] = frame.get(..FRAME_HEADER)?.try_into().ok()?;
+    Some(u32::from_le_bytes(h) as usize)
+}
+
 /// Incremental decoder: feed it bytes as they arrive, take complete messages out.
 ///
 /// An oversized length prefix poisons the decoder (framing is lost); a frame
@@ -378,11 +384,10 @@ impl FrameDecoder {
     /// above the limit count as the limit (they are refused when decoded).
     fn missing(&self) -> usize {
         let avail = &self.buf[self.pos..];
-        if avail.len() < FRAME_HEADER {
-            return FRAME_HEADER - avail.len();
+        match announced_len(avail) {
+            None => FRAME_HEADER - avail.len(),
+            Some(len) => (FRAME_HEADER + len.min(self.max)).saturating_sub(avail.len()),
         }
-        let len = u32::from_le_bytes([avail[0], avail[1], avail[2], avail[3]]) as usize;
-        (FRAME_HEADER + len.min(self.max)).saturating_sub(avail.len())
     }
 
     /// Bytes buffered but not yet decoded.
@@ -414,10 +419,9 @@ impl FrameDecoder {
             return Err(ProtoError::Poisoned);
         }
         let avail = &self.buf[self.pos..];
-        if avail.len() < FRAME_HEADER {
+        let Some(len) = announced_len(avail) else {
             return Ok(None);
-        }
-        let len = u32::from_le_bytes([avail[0], avail[1], avail[2], avail[3]]) as usize;
+        };
         if len > self.max {
             self.poisoned = true;
             self.buf = Vec::new();
@@ -444,11 +448,7 @@ impl FrameDecoder {
         if avail.is_empty() {
             return Ok(());
         }
-        let need = if avail.len() >= FRAME_HEADER {
-            FRAME_HEADER + u32::from_le_bytes([avail[0], avail[1], avail[2], avail[3]]) as usize
-        } else {
-            FRAME_HEADER
-        };
+        let need = FRAME_HEADER + announced_len(avail).unwrap_or(0);
         Err(ProtoError::Truncated {
             have: avail.len(),
             need,

@@ -31,7 +31,7 @@ use crate::{fleet, joined, qemu, Cli};
 const UNNOTIFIED_AFTER_NS: u64 = 200_000_000;
 /// How often the pushed elements are swept for those (each sweep walks a 16k-slot
 /// hash map: ~0.1 ms of CPU, the agent's largest fixed cost when run per poll).
-const SWEEP_EVERY: Duration = Duration::from_millis(250);
+const SWEEP_EVERY: Duration = Duration::from_millis(500);
 
 /// Raw ring-buffer records waiting for [`App::drain`], and those that did not parse.
 #[derive(Default)]
@@ -179,6 +179,11 @@ impl<'obj> App<'obj> {
         if q.recs.is_empty() {
             q.recs = recs; // keep the allocation
         }
+    }
+
+    /// The inbox's early wake (joined mode).
+    pub fn inbox_wake_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.sink.joined.as_ref().map(|j| j.wake_fd())
     }
 
     fn unattributed(&self) -> u64 {

@@ -434,8 +434,14 @@ impl Conn {
             let sem = self.hub.pending(&self.vm);
             let want = (records.len() as u32).min(sem_max(&self.hub));
             let permit = match sem.clone().try_acquire_many_owned(want) {
-                Ok(p) => p,
+                Ok(p) => {
+                    if sem.available_permits() < (sem_max(&self.hub) / 2) as usize {
+                        self.hub.wake.ring();
+                    }
+                    p
+                }
                 Err(_) => {
+                    self.hub.wake.ring();
                     let t = std::time::Instant::now();
                     let p = sem
                         .acquire_many_owned(want)

@@ -189,6 +189,42 @@ struct Hub {
     tasks: Arc<Mutex<Vec<JoinHandle<()>>>>,
     ids: Arc<AtomicU64>,
     stop_rx: watch::Receiver<bool>,
+    wake: Arc<Wake>,
+}
+
+/// Wakes the agent's main loop early: it polls the inbox on its own clock,
+/// and a VM whose decoded records reach half its budget
+/// (`Budget::records_pending`) should not wait for that (its guest would be
+/// held back). Rung at most once until the loop takes the inbox again.
+struct Wake {
+    fd: nix::sys::eventfd::EventFd,
+    rung: std::sync::atomic::AtomicBool,
+}
+
+impl Wake {
+    fn new() -> io::Result<Wake> {
+        use nix::sys::eventfd::{EfdFlags, EventFd};
+        let fd = EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
+            .map_err(io::Error::from)?;
+        Ok(Wake {
+            fd,
+            rung: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    fn ring(&self) {
+        if !self.rung.swap(true, Ordering::AcqRel) {
+            // (an error can only be a full counter: it is readable then anyway)
+            let _ = self.fd.write(1);
+        }
+    }
+
+    /// Rearms it (the loop is about to take the inbox).
+    fn clear(&self) {
+        if self.rung.swap(false, Ordering::AcqRel) {
+            let _ = self.fd.read();
+        }
+    }
 }
 
 /// Releases a connection slot when the connection ends.
@@ -403,13 +439,23 @@ struct ConnQueue {
 pub struct Inbox {
     new: mpsc::UnboundedReceiver<ConnQueue>,
     queues: VecDeque<ConnQueue>,
+    wake: Arc<Wake>,
 }
 
 impl Inbox {
+    /// Readable when the inbox should be taken before the loop's own time
+    /// (a VM's decoded records reached half its budget); add it to the
+    /// loop's poll set. [`Inbox::drain`] rearms it.
+    pub fn wake_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.wake.fd.as_fd()
+    }
+
     /// Hands events to `f`, a few per connection in turn, until none is
     /// waiting or `budget` has passed. Returns the number handled.
     pub fn drain(&mut self, budget: Duration, mut f: impl FnMut(Event)) -> usize {
         const PER_TURN: usize = 4;
+        self.wake.clear();
         let deadline = Instant::now() + budget;
         while let Ok(q) = self.new.try_recv() {
             self.queues.push_back(q);
@@ -481,6 +527,7 @@ pub async fn serve(cfg: HostConfig) -> io::Result<(Server, Inbox)> {
         tasks: Arc::default(),
         ids: Arc::new(AtomicU64::new(1)),
         stop_rx,
+        wake: Arc::new(Wake::new()?),
     };
     let mut accept = Vec::new();
     for l in &hub.cfg.listens {
@@ -536,6 +583,7 @@ pub async fn serve(cfg: HostConfig) -> io::Result<(Server, Inbox)> {
         }
     }
     let bound = hub.cfg.listens.clone();
+    let wake = hub.wake.clone();
     Ok((
         Server {
             stop,
@@ -546,6 +594,7 @@ pub async fn serve(cfg: HostConfig) -> io::Result<(Server, Inbox)> {
         Inbox {
             new: new_rx,
             queues: VecDeque::new(),
+            wake,
         },
     ))
 }

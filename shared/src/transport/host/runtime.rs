@@ -25,7 +25,14 @@ pub struct NetRuntime {
 impl NetRuntime {
     /// Starts the runtime and its thread.
     pub fn start(name: &str) -> io::Result<NetRuntime> {
-        let rt = Arc::new(Builder::new_current_thread().enable_all().build()?);
+        // (I/O and timers only: no signal driver, whose SIGCHLD orphan
+        // reaping ran at every park, for processes this runtime never starts)
+        let rt = Arc::new(
+            Builder::new_current_thread()
+                .enable_io()
+                .enable_time()
+                .build()?,
+        );
         let (stop, stopped) = oneshot::channel::<()>();
         let driver = rt.clone();
         let thread = std::thread::Builder::new()

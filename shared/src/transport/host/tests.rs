@@ -431,3 +431,59 @@ async fn shutdown_says_bye_to_a_connected_guest_at_once() {
     .unwrap();
     assert_eq!(reason, "host agent stopping");
 }
+
+/// Whether `fd` is readable right now.
+fn readable(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    poll(&mut fds, PollTimeout::ZERO).unwrap() == 1
+}
+
+/// The agent's loop sleeps on its own clock: the inbox wakes it early once a
+/// VM's undelivered records reach half its budget, and not before; taking
+/// the inbox rearms the wake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inbox_wakes_the_loop_at_half_a_vms_budget() {
+    let p = tmp_sock("wake");
+    let mut cfg = unix_cfg(&[(&p, "v")]);
+    cfg.budget.records_pending = 1000;
+    let (_server, mut inbox) = serve(cfg).await.unwrap();
+    let g = GuestSender::start(fast_cfg(Endpoint::Unix(p.clone()))).unwrap();
+    // Below half the budget: delivered, no wake.
+    for i in 0..100 {
+        g.send_rq(&rq(i));
+    }
+    let t0 = Instant::now();
+    // (acked: decoded and handed to the inbox, which holds them)
+    while g.stats().acked < 100 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "records not decoded"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!readable(inbox.wake_fd()), "woken below half the budget");
+    // Past half: the wake fd is readable without the inbox being taken.
+    for i in 100..700 {
+        g.send_rq(&rq(i));
+    }
+    let t0 = Instant::now();
+    while !readable(inbox.wake_fd()) {
+        assert!(t0.elapsed() < Duration::from_secs(20), "no early wake");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut n = 0;
+    until(&mut inbox, |e| {
+        if let EventKind::Records { records, .. } = e.kind {
+            n += records.len();
+        }
+        n == 700
+    })
+    .await;
+    assert!(
+        !readable(inbox.wake_fd()),
+        "taking the inbox rearms the wake"
+    );
+    drop(g);
+}

@@ -12,7 +12,7 @@
 /* 1 MiB (its pages are mapped twice in the agent: 2 MiB of its RSS once written
  * through): ~5 700 records, 0.57 s at 10 000 I/Os per second; the agent is
  * woken at 256 KiB (~1 400 records, a few ms of its work: 0.4 s of ring left
- * at 10 000 I/Os per second), else it polls every 500 ms. A record that does
+ * at 10 000 I/Os per second), else it polls every second. A record that does
  * not fit is counted (ringbuf_drop). */
 #define RB_SIZE (1 << 20)
 #define RB_WAKE_BYTES (RB_SIZE / 4)
@@ -215,7 +215,7 @@ static __always_inline __u32 read_u32(__u64 addr)
 
 static __always_inline void emit(struct host_rec *r)
 {
-	/* No wakeup per record (the agent polls every 500 ms): a wakeup costs the
+	/* No wakeup per record (the agent polls every second): a wakeup costs the
 	 * traced QEMU thread an irq_work; wake the agent early only when the ring
 	 * fills up. */
 	__u64 fl = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) > RB_WAKE_BYTES ? BPF_RB_FORCE_WAKEUP

@@ -125,7 +125,7 @@ fn main() {
 /// its work (the caches and TLB are cold after a sleep: on a nested
 /// hypervisor ~1 µs per page touched), so it is not a wakeup per record nor a
 /// fixed fast tick.
-const POLL_EVERY: Duration = Duration::from_millis(500);
+const POLL_EVERY: Duration = Duration::from_secs(1);
 
 /// What woke the loop (epoll data).
 const WOKEN_BY_RING: u64 = 0;
@@ -179,7 +179,7 @@ fn run() -> Result<()> {
     let mut ready = [EpollEvent::empty(); 4];
     let mut warned = false;
     let why = loop {
-        let timeout = EpollTimeout::try_from(POLL_EVERY).expect("500 ms fits");
+        let timeout = EpollTimeout::try_from(POLL_EVERY).expect("1 s fits");
         if let Err(e) = ep.wait(&mut ready, timeout) {
             // EINTR is harmless; anything else is reported once.
             if e != Errno::EINTR && !std::mem::replace(&mut warned, true) {

@@ -133,6 +133,8 @@ impl Tracer<'_> {
                 bounds,
                 drive_ids,
                 checked_vqs: FxHashSet::default(),
+                seen_vqs: FxHashSet::default(),
+                last_vq: 0,
                 warned_no_block_push: false,
             },
         );

@@ -53,6 +53,10 @@ pub struct Target {
     drive_ids: Vec<String>,
     /// Queues whose notifiers and device were checked in the process's memory.
     checked_vqs: FxHashSet<u64>,
+    /// Queues that had records (those the sweep looks at, with the last one
+    /// seen: records come in runs of one queue).
+    seen_vqs: FxHashSet<u64>,
+    last_vq: u64,
     /// Whether the push-only "no block element" warning was given.
     warned_no_block_push: bool,
 }
@@ -226,10 +230,24 @@ impl<'obj> Tracer<'obj> {
     /// Per virtqueue, only from its oldest waiting element on: they wait in push
     /// order (`flush_seq..push_seq`), so the walk stops at the first young one.
     /// (Walking the whole `pushed` map cost a scan of its 16 k buckets per sweep.)
-    pub fn sweep_unnotified(&mut self, now_ns: u64, max_age_ns: u64) -> Vec<host_rec> {
+    ///
+    /// With `all`, every queue of the `vqs` map (a walk of its 4k buckets, one
+    /// system call per queue); else only the queues that had records (a queue
+    /// whose every element so far waits unnotified is found by the next walk).
+    pub fn sweep_unnotified(&mut self, now_ns: u64, max_age_ns: u64, all: bool) -> Vec<host_rec> {
         let maps = &self.skel.maps;
         let mut out = Vec::new();
-        let vq_keys: Vec<Vec<u8>> = maps.vqs.keys().collect();
+        let vq_keys: Vec<Vec<u8>> = if all {
+            maps.vqs.keys().collect()
+        } else {
+            (self.targets.iter())
+                .flat_map(|(&tgid, t)| {
+                    t.seen_vqs
+                        .iter()
+                        .map(move |&ptr| plain_bytes(&tg_ptr { tgid, pad: 0, ptr }).to_vec())
+                })
+                .collect()
+        };
         for vk in vq_keys {
             let Some(k) = parse::<tg_ptr>(&vk) else {
                 continue;
@@ -307,6 +325,10 @@ impl<'obj> Tracer<'obj> {
     /// A record built for an entry of a trusted VM (see check.rs for the others).
     fn build(t: &mut Target, r: &host_rec) -> HostElem {
         t.elems += 1;
+        if r.vq != t.last_vq {
+            t.last_vq = r.vq;
+            t.seen_vqs.insert(r.vq);
+        }
         let (device, backend) = match t.dev_names.get(&r.dev) {
             Some(v) => v.clone(),
             None => {

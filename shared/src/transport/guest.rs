@@ -31,7 +31,7 @@ pub use super::stream::WRITE_CHUNK;
 pub const BATCH_BYTES: usize = 128 * 1024;
 
 /// While closing, a connection on which the host has not pinged for this long
-/// (it pings every 500 ms) is given up in favour of one last new connection.
+/// (it pings every second) is given up in favour of one last new connection.
 const CLOSING_DEAD_AFTER: Duration = Duration::from_secs(2);
 
 /// Guest sender settings.
@@ -54,7 +54,7 @@ pub struct GuestSenderConfig {
     /// How long to wait for the host's `HelloAck`.
     pub handshake_timeout: Duration,
     /// A connection on which nothing arrived for this long is given up (the host
-    /// pings every 500 ms): some vsock backends keep a guest socket open after
+    /// pings every second): some vsock backends keep a guest socket open after
     /// the host side closed it.
     pub dead_after: Duration,
 }
@@ -67,7 +67,7 @@ impl GuestSenderConfig {
             max_buffered: 32_768,
             max_buffered_bytes: 4 << 20,
             batch_max: 1024,
-            flush_interval: Duration::from_millis(100),
+            flush_interval: Duration::from_millis(250),
             probe_interval: Duration::from_secs(1),
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),

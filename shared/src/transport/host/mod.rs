@@ -112,7 +112,7 @@ impl Default for HostConfig {
     fn default() -> Self {
         HostConfig {
             listens: Vec::new(),
-            probe_interval: Duration::from_millis(500),
+            probe_interval: Duration::from_secs(1),
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(30),
             agent_version: env!("CARGO_PKG_VERSION").to_string(),

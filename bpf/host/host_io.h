@@ -354,7 +354,9 @@ int proc_exit(void *ctx)
 	bpf_map_delete_elem(&runnable, &tid);
 	if (tgid != tid)
 		return 0;
-	if (bpf_map_delete_elem(&qemu_procs, &tgid) == 0)
+	/* The layout entry stays until the agent lets the process go (it notices the
+	 * exit within a second): its counters still feed the agent's last checks. */
+	if (bpf_map_lookup_elem(&qemu_procs, &tgid))
 		stat_inc(ST_PROC_EXIT);
 	return 0;
 }

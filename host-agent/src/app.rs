@@ -597,6 +597,10 @@ impl<'obj> App<'obj> {
     }
 
     fn detach(&mut self, pid: u32, why: &str) {
+        self.tracer.last_checks(pid);
+        for n in self.tracer.take_notes() {
+            eprintln!("viotrace-host: warning: {n}");
+        }
         let (t, leftover, abandoned) = self.tracer.remove(pid);
         let Some(t) = t else { return };
         if let Some(j) = self.sink.joined.as_mut() {

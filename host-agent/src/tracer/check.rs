@@ -204,6 +204,18 @@ impl Tracer<'_> {
         }
     }
 
+    /// The layout warnings of a process about to be let go, from its final
+    /// counts (the loop looks at them once a second: a VM may end in between).
+    pub fn last_checks(&mut self, pid: u32) {
+        let checking = self
+            .targets
+            .get(&pid)
+            .is_some_and(|t| matches!(t.probation.standing, Standing::Checking));
+        if let Some(l) = self.layout_of(pid).filter(|_| checking) {
+            self.warn_no_block_push(pid, &l);
+        }
+    }
+
     /// Notes for the log since the last call.
     pub fn take_notes(&mut self) -> Vec<String> {
         std::mem::take(&mut self.notes)

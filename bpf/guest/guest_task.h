@@ -548,7 +548,9 @@ static __always_inline __u32 hist_slot(__u64 ns)
  * (latencies under 2^31 ns) of the traced syscalls, as rows of plain counters
  * in .bss (row i: syscall io_row_nrs[i]; io_row_counts[i]: what row i holds),
  * which the agent reads through the skeleton's mapping. The rest goes to
- * io_hist (io_hashed counts it).
+ * io_hist (io_hashed counts it). Slots are 32-bit (200 KiB of .bss, which
+ * libbpf's load copies once more at the agent's memory peak): the agent takes
+ * differences, which wrap correctly, every interval.
  */
 #define IO_ROWS 16
 #define IO_ROW_SLOTS 3200
@@ -557,7 +559,7 @@ const volatile __u32 io_row_nrs[IO_ROWS] = {
 	NR_io_submit, NR_sync_file_range, NR_preadv, NR_pwritev, NR_preadv2, NR_pwritev2,
 	NR_io_uring_enter, ~0U,	/* (unused) */
 };
-__u64 io_rows[IO_ROWS][IO_ROW_SLOTS];
+__u32 io_rows[IO_ROWS][IO_ROW_SLOTS];
 __u64 io_row_counts[IO_ROWS];
 __u64 io_hashed;
 

@@ -33,7 +33,7 @@ impl Gained {
 /// the slot), `hashed` what went to `io_hist` instead (likewise).
 pub struct Rows<'a> {
     pub nrs: &'a [u32],
-    pub rows: &'a [[u64; ROW_SLOTS]],
+    pub rows: &'a [[u32; ROW_SLOTS]],
     pub counts: &'a [u64],
     pub hashed: u64,
 }
@@ -48,7 +48,7 @@ pub struct IoHist {
     sums: HashMap<u32, u64>,
     /// Each row's total and counts as last read (a row gets its copy when
     /// its total first moves).
-    rows: HashMap<usize, (u64, Vec<u64>)>,
+    rows: HashMap<usize, (u64, Vec<u32>)>,
     /// Batch reads that came up short and were done again key by key.
     pub batch_short: u64,
     /// `hashed` of the last read of `io_hist`: unchanged, nothing new went
@@ -99,7 +99,7 @@ impl IoHist {
             let mut slots = Vec::new();
             for (slot, (&v, p)) in row.iter().zip(prev.iter_mut()).enumerate() {
                 if v != *p {
-                    slots.push((slot, v.wrapping_sub(*p)));
+                    slots.push((slot, u64::from(v.wrapping_sub(*p))));
                     *p = v;
                 }
             }
@@ -220,11 +220,11 @@ mod tests {
     #[test]
     fn rows_hand_on_what_moved_and_merge_with_the_hash() {
         let mut h = IoHist::default();
-        let mut rows = vec![[0u64; ROW_SLOTS]; 3];
+        let mut rows = vec![[0u32; ROW_SLOTS]; 3];
         let nrs = [0u32, 17, 209];
         rows[1][300] = 4;
         rows[1][3199] = 1;
-        let mut r = |rows: &[[u64; ROW_SLOTS]], counts: &[u64]| {
+        let mut r = |rows: &[[u32; ROW_SLOTS]], counts: &[u64]| {
             let mut out = h.gained(vec![(17 << 16 | 5000, 2)]);
             h.take_rows(
                 &Rows {
@@ -251,5 +251,13 @@ mod tests {
         rows[1][300] = 6;
         assert!(r(&rows, &[0, 5, 1]).is_empty());
         assert_eq!(r(&rows, &[0, 7, 1])[&17].slots, vec![(300, 2)]);
+        // A 32-bit slot that wrapped between two reads: its difference.
+        rows[1][300] = u32::MAX;
+        assert_eq!(
+            r(&rows, &[0, 8, 1])[&17].slots,
+            vec![(300, u64::from(u32::MAX - 6))]
+        );
+        rows[1][300] = 2;
+        assert_eq!(r(&rows, &[0, 11, 1])[&17].slots, vec![(300, 3)]);
     }
 }

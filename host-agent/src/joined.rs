@@ -193,14 +193,14 @@ impl Joined {
         self.engine.push_host(e, &mut self.out);
     }
 
-    /// Handles what the guests sent (within [`INBOX_BUDGET`]), advances the join's
-    /// clocks and timeouts, and writes what is ready. Returns human-readable
-    /// notices and waterfalls.
     /// Readable when the network thread wants the inbox taken early.
     pub fn wake_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         self.inbox.wake_fd()
     }
 
+    /// Handles what the guests sent (within [`INBOX_BUDGET`]), advances the join's
+    /// clocks and timeouts, and writes what is ready. Returns human-readable
+    /// notices and waterfalls.
     pub fn poll(&mut self) -> Vec<String> {
         self.take_events(INBOX_BUDGET);
         let now = Instant::now();

@@ -67,7 +67,7 @@ impl GuestSenderConfig {
             max_buffered: 32_768,
             max_buffered_bytes: 4 << 20,
             batch_max: 1024,
-            flush_interval: Duration::from_millis(250),
+            flush_interval: Duration::from_millis(100),
             probe_interval: Duration::from_secs(1),
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),

@@ -4,10 +4,35 @@ use crate::record::{Op, Points};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 
+/// A fresh socket path in the temp directory. The first call removes the
+/// sockets earlier test processes left there (theirs, once they are gone).
 pub(crate) fn tmp_sock(tag: &str) -> PathBuf {
     static N: AtomicU64 = AtomicU64::new(0);
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(remove_stale_socks);
     let n = N.fetch_add(1, Ordering::Relaxed);
     std::env::temp_dir().join(format!("viotrace-t-{}-{tag}-{n}.sock", std::process::id()))
+}
+
+/// Removes `viotrace-t-PID-*` entries of processes that no longer exist.
+fn remove_stale_socks() {
+    let Ok(dir) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("viotrace-t-"))
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 pub(crate) fn rq(i: u64) -> GuestRq {

@@ -213,14 +213,18 @@ static __always_inline __u32 read_u32(__u64 addr)
 	return v;
 }
 
+/* The flags of a ring-buffer submit: no wakeup per record (the agent polls
+ * every second; a wakeup costs the traced QEMU thread an irq_work), only once
+ * more than `wake_at` bytes wait. */
+static __always_inline __u64 rb_flags(void *rb, __u64 wake_at)
+{
+	return bpf_ringbuf_query(rb, BPF_RB_AVAIL_DATA) > wake_at ? BPF_RB_FORCE_WAKEUP
+								  : BPF_RB_NO_WAKEUP;
+}
+
 static __always_inline void emit(struct host_rec *r)
 {
-	/* No wakeup per record (the agent polls every second): a wakeup costs the
-	 * traced QEMU thread an irq_work; wake the agent early only when the ring
-	 * fills up. */
-	__u64 fl = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) > RB_WAKE_BYTES ? BPF_RB_FORCE_WAKEUP
-										 : BPF_RB_NO_WAKEUP;
-	if (bpf_ringbuf_output(&events, r, sizeof(*r), fl)) {
+	if (bpf_ringbuf_output(&events, r, sizeof(*r), rb_flags(&events, RB_WAKE_BYTES))) {
 		stat_inc(ST_RINGBUF_DROP);
 		return;
 	}

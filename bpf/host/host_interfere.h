@@ -344,11 +344,7 @@ int BPF_PROG(qemu_switch, bool preempt, struct task_struct *prev, struct task_st
 		BPF_CORE_READ_STR_INTO(&w->holder_comm, prev, comm);
 	}
 	bpf_map_delete_elem(&runnable, &tid);
-	/* (as emit(): the agent polls every second, and is woken only when a
-	 * quarter of the ring waits) */
-	__u64 fl = bpf_ringbuf_query(&waits, BPF_RB_AVAIL_DATA) > WAIT_RB_SIZE / 4 ? BPF_RB_FORCE_WAKEUP
-										    : BPF_RB_NO_WAKEUP;
-	bpf_ringbuf_submit(w, fl);
+	bpf_ringbuf_submit(w, rb_flags(&waits, WAIT_RB_SIZE / 4));
 	stat_inc(ST_WAITS);
 	return 0;
 }

@@ -310,9 +310,7 @@ impl<'obj> App<'obj> {
         // The runtime layout check: held records released, refused VMs let go.
         let released = self.tracer.poll_probation();
         released.into_iter().for_each(|e| self.sink.elem(e));
-        for n in self.tracer.take_notes() {
-            eprintln!("viotrace-host: warning: {n}");
-        }
+        self.print_notes();
         for (pid, msg) in self.tracer.take_refusals() {
             eprintln!("viotrace-host: pid {pid}: {msg}");
             self.detach(pid, "layout refused");
@@ -596,11 +594,16 @@ impl<'obj> App<'obj> {
         }
     }
 
-    fn detach(&mut self, pid: u32, why: &str) {
-        self.tracer.last_checks(pid);
+    /// The tracer's warnings since the last call, to stderr.
+    fn print_notes(&mut self) {
         for n in self.tracer.take_notes() {
             eprintln!("viotrace-host: warning: {n}");
         }
+    }
+
+    fn detach(&mut self, pid: u32, why: &str) {
+        self.tracer.last_checks(pid);
+        self.print_notes();
         let (t, leftover, abandoned) = self.tracer.remove(pid);
         let Some(t) = t else { return };
         if let Some(j) = self.sink.joined.as_mut() {

@@ -354,19 +354,17 @@ impl<'obj> App<'obj> {
                 .map(|(pid, t)| (*pid, t.proc.vm.clone()))
                 .collect();
         }
-        let gone: Vec<u32> = self
-            .tracer
-            .targets
-            .keys()
-            .copied()
-            .filter(|&p| !qemu::alive(p))
+        let gone: Vec<u32> = (self.tracer.targets.iter())
+            .filter(|(_, t)| !t.live.alive())
+            .map(|(&p, _)| p)
             .collect();
         for pid in gone {
             self.drain(rb);
             self.detach(pid, "exited");
         }
         if self.explicit.is_empty() {
-            for pid in qemu::discover() {
+            let found = qemu::discover();
+            for &pid in &found {
                 if self.tracer.targets.contains_key(&pid) || self.failed.contains(&pid) {
                     continue;
                 }
@@ -376,7 +374,9 @@ impl<'obj> App<'obj> {
                 }
                 self.attach(pid, false)?;
             }
-            self.failed.retain(|&p| qemu::alive(p));
+            // Forget what exited (the scan found only running QEMUs): a new
+            // QEMU with a reused pid is looked at again.
+            self.failed.retain(|p| found.binary_search(p).is_ok());
         }
         Ok(())
     }

@@ -14,4 +14,4 @@ pub mod verify;
 
 pub use binary::BinaryInfo;
 pub use layout::Layout;
-pub use proc::{alive, cpu_ticks, device_drive, discover, is_qemu, QemuProc};
+pub use proc::{cpu_ticks, device_drive, discover, is_qemu, Liveness, QemuProc};

@@ -128,6 +128,7 @@ impl Tracer<'_> {
                 dev_names: Default::default(),
                 disk_labels: Default::default(),
                 cpu_ticks_start: cpu,
+                live: qemu::Liveness::new(pid),
                 elems: 0,
                 probation: Probation::default(),
                 bounds,

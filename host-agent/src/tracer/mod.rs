@@ -45,6 +45,8 @@ pub struct Target {
     /// Host block device (MKDEV) → label (`vda (254:0)`), read from /sys once per device.
     disk_labels: FxHashMap<u32, Name>,
     pub cpu_ticks_start: Option<u64>,
+    /// Whether the process still runs, checked once a second.
+    pub live: crate::qemu::Liveness,
     pub elems: u64,
     /// The runtime check of the layout on the first requests.
     pub probation: Probation<host_rec>,

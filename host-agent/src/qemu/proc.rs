@@ -73,7 +73,9 @@ impl Liveness {
         let pidfd = i32::try_from(pid)
             .ok()
             .and_then(rustix::process::Pid::from_raw)
-            .and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok());
+            .and_then(|p| {
+                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+            });
         Liveness { pid, pidfd }
     }
 

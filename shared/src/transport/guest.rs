@@ -289,16 +289,16 @@ impl GuestSender {
         self.send_ref(&GuestRecordRef::Rq(rq));
     }
 
-    /// Queues a statistics snapshot (replaces an unsent one); the sender's own
+    /// Queues a statistics snapshot (replaces an unsent one), sent with the
+    /// next write (at the latest the next clock probe); the sender's own
     /// accounting (`produced`, `dropped_full`) is filled in.
     pub fn send_stats(&self, mut st: GuestStats) {
         let sh = &self.shared;
         let mut q = sh.lock();
         st.produced = q.next_seq();
         st.dropped_full = sh.c.dropped_full.load(Ordering::Relaxed);
+        // (Sent with the next write, see `next_work`.)
         q.stats = Some(st);
-        drop(q);
-        sh.cv.notify_one();
     }
 
     pub fn stats(&self) -> SenderStats {
@@ -548,9 +548,15 @@ fn next_work(
             cfg.flush_interval.saturating_sub(t.elapsed())
         })
     };
+    // A finished clock sample and a statistics snapshot wait for the next
+    // write (a probe, a pong, a batch): each used to cost the host agent a
+    // wakeup of its own, twice a second. A pong goes at once: the host takes
+    // its round trip.
     let ready = |q: &Queue| {
-        !q.control.is_empty()
-            || q.stats.is_some()
+        q.control
+            .iter()
+            .any(|m| !matches!(m, Message::ClockSample { .. }))
+            || (q.stats.is_some() && cfg.probe_interval.is_zero())
             || q.closing.is_some()
             || q.unsent() >= sh.batch_max
             || (q.unsent() > 0 && flush_in(q).is_zero())

@@ -342,6 +342,35 @@ int BPF_PROG(disk_complete, struct request *rq, blk_status_t error, unsigned int
 	return 0;
 }
 
+/* ---- process exec: a new QEMU for the agent's discovery ---- */
+
+/* The file a process now runs is a QEMU system emulator when its name (as
+ * /proc/PID/exe has it: links resolved) is qemu-system-* or qemu-kvm. */
+static __always_inline bool is_qemu_file(const char *n)
+{
+	const char sys[] = "qemu-system-";
+	const char kvm[] = "qemu-kvm";
+	bool is_sys = true, is_kvm = n[sizeof(kvm) - 1] == 0;
+	for (int i = 0; i < (int)sizeof(sys) - 1; i++)
+		is_sys = is_sys && n[i] == sys[i];
+	for (int i = 0; i < (int)sizeof(kvm) - 1; i++)
+		is_kvm = is_kvm && n[i] == kvm[i];
+	return is_sys || is_kvm;
+}
+
+/* Counts the execs of QEMU binaries: the agent scans /proc for new VMs only
+ * when the count moved (it read every process's exe link once a second). */
+SEC("tp_btf/sched_process_exec")
+int BPF_PROG(proc_exec, struct task_struct *p, pid_t old_pid, struct linux_binprm *bprm)
+{
+	char name[16] = {};
+	const unsigned char *s = BPF_CORE_READ(bprm, file, f_path.dentry, d_name.name);
+	/* An unreadable name counts too: the agent looks rather than misses one. */
+	if (bpf_probe_read_kernel_str(name, sizeof(name), s) < 0 || is_qemu_file(name))
+		stat_inc(ST_QEMU_EXECS);
+	return 0;
+}
+
 /* ---- process exit: stop tracing it; userspace sweeps the maps ---- */
 
 SEC("tracepoint/sched/sched_process_exit")

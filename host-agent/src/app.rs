@@ -33,6 +33,8 @@ const UNNOTIFIED_AFTER_NS: u64 = 200_000_000;
 /// records each time, every queue (a walk of the 4k-bucket `vqs` map, ~0.2 ms
 /// of CPU here) every `SWEEP_ALL_EVERY`th time.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// Scans (one a second) between two discoveries that no QEMU exec asked for.
+const DISCOVER_ALL_EVERY: u64 = 30;
 const SWEEP_ALL_EVERY: u64 = 10;
 
 /// Raw ring-buffer records waiting for [`App::drain`], and those that did not parse.
@@ -62,6 +64,10 @@ pub struct App<'obj> {
     next_sweep: Instant,
     sweeps: u64,
     scans: u64,
+    /// The kernel's count of QEMU execs at the last discovery.
+    qemu_execs: Option<u64>,
+    /// Discovery scans of /proc so far.
+    discoveries: u64,
 }
 
 impl<'obj> App<'obj> {
@@ -110,6 +116,8 @@ impl<'obj> App<'obj> {
             next_sweep: start + SWEEP_EVERY,
             sweeps: 0,
             scans: 0,
+            qemu_execs: None,
+            discoveries: 0,
             cli,
             tracer,
             sink,
@@ -362,7 +370,15 @@ impl<'obj> App<'obj> {
             self.drain(rb);
             self.detach(pid, "exited");
         }
-        if self.explicit.is_empty() {
+        // Discovery reads every process's exe link: it runs when the kernel saw
+        // a QEMU binary start (or cannot tell), and every DISCOVER_ALL_EVERY scans.
+        let execs = self.tracer.qemu_execs();
+        let due = execs.is_none()
+            || execs != self.qemu_execs
+            || self.scans.is_multiple_of(DISCOVER_ALL_EVERY);
+        if self.explicit.is_empty() && due {
+            self.qemu_execs = execs;
+            self.discoveries += 1;
             let found = qemu::discover();
             for &pid in &found {
                 if self.tracer.targets.contains_key(&pid) || self.failed.contains(&pid) {
@@ -435,6 +451,9 @@ impl<'obj> App<'obj> {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect();
+        if self.explicit.is_empty() {
+            stats.push(("discovery_scans".into(), self.discoveries));
+        }
         let mut transport = Vec::new();
         if let Some(mut j) = self.sink.joined.take() {
             let notes = j.finish()?;

@@ -300,24 +300,39 @@ impl<'obj> Tracer<'obj> {
             .collect()
     }
 
+    /// One kernel-side counter (`index` in `STAT_NAMES`); 0 when unreadable.
+    fn stat(&self, index: usize) -> u64 {
+        let k = (index as u32).to_ne_bytes();
+        (self
+            .skel
+            .maps
+            .stats
+            .lookup(&k, MapFlags::ANY)
+            .ok()
+            .flatten())
+        .and_then(|v| {
+            v.get(..8)
+                .map(|b| u64::from_ne_bytes(b.try_into().unwrap_or([0; 8])))
+        })
+        .unwrap_or(0)
+    }
+
+    /// Execs of QEMU binaries seen by the kernel so far, when that probe is
+    /// attached (else the discovery cannot wait for one).
+    pub fn qemu_execs(&self) -> Option<u64> {
+        let watched = !self
+            .missing_kernel
+            .iter()
+            .any(|m| m.0.starts_with("proc_exec"));
+        let i = STAT_NAMES.iter().position(|n| *n == "qemu_execs")?;
+        watched.then(|| self.stat(i))
+    }
+
     /// Reads the kernel-side counters.
     pub fn stats(&self) -> Vec<(&'static str, u64)> {
         let mut out = Vec::new();
         for (i, name) in STAT_NAMES.iter().enumerate() {
-            let k = (i as u32).to_ne_bytes();
-            let v = self
-                .skel
-                .maps
-                .stats
-                .lookup(&k, MapFlags::ANY)
-                .ok()
-                .flatten()
-                .and_then(|v| {
-                    v.get(..8)
-                        .map(|b| u64::from_ne_bytes(b.try_into().unwrap_or([0; 8])))
-                })
-                .unwrap_or(0);
-            out.push((*name, v));
+            out.push((*name, self.stat(i)));
         }
         out.push(("emitted_without_notification", self.unnotified));
         out.push(("refused_layout_records_dropped", self.refused_dropped));

@@ -388,6 +388,43 @@ mod tests {
         assert_eq!(postcard::from_bytes::<Points>(&bytes).unwrap(), p);
         let bad = postcard::to_stdvec(&vec![(200u8, 1u64)]).unwrap();
         assert!(postcard::from_bytes::<Points>(&bad).is_err());
+        // Differences: any values, in any order, come back.
+        let odd: Points = [
+            (Point::SyscallEnter, u64::MAX),
+            (Point::BioQueue, 0),
+            (Point::RqInsert, 1 << 63),
+            (Point::Irq, 7),
+        ]
+        .into_iter()
+        .collect();
+        let bytes = postcard::to_stdvec(&odd).unwrap();
+        assert_eq!(postcard::from_bytes::<Points>(&bytes).unwrap(), odd);
+    }
+
+    #[test]
+    fn a_requests_points_take_a_few_bytes_each_on_the_wire() {
+        // A guest request of the lab (times since boot, µs apart).
+        let base = 56_288_575_084_331u64;
+        let p: Points = [
+            (Point::SyscallEnter, 0),
+            (Point::BioQueue, 54_756),
+            (Point::RqInsert, 67_852),
+            (Point::QueueRq, 74_618),
+            (Point::RqIssue, 76_625),
+            (Point::VqAdd, 79_366),
+            (Point::Kick, 83_534),
+            (Point::Irq, 184_525),
+            (Point::DriverComplete, 186_564),
+            (Point::RqComplete, 188_847),
+            (Point::BioComplete, 194_786),
+        ]
+        .into_iter()
+        .map(|(pt, d)| (pt, base + d))
+        .collect();
+        let bytes = postcard::to_stdvec(&p).unwrap();
+        // 1 (count) + 11 ids + the first time (7 bytes) + 10 differences of ≤ 3.
+        assert!(bytes.len() <= 1 + 11 + 7 + 30, "{} bytes", bytes.len());
+        assert_eq!(postcard::from_bytes::<Points>(&bytes).unwrap(), p);
     }
 
     #[test]

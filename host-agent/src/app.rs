@@ -372,7 +372,11 @@ impl<'obj> App<'obj> {
         }
         // Discovery reads every process's exe link: it runs when the kernel saw
         // a QEMU binary start (or cannot tell), and every DISCOVER_ALL_EVERY scans.
-        let execs = self.tracer.qemu_execs();
+        let execs = self
+            .explicit
+            .is_empty()
+            .then(|| self.tracer.qemu_execs())
+            .flatten();
         let due = execs.is_none()
             || execs != self.qemu_execs
             || self.scans.is_multiple_of(DISCOVER_ALL_EVERY);

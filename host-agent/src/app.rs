@@ -370,34 +370,39 @@ impl<'obj> App<'obj> {
             self.drain(rb);
             self.detach(pid, "exited");
         }
-        // Discovery reads every process's exe link: it runs when the kernel saw
-        // a QEMU binary start (or cannot tell), and every DISCOVER_ALL_EVERY scans.
-        let execs = self
-            .explicit
-            .is_empty()
-            .then(|| self.tracer.qemu_execs())
-            .flatten();
-        let due = execs.is_none()
-            || execs != self.qemu_execs
-            || self.scans.is_multiple_of(DISCOVER_ALL_EVERY);
-        if self.explicit.is_empty() && due {
-            self.qemu_execs = execs;
-            self.discoveries += 1;
-            let found = qemu::discover();
-            for &pid in &found {
-                if self.tracer.targets.contains_key(&pid) || self.failed.contains(&pid) {
-                    continue;
-                }
-                if !self.wanted(pid) {
-                    self.failed.insert(pid); // not ours: do not look again
-                    continue;
-                }
-                self.attach(pid, false)?;
-            }
-            // Forget what exited (the scan found only running QEMUs): a new
-            // QEMU with a reused pid is looked at again.
-            self.failed.retain(|p| found.binary_search(p).is_ok());
+        self.discover_new()
+    }
+
+    /// Discovery (without `--pid`): attaches the wanted QEMUs that started. It
+    /// reads every process's exe link, so it runs only when the kernel saw a
+    /// QEMU binary start (or cannot tell), and every `DISCOVER_ALL_EVERY` scans.
+    fn discover_new(&mut self) -> Result<()> {
+        if !self.explicit.is_empty() {
+            return Ok(());
         }
+        let execs = self.tracer.qemu_execs();
+        if execs.is_some()
+            && execs == self.qemu_execs
+            && !self.scans.is_multiple_of(DISCOVER_ALL_EVERY)
+        {
+            return Ok(());
+        }
+        self.qemu_execs = execs;
+        self.discoveries += 1;
+        let found = qemu::discover();
+        for &pid in &found {
+            if self.tracer.targets.contains_key(&pid) || self.failed.contains(&pid) {
+                continue;
+            }
+            if !self.wanted(pid) {
+                self.failed.insert(pid); // not ours: do not look again
+                continue;
+            }
+            self.attach(pid, false)?;
+        }
+        // Forget what exited (the scan found only running QEMUs): a new
+        // QEMU with a reused pid is looked at again.
+        self.failed.retain(|p| found.binary_search(p).is_ok());
         Ok(())
     }
 

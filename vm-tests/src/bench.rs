@@ -236,7 +236,7 @@ pub fn parse_fio(p: &Path) -> Result<(f64, f64, f64, u64)> {
 
 /// An agent's final counters, from the `counters:` line of its totals (printed
 /// to stdout in table mode, to stderr with `--json`): `name=value` pairs.
-fn final_counters(r: &RunResult, agent: &str) -> BTreeMap<String, u64> {
+pub fn final_counters(r: &RunResult, agent: &str) -> BTreeMap<String, u64> {
     let mut last = None;
     for f in [format!("{agent}.jsonl"), format!("{agent}.log")] {
         if let Ok(text) = fs::read_to_string(r.path(&f)) {

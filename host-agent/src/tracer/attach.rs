@@ -312,12 +312,7 @@ impl Tracer<'_> {
         }
         // 10.2+ has no virtio_notify_irqfd: virtio_notify is the one path.
         let notify_path = info.has("virtio_notify_irqfd") || info.probeable("virtio_notify");
-        if notify_path
-            && !self
-                .missing_kernel
-                .iter()
-                .any(|m| m.0.starts_with("irq_write"))
-        {
+        if notify_path && self.kernel_probe_attached("irq_write") {
             flags |= QL_HAVE_NOTIFIER;
         }
         flags

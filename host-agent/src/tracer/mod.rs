@@ -320,12 +320,14 @@ impl<'obj> Tracer<'obj> {
     /// Execs of QEMU binaries seen by the kernel so far, when that probe is
     /// attached (else the discovery cannot wait for one).
     pub fn qemu_execs(&self) -> Option<u64> {
-        let watched = !self
-            .missing_kernel
-            .iter()
-            .any(|m| m.0.starts_with("proc_exec"));
         let i = STAT_NAMES.iter().position(|n| *n == "qemu_execs")?;
-        watched.then(|| self.stat(i))
+        self.kernel_probe_attached("proc_exec")
+            .then(|| self.stat(i))
+    }
+
+    /// Whether the kernel program `prog` attached (see `missing_kernel`).
+    pub fn kernel_probe_attached(&self, prog: &str) -> bool {
+        !self.missing_kernel.iter().any(|m| m.0.starts_with(prog))
     }
 
     /// Reads the kernel-side counters.

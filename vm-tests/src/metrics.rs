@@ -30,15 +30,32 @@ pub struct ProcSample {
 }
 
 /// The sum of the run times (ns) of a live process's threads and a digest of
-/// their ids.
+/// their ids. A thread that ends while the list is read still counts in the
+/// digest (so that this sample matches no other and the ticks count); None
+/// when no thread's time could be read (a kernel without schedstat).
 fn thread_times(pid: u32) -> Option<(u64, u64)> {
     let mut sum = 0u64;
+    let mut read_any = false;
     let mut ids: Vec<u64> = Vec::new();
-    for e in fs::read_dir(format!("/proc/{pid}/task")).ok()? {
-        let tid: u64 = e.ok()?.file_name().to_str()?.parse().ok()?;
-        let s = fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")).ok()?;
-        sum += s.split_whitespace().next()?.parse::<u64>().ok()?;
+    for e in fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten() {
+        let Some(tid) = e.file_name().to_str().and_then(|t| t.parse::<u64>().ok()) else {
+            continue;
+        };
         ids.push(tid);
+        let run_ns = fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+        match run_ns {
+            Some(ns) => {
+                sum += ns;
+                read_any = true;
+            }
+            // Gone meanwhile: a digest no later sample can have.
+            None => ids.push(u64::MAX),
+        }
+    }
+    if !read_any {
+        return None;
     }
     ids.sort_unstable();
     let digest = ids.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
@@ -178,6 +195,29 @@ mod tests {
     }
 
     #[test]
+    fn threads_ending_while_read_do_not_lose_the_sample() {
+        if !Path::new("/proc/self/schedstat").exists() {
+            return; // Nothing to read thread by thread (the test above checks the None).
+        }
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let churn = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::thread::spawn(|| ()).join().unwrap();
+                }
+            })
+        };
+        let me = std::process::id();
+        let samples: Vec<_> = (0..300).map(|_| ProcSample::of_pid(me)).collect();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        churn.join().unwrap();
+        for s in samples {
+            assert!(s.expect("own sample").threads.is_some());
+        }
+    }
+
+    #[test]
     fn a_live_process_is_read_thread_by_thread() {
         let me = std::process::id();
         let s0 = ProcSample::of_pid(me).expect("own sample");
@@ -187,6 +227,11 @@ mod tests {
             x = std::hint::black_box(x.wrapping_add(1));
         }
         let s1 = ProcSample::of_pid(me).expect("own sample");
+        if !Path::new("/proc/self/schedstat").exists() {
+            // A kernel without CONFIG_SCHED_INFO: no thread times, the ticks count.
+            assert_eq!((s0.threads, s1.threads), (None, None));
+            return;
+        }
         let (a, b) = (s0.threads.expect("threads"), s1.threads.expect("threads"));
         // (Other tests' threads may come and go meanwhile: then the digest differs.)
         assert!(a.1 != b.1 || b.0 - a.0 >= 25_000_000, "{a:?} {b:?}");

@@ -2,13 +2,14 @@
 //!
 //! Timestamps are kept per named *point*. In JSON (human-readable formats) a
 //! [`Points`] set is an object `{"g.rq_issue": 123, ...}` holding only the points
-//! that were seen; in binary formats (postcard, the wire protocol) it is a compact
-//! sequence of `(point id, ns)` pairs. A point that was not seen is absent, never 0.
+//! that were seen; in binary formats (postcard, the wire protocol) it is a byte
+//! string: the present point ids' mask, then each value's difference to the
+//! previous one (LEB128). A point that was not seen is absent, never 0.
 
 use std::fmt;
 
-use serde::de::{self, MapAccess, SeqAccess, Visitor};
-use serde::ser::{SerializeMap, SerializeSeq};
+use serde::de::{self, MapAccess, Visitor};
+use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 macro_rules! points {
@@ -223,17 +224,79 @@ impl Serialize for Points {
             }
             m.end()
         } else {
-            // Each point as its id and its difference to the previous point's
-            // value (zigzag varints): a request's points lie microseconds apart,
-            // so 2–3 bytes each instead of 7–8 for a time since boot.
-            let mut q = s.serialize_seq(Some(self.len()))?;
-            let mut prev = 0u64;
-            for (p, t) in self.iter() {
-                q.serialize_element(&(p as u8, t.wrapping_sub(prev) as i64))?;
-                prev = t;
-            }
-            q.end()
+            let mut buf = [0u8; WIRE_MAX];
+            let n = self.encode_wire(&mut buf);
+            s.serialize_bytes(&buf[..n])
         }
+    }
+}
+
+/// The longest binary encoding of a set: its id mask and one difference per
+/// point, 10 bytes each at most (LEB128 of a u64).
+const WIRE_MAX: usize = 10 * (1 + SLOTS);
+
+#[inline(always)]
+fn put_varint(buf: &mut [u8], mut at: usize, mut v: u64) -> usize {
+    while v >= 0x80 {
+        buf[at] = (v as u8) | 0x80;
+        v >>= 7;
+        at += 1;
+    }
+    buf[at] = v as u8;
+    at + 1
+}
+
+/// Reads a LEB128 u64 at the front of `b`; None when truncated or too long.
+#[inline(always)]
+fn take_varint(b: &mut &[u8]) -> Option<u64> {
+    let mut v = 0u64;
+    for (i, &byte) in b.iter().enumerate().take(10) {
+        let bits = u64::from(byte & 0x7f);
+        if i == 9 && bits > 1 {
+            return None; // beyond 64 bits
+        }
+        v |= bits << (7 * i);
+        if byte & 0x80 == 0 {
+            *b = &b[i + 1..];
+            return Some(v);
+        }
+    }
+    None
+}
+
+impl Points {
+    /// The binary form (the wire protocol's): a LEB128 mask of the present
+    /// point ids, then each point's difference to the previous one's value
+    /// (wrapping, zigzag LEB128) in id order. A request's points lie
+    /// microseconds apart: 2–3 bytes each. Returns the length written.
+    fn encode_wire(&self, buf: &mut [u8; WIRE_MAX]) -> usize {
+        let ids = self.iter().fold(0u64, |m, (p, _)| m | 1 << (p as u8));
+        let mut n = put_varint(buf, 0, ids);
+        let mut prev = 0u64;
+        for (_, t) in self.iter() {
+            let d = t.wrapping_sub(prev) as i64;
+            n = put_varint(buf, n, ((d << 1) ^ (d >> 63)) as u64);
+            prev = t;
+        }
+        n
+    }
+
+    /// Reads [`Self::encode_wire`]'s form; None when malformed (an unknown
+    /// point id, a truncated or overlong number, trailing bytes).
+    fn decode_wire(mut b: &[u8]) -> Option<Points> {
+        let ids = take_varint(&mut b)?;
+        let mut p = Points::new();
+        let (mut m, mut prev) = (ids, 0u64);
+        while m != 0 {
+            let id = m.trailing_zeros() as u8;
+            m &= m - 1;
+            let pt = Point::from_id(id)?;
+            let z = take_varint(&mut b)?;
+            let d = (z >> 1) as i64 ^ -((z & 1) as i64);
+            prev = prev.wrapping_add(d as u64);
+            p.set(pt, prev);
+        }
+        b.is_empty().then_some(p)
     }
 }
 
@@ -243,7 +306,7 @@ impl<'de> Deserialize<'de> for Points {
         impl<'de> Visitor<'de> for V {
             type Value = Points;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a map of point name to ns, or a sequence of (point id, ns)")
+                f.write_str("a map of point name to ns, or the binary form")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Points, A::Error> {
                 let mut p = Points::new();
@@ -254,24 +317,14 @@ impl<'de> Deserialize<'de> for Points {
                 }
                 Ok(p)
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Points, A::Error> {
-                let mut p = Points::new();
-                let mut prev = 0u64;
-                while let Some((id, d)) = a.next_element::<(u8, i64)>()? {
-                    let pt = Point::from_id(id)
-                        .ok_or_else(|| de::Error::custom(format!("unknown point id {id}")))?;
-                    // (Wrapping both ways: every u64 survives the trip.)
-                    let v = prev.wrapping_add(d as u64);
-                    p.set(pt, v);
-                    prev = v;
-                }
-                Ok(p)
+            fn visit_bytes<E: de::Error>(self, b: &[u8]) -> Result<Points, E> {
+                Points::decode_wire(b).ok_or_else(|| E::custom("malformed points"))
             }
         }
         if d.is_human_readable() {
             d.deserialize_map(V)
         } else {
-            d.deserialize_seq(V)
+            d.deserialize_bytes(V)
         }
     }
 }

@@ -41,7 +41,7 @@ use crate::record::{GuestIo, GuestRq};
 /// Wire protocol version carried in [`Hello`]/[`HelloAck`]. Bumped on any
 /// incompatible change of [`Message`].
 /// (3: records carry their wall-clock `time`; 5: points as differences.)
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Hard maximum payload size of one frame (1 MiB).
 pub const MAX_FRAME: usize = 1 << 20;
 /// Size of the frame length prefix.

@@ -386,8 +386,16 @@ mod tests {
             .collect();
         let bytes = postcard::to_stdvec(&p).unwrap();
         assert_eq!(postcard::from_bytes::<Points>(&bytes).unwrap(), p);
-        let bad = postcard::to_stdvec(&vec![(200u8, 1u64)]).unwrap();
-        assert!(postcard::from_bytes::<Points>(&bad).is_err());
+        // Malformed: an unknown point id (20) in the mask, a difference
+        // missing, one too many, a number longer than 64 bits.
+        for bad in [
+            &[4, 0x80, 0x80, 0x40, 0][..],
+            &[1, 1][..],
+            &[3, 1, 2, 2][..],
+            &[11, 1, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f][..],
+        ] {
+            assert!(postcard::from_bytes::<Points>(bad).is_err(), "{bad:?}");
+        }
         // Differences: any values, in any order, come back.
         let odd: Points = [
             (Point::SyscallEnter, u64::MAX),
@@ -422,8 +430,8 @@ mod tests {
         .map(|(pt, d)| (pt, base + d))
         .collect();
         let bytes = postcard::to_stdvec(&p).unwrap();
-        // 1 (count) + 11 ids + the first time (7 bytes) + 10 differences of ≤ 3.
-        assert!(bytes.len() <= 1 + 11 + 7 + 30, "{} bytes", bytes.len());
+        // 1 (length) + 2 (id mask) + the first time (7 bytes) + 10 differences of ≤ 3.
+        assert!(bytes.len() <= 1 + 2 + 7 + 30, "{} bytes", bytes.len());
         assert_eq!(postcard::from_bytes::<Points>(&bytes).unwrap(), p);
     }
 

@@ -210,10 +210,14 @@ impl<'obj> App<'obj> {
     /// Attaches to the `--pid`s, or to every (matching) running QEMU.
     pub fn attach_initial(&mut self) -> Result<()> {
         let initial: Vec<u32> = if self.explicit.is_empty() {
-            qemu::discover()
-                .into_iter()
-                .filter(|&p| self.wanted(p))
-                .collect()
+            // The exec count read before the scan: a QEMU that starts meanwhile
+            // moves it, and the next scan looks (not the next second's anyway).
+            self.qemu_execs = self.tracer.qemu_execs();
+            self.discoveries += 1;
+            let (wanted, others): (Vec<u32>, Vec<u32>) =
+                qemu::discover().into_iter().partition(|&p| self.wanted(p));
+            self.failed.extend(others); // not ours: do not look again
+            wanted
         } else {
             self.explicit.iter().copied().collect()
         };

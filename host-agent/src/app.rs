@@ -209,24 +209,17 @@ impl<'obj> App<'obj> {
 
     /// Attaches to the `--pid`s, or to every (matching) running QEMU.
     pub fn attach_initial(&mut self) -> Result<()> {
-        let initial: Vec<u32> = if self.explicit.is_empty() {
-            // The exec count read before the scan: a QEMU that starts meanwhile
-            // moves it, and the next scan looks (not the next second's anyway).
-            self.qemu_execs = self.tracer.qemu_execs();
-            self.discoveries += 1;
-            let (wanted, others): (Vec<u32>, Vec<u32>) =
-                qemu::discover().into_iter().partition(|&p| self.wanted(p));
-            self.failed.extend(others); // not ours: do not look again
-            wanted
-        } else {
-            self.explicit.iter().copied().collect()
-        };
         let explicit = !self.explicit.is_empty();
-        for pid in initial {
-            if explicit && !qemu::is_qemu(pid) {
-                eprintln!("viotrace-host: warning: pid {pid} does not run a qemu-system-* or qemu-kvm binary; trying anyway");
+        if explicit {
+            let pids: Vec<u32> = self.explicit.iter().copied().collect();
+            for pid in pids {
+                if !qemu::is_qemu(pid) {
+                    eprintln!("viotrace-host: warning: pid {pid} does not run a qemu-system-* or qemu-kvm binary; trying anyway");
+                }
+                self.attach(pid, true)?;
             }
-            self.attach(pid, explicit)?;
+        } else {
+            self.discover_all(self.tracer.qemu_execs())?;
         }
         if !explicit && self.tracer.targets.is_empty() {
             eprintln!(
@@ -391,6 +384,13 @@ impl<'obj> App<'obj> {
         {
             return Ok(());
         }
+        self.discover_all(execs)
+    }
+
+    /// Scans `/proc` and attaches the wanted QEMUs not yet traced. `execs` is
+    /// the exec count read before the scan: a QEMU that starts meanwhile moves
+    /// it, so the next pass scans again.
+    fn discover_all(&mut self, execs: Option<u64>) -> Result<()> {
         self.qemu_execs = execs;
         self.discoveries += 1;
         let found = qemu::discover();

@@ -14,4 +14,5 @@ pub mod record;
 pub mod stages;
 pub mod stats;
 pub mod transport;
+mod varint;
 pub mod walltime;

@@ -12,6 +12,8 @@ use serde::de::{self, MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::varint;
+
 macro_rules! points {
     ($($var:ident = $id:literal => $name:literal : $doc:literal,)*) => {
         /// A named point on the I/O path. Names are stable (they are the JSON keys).
@@ -232,37 +234,8 @@ impl Serialize for Points {
 }
 
 /// The longest binary encoding of a set: its id mask and one difference per
-/// point, 10 bytes each at most (LEB128 of a u64).
-const WIRE_MAX: usize = 10 * (1 + SLOTS);
-
-#[inline(always)]
-fn put_varint(buf: &mut [u8], mut at: usize, mut v: u64) -> usize {
-    while v >= 0x80 {
-        buf[at] = (v as u8) | 0x80;
-        v >>= 7;
-        at += 1;
-    }
-    buf[at] = v as u8;
-    at + 1
-}
-
-/// Reads a LEB128 u64 at the front of `b`; None when truncated or too long.
-#[inline(always)]
-fn take_varint(b: &mut &[u8]) -> Option<u64> {
-    let mut v = 0u64;
-    for (i, &byte) in b.iter().enumerate().take(10) {
-        let bits = u64::from(byte & 0x7f);
-        if i == 9 && bits > 1 {
-            return None; // beyond 64 bits
-        }
-        v |= bits << (7 * i);
-        if byte & 0x80 == 0 {
-            *b = &b[i + 1..];
-            return Some(v);
-        }
-    }
-    None
-}
+/// point.
+const WIRE_MAX: usize = varint::MAX_LEN * (1 + SLOTS);
 
 impl Points {
     /// The binary form (the wire protocol's): a LEB128 mask of the present
@@ -271,11 +244,11 @@ impl Points {
     /// microseconds apart: 2–3 bytes each. Returns the length written.
     fn encode_wire(&self, buf: &mut [u8; WIRE_MAX]) -> usize {
         let ids = self.iter().fold(0u64, |m, (p, _)| m | 1 << (p as u8));
-        let mut n = put_varint(buf, 0, ids);
+        let mut n = varint::put(buf, 0, ids);
         let mut prev = 0u64;
         for (_, t) in self.iter() {
             let d = t.wrapping_sub(prev) as i64;
-            n = put_varint(buf, n, ((d << 1) ^ (d >> 63)) as u64);
+            n = varint::put(buf, n, ((d << 1) ^ (d >> 63)) as u64);
             prev = t;
         }
         n
@@ -284,14 +257,14 @@ impl Points {
     /// Reads [`Self::encode_wire`]'s form; None when malformed (an unknown
     /// point id, a truncated or overlong number, trailing bytes).
     fn decode_wire(mut b: &[u8]) -> Option<Points> {
-        let ids = take_varint(&mut b)?;
+        let ids = varint::take(&mut b)?;
         let mut p = Points::new();
         let (mut m, mut prev) = (ids, 0u64);
         while m != 0 {
             let id = m.trailing_zeros() as u8;
             m &= m - 1;
             let pt = Point::from_id(id)?;
-            let z = take_varint(&mut b)?;
+            let z = varint::take(&mut b)?;
             let d = (z >> 1) as i64 ^ -((z & 1) as i64);
             prev = prev.wrapping_add(d as u64);
             p.set(pt, prev);

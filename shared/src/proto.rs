@@ -37,6 +37,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 use crate::record::{GuestIo, GuestRq};
+use crate::varint;
 
 /// Wire protocol version carried in [`Hello`]/[`HelloAck`]. Bumped on any
 /// incompatible change of [`Message`].
@@ -275,7 +276,7 @@ pub fn decode_payload(payload: &[u8]) -> Result<Message, ProtoError> {
         });
     }
     // Peek at the variant tag (a varint) to tell "unknown" from "malformed".
-    if let Some(tag) = read_varint(payload) {
+    if let Some(tag) = varint::take(&mut &payload[..]) {
         if tag >= MESSAGE_TAGS {
             return Err(ProtoError::UnknownMessage(tag));
         }
@@ -286,17 +287,6 @@ pub fn decode_payload(payload: &[u8]) -> Result<Message, ProtoError> {
         return Err(ProtoError::TrailingBytes(rest.len()));
     }
     Ok(msg)
-}
-
-fn read_varint(b: &[u8]) -> Option<u64> {
-    let mut v: u64 = 0;
-    for (i, &byte) in b.iter().take(10).enumerate() {
-        v |= u64::from(byte & 0x7f) << (7 * i);
-        if byte & 0x80 == 0 {
-            return Some(v);
-        }
-    }
-    None
 }
 
 /// The payload length a frame's header announces, once the header is there.
@@ -550,18 +540,6 @@ const ENCODED_GUESS: usize = 160;
 /// tag, two varints).
 pub const BATCH_OVERHEAD: usize = FRAME_HEADER + 1 + 10 + 10;
 
-fn push_varint(out: &mut Vec<u8>, mut v: u64) {
-    loop {
-        let b = (v & 0x7f) as u8;
-        v >>= 7;
-        if v == 0 {
-            out.push(b);
-            return;
-        }
-        out.push(b | 0x80);
-    }
-}
-
 /// Appends one complete [`Message::Batch`] frame of `count` records already
 /// encoded with [`encode_record`], whose bytes are `records` concatenated (in
 /// any number of pieces); byte-identical to postcard's encoding of the message.
@@ -575,8 +553,8 @@ pub fn batch_frame<'a>(
     let start = out.len();
     out.extend_from_slice(&[0; FRAME_HEADER]);
     out.push(BATCH_TAG);
-    push_varint(out, first_seq);
-    push_varint(out, count as u64);
+    varint::push(out, first_seq);
+    varint::push(out, count as u64);
     for r in records {
         out.extend_from_slice(r);
     }

@@ -284,10 +284,12 @@ fn unknown_and_malformed_and_trailing() {
         Err(ProtoError::TrailingBytes(1))
     ));
     assert!(matches!(decode_payload(&[]), Err(ProtoError::EmptyFrame)));
-    // Bad point id inside a record is malformed, not a panic.
+    // Bad points inside a record are malformed, not a panic.
     let mut good = encode_frame(&GuestRecord::Rq(rq(1)).into_batch(0)).unwrap();
     let n = good.len();
-    // ts is last: [len=2][(id,varint)]...; corrupt the last point id.
+    // ts is last: [len=6][id mask: 2 bytes][2 differences of 2 bytes]; a
+    // continuation bit on the first difference's last byte leaves the second
+    // one no bytes.
     good[n - 3] = 200;
     let r = decode_payload(&good[4..]);
     assert!(r.is_err());

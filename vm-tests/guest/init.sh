@@ -105,6 +105,12 @@ cd /
 rc=$(cat /tmp/workload.rc 2>/dev/null || echo 255)
 echo "VIOTRACE-WORKLOAD-END rc=$rc"
 agent_sample end
+# After the measured window, with the agent still running (e.g. the bench's BPF
+# accounting pass).
+if [ -s /viotrace/post.sh ]; then
+	(cd /data && sh /viotrace/post.sh) </dev/null >/out/post.log 2>&1
+	echo $? >/out/post.rc
+fi
 
 if [ -n "$AGENT_PID" ]; then
 	kill -INT $AGENT_PID 2>/dev/null

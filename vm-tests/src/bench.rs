@@ -58,7 +58,7 @@ const BPFTRACE_SCRIPT: &str = "tracepoint:block:block_rq_issue { @s[args->dev, a
 tracepoint:block:block_rq_complete /@s[args->dev, args->sector]/ { \
 @usecs = hist((nsecs - @s[args->dev, args->sector]) / 1000); delete(@s[args->dev, args->sector]); }";
 
-fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool) -> VmConfig {
+fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> VmConfig {
     let agents = match cond {
         "guest" | "capture" => Agents::Guest,
         "host" => Agents::Host,
@@ -85,13 +85,28 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool) -> VmConfig {
     }
     if bpf_stats && cond != "none" && cond != "host" {
         vm.guest_tools.push("bpftool".into());
-        let setup = vm.setup.take().unwrap_or_default();
-        vm.setup = Some(format!(
-            "echo 1 >/proc/sys/kernel/bpf_stats_enabled\n{setup}"
-        ));
+        vm.post = Some(bpf_stats_pass(runtime));
     }
     vm
 }
+
+/// The BPF accounting pass, after the measured window: the jobs again with
+/// `kernel.bpf_stats_enabled`, between two `bpftool prog show`. Accounting every program
+/// run costs two clock reads per hook, which under TCG weighs on a condition in proportion
+/// to its hooks per I/O (the anchor has 2, the guest agent up to 13): the IOPS ratios come
+/// from the window before, where it is off.
+fn bpf_stats_pass(runtime: u32) -> String {
+    let mut s = format!(
+        "set -e\nbpf_sample() {{ {BPF_SAMPLE} }}\n\
+         echo 1 >/proc/sys/kernel/bpf_stats_enabled\nbpf_sample start\n"
+    );
+    s += &fio_jobs(runtime, STATS_PREFIX);
+    s += "bpf_sample end\necho 0 >/proc/sys/kernel/bpf_stats_enabled\n";
+    s
+}
+
+/// The result files of the accounting pass's fio jobs: `fio-stats-<job>.json`.
+const STATS_PREFIX: &str = "fio-stats-";
 
 /// Per-program BPF run time in the guest (`bpftool prog show` at the window's ends).
 const BPF_SAMPLE: &str = "if command -v bpftool >/dev/null; then \
@@ -137,7 +152,8 @@ pub struct BenchConfig {
     /// Conditions to run (a subset of CONDITIONS, in that order).
     pub conditions: Vec<String>,
     /// Measure the guest's per-program BPF run time (kernel.bpf_stats_enabled + bpftool in
-    /// the guest). The accounting itself costs a little, so it is off by default.
+    /// the guest), in a pass of its own after each measured window (the accounting slows
+    /// every hook, so the IOPS ratios are never taken with it on). Off by default.
     pub bpf_stats: bool,
 }
 
@@ -148,6 +164,8 @@ pub struct Samples {
     pub p50_us: Vec<f64>,
     pub p99_us: Vec<f64>,
     pub ios: Vec<u64>,
+    /// IOPS in the BPF accounting pass (`--bpf-stats`), not used for the ratios.
+    pub iops_bpf_stats: Vec<f64>,
 }
 
 /// Per condition costs over rounds.
@@ -166,7 +184,7 @@ pub struct Costs {
     pub host_uprobe_hits_per_io: Vec<f64>,
     /// Host agent traps for other devices' elements and virtio_notify calls, per run.
     pub host_other_traps: Vec<u64>,
-    /// Guest BPF run time per I/O (ns, guest clock), with --bpf-stats.
+    /// Guest BPF run time per I/O (ns, guest clock), with --bpf-stats (its own pass).
     pub guest_bpf_ns_per_io: Vec<f64>,
     /// Per program: ns per I/O, one value per round.
     pub guest_bpf_programs: BTreeMap<String, Vec<f64>>,
@@ -188,22 +206,71 @@ fn note_failure(res: &mut BenchResult, cond: &str, round: u32, why: String) {
 }
 
 fn workload(runtime: u32) -> String {
-    let mut s = format!(
-        "set -e\nanchor_sample() {{ {ANCHOR_SAMPLE} }}\nbpf_sample() {{ {BPF_SAMPLE} }}\n\
+    format!(
+        "set -e\nanchor_sample() {{ {ANCHOR_SAMPLE} }}\n\
          fio --name=prep --filename=/data/bench.dat --size=128M --rw=write --bs=1M \
-         --direct=1 --output=/dev/null\nanchor_sample start\nbpf_sample start\n"
-    );
+         --direct=1 --output=/dev/null\nanchor_sample start\n{}anchor_sample end\n",
+        fio_jobs(runtime, "fio-")
+    )
+}
+
+/// The bench's fio jobs, their JSON results in `/out/<prefix><job>.json`.
+fn fio_jobs(runtime: u32, prefix: &str) -> String {
+    let mut s = String::new();
     for j in JOBS {
         let _ = writeln!(
             s,
             "fio --name={n} --filename=/data/bench.dat --size=128M --direct=1 {a} \
-             --runtime={runtime} --time_based --output-format=json --output=/out/fio-{n}.json",
+             --runtime={runtime} --time_based --output-format=json --output=/out/{prefix}{n}.json",
             n = j.name,
             a = j.args
         );
     }
-    s += "anchor_sample end\nbpf_sample end\n";
     s
+}
+
+/// Reads the BPF accounting pass of a run (see [`bpf_stats_pass`]): each program's run
+/// time per I/O of that pass, and the pass's IOPS (kept apart from the measured ones).
+fn bpf_accounting(dir: &Path, cond: &str, res: &mut BenchResult) -> Result<(), String> {
+    let rc = fs::read_to_string(dir.join("post.rc")).unwrap_or_default();
+    if rc.trim() != "0" {
+        let log = fs::read_to_string(dir.join("post.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(5).collect();
+        return Err(format!(
+            "BPF accounting pass: rc {:?}: {}",
+            rc.trim(),
+            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        ));
+    }
+    let mut ios = 0u64;
+    for j in JOBS {
+        let f = dir.join(format!("{STATS_PREFIX}{}.json", j.name));
+        let (iops, _, _, n) = parse_fio(&f).map_err(|e| format!("{e:#}"))?;
+        ios += n;
+        let s = res.jobs.entry(cond.into()).or_default();
+        s.entry(j.name.into()).or_default().iops_bpf_stats.push(iops);
+    }
+    let progs = |w: &str| {
+        fs::read_to_string(dir.join(format!("bpf-progs.{w}.txt")))
+            .map(|t| parse_bpf_progs(&t))
+            .map_err(|e| format!("bpf-progs.{w}.txt: {e}"))
+    };
+    let (a, b) = (progs("start")?, progs("end")?);
+    let c = res.costs.entry(cond.into()).or_default();
+    let mut total = 0.0;
+    for (name, (t1, _)) in &b {
+        let t0 = a.get(name).map_or(0, |x| x.0);
+        let per_io = t1.saturating_sub(t0) as f64 / ios.max(1) as f64;
+        if per_io > 0.0 {
+            total += per_io;
+            c.guest_bpf_programs
+                .entry(name.clone())
+                .or_default()
+                .push(per_io);
+        }
+    }
+    c.guest_bpf_ns_per_io.push(total);
+    Ok(())
 }
 
 /// Reads fio's JSON result of one job: (IOPS, p50 µs, p99 µs, I/Os).
@@ -316,7 +383,7 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
         {
             let name = cond.to_string();
             let dir: PathBuf = out.join(format!("round{round}-{name}"));
-            let vm = condition_vm(cond, &cfg.vm, cfg.bpf_stats);
+            let vm = condition_vm(cond, &cfg.vm, cfg.bpf_stats, cfg.runtime_secs);
             eprintln!(
                 "bench: round {} of {}, condition {name}",
                 round + 1,
@@ -387,25 +454,10 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
                     .push(h.saturating_sub(other) as f64 / reqs.max(1) as f64);
                 c.host_other_traps.push(other);
             }
-            let progs = |w: &str| {
-                fs::read_to_string(dir.join(format!("bpf-progs.{w}.txt")))
-                    .ok()
-                    .map(|t| parse_bpf_progs(&t))
-            };
-            if let (Some(a), Some(b)) = (progs("start"), progs("end")) {
-                let mut total = 0.0;
-                for (name, (t1, _)) in &b {
-                    let t0 = a.get(name).map_or(0, |x| x.0);
-                    let per_io = t1.saturating_sub(t0) as f64 / total_ios.max(1) as f64;
-                    if per_io > 0.0 {
-                        total += per_io;
-                        c.guest_bpf_programs
-                            .entry(name.clone())
-                            .or_default()
-                            .push(per_io);
-                    }
+            if vm.post.is_some() {
+                if let Err(why) = bpf_accounting(&dir, &name, &mut res) {
+                    note_failure(&mut res, &name, round, why);
                 }
-                c.guest_bpf_ns_per_io.push(total);
             }
             fs::write(out.join("bench.json"), serde_json::to_vec_pretty(&res)?)?;
         }
@@ -504,6 +556,22 @@ pub fn render(res: &BenchResult) -> String {
             "\n{name}: guest BPF run time {:.0} ns per I/O (guest clock), by program:",
             median(&c.guest_bpf_ns_per_io)
         );
+        // What the accounting itself costs: that pass's IOPS against the untraced runs'.
+        let pass: Vec<String> = JOBS
+            .iter()
+            .filter_map(|j| {
+                let x = median(&res.jobs.get(name)?.get(j.name)?.iops_bpf_stats);
+                let b = median(&base?.get(j.name)?.iops);
+                Some(format!("{} {:.3}", j.name, x / b))
+            })
+            .collect();
+        if !pass.is_empty() {
+            let _ = writeln!(
+                s,
+                "  (IOPS ratio during that pass, accounting on: {})",
+                pass.join(", ")
+            );
+        }
         let mut progs: Vec<(&String, f64)> = c
             .guest_bpf_programs
             .iter()

@@ -99,3 +99,51 @@ fn workload_runs_every_job() {
         assert!(w.contains(&format!("--output=/out/fio-{}.json", j.name)));
     }
 }
+
+#[test]
+fn bpf_accounting_has_its_own_pass_after_the_window() {
+    // The measured window never runs with bpf_stats_enabled...
+    assert!(!workload(3).contains("bpf_stats_enabled"));
+    let base = VmConfig::default();
+    for cond in ["none", "host"] {
+        assert!(condition_vm(cond, &base, true, 3).post.is_none());
+    }
+    assert!(condition_vm("guest", &base, false, 3).post.is_none());
+    // ...the pass after it does, around every job.
+    let post = condition_vm("guest", &base, true, 3).post.unwrap();
+    let on = post.find("echo 1 >/proc/sys/kernel/bpf_stats_enabled").unwrap();
+    let off = post.find("echo 0 >/proc/sys/kernel/bpf_stats_enabled").unwrap();
+    for j in JOBS {
+        let at = post
+            .find(&format!("--output=/out/{STATS_PREFIX}{}.json", j.name))
+            .unwrap();
+        assert!(on < at && at < off);
+    }
+}
+
+#[test]
+fn bpf_accounting_is_read_per_io_of_its_pass() {
+    let dir = std::env::temp_dir().join(format!("viotrace-bench-acct-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    let mut res = BenchResult::default();
+    // A failed pass is an error naming its log.
+    fs::write(dir.join("post.rc"), "1\n").unwrap();
+    fs::write(dir.join("post.log"), "bpftool: not found\n").unwrap();
+    let e = bpf_accounting(&dir, "guest", &mut res).unwrap_err();
+    assert!(e.contains("rc \"1\"") && e.contains("bpftool: not found"), "{e}");
+    fs::write(dir.join("post.rc"), "0\n").unwrap();
+    for j in JOBS {
+        let fio = r#"{"jobs":[{"read":{"total_ios":250,"iops":100.0,"clat_ns":{"percentile":{}}},"write":{"total_ios":0}}]}"#;
+        fs::write(dir.join(format!("{STATS_PREFIX}{}.json", j.name)), fio).unwrap();
+    }
+    let show = |t: u64| format!("6: raw_tracepoint  name rq_issue  tag 52  gpl run_time_ns {t} run_cnt 10\n");
+    fs::write(dir.join("bpf-progs.start.txt"), show(1000)).unwrap();
+    fs::write(dir.join("bpf-progs.end.txt"), show(1_001_000)).unwrap();
+    bpf_accounting(&dir, "guest", &mut res).unwrap();
+    // 1 ms over the pass's 4 × 250 I/Os.
+    assert_eq!(res.costs["guest"].guest_bpf_ns_per_io, vec![1000.0]);
+    assert_eq!(res.jobs["guest"]["seqread-128k"].iops_bpf_stats, vec![100.0]);
+    assert!(res.jobs["guest"]["seqread-128k"].iops.is_empty());
+    let _ = fs::remove_dir_all(&dir);
+}

@@ -120,6 +120,10 @@ pub struct VmConfig {
     pub host_attach: HostAttach,
     /// Shell script run in the guest before the guest agent starts (e.g. create cgroups).
     pub setup: Option<String>,
+    /// Shell script run in the guest after the workload's end marker, the guest agent
+    /// still running: outside the measured window (e.g. the bench's BPF accounting pass).
+    /// Its exit status goes to `post.rc` in the results, its output to `post.log`.
+    pub post: Option<String>,
     /// Size of an extra blank raw virtio-blk disk (`vdb`, not formatted), MiB.
     pub extra_disk_mib: Option<u32>,
     /// Host programs copied into the guest with their libraries (e.g. `bpftrace`).
@@ -160,6 +164,7 @@ impl Default for VmConfig {
             host_env: Vec::new(),
             host_attach: HostAttach::Paused,
             setup: None,
+            post: None,
             extra_disk_mib: None,
             guest_tools: Vec::new(),
             vsock_uds: None,

@@ -247,6 +247,11 @@ impl Run<'_> {
             cfg.setup.as_deref().unwrap_or("").as_bytes(),
         )?;
         c.file("viotrace/workload.sh", 0o755, workload.as_bytes())?;
+        c.file(
+            "viotrace/post.sh",
+            0o755,
+            cfg.post.as_deref().unwrap_or("").as_bytes(),
+        )?;
         if let Some(g) = guest_bin {
             c.host_file("bin/viotrace-guest", g)?;
         }

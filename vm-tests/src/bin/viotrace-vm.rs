@@ -194,6 +194,7 @@ impl VmArgs {
             cid: self.cid,
             qemu_args: Vec::new(),
             host_attach: self.host_attach,
+            post: None,
             setup: match &self.setup {
                 Some(p) => Some(
                     std::fs::read_to_string(p)

@@ -173,6 +173,8 @@ pub struct Samples {
 pub struct Costs {
     pub guest_agent_cpu_us_per_io: Vec<f64>,
     pub host_agent_cpu_us_per_io: Vec<f64>,
+    /// Its userspace part (the run time split as the window's utime and stime ticks are).
+    pub host_agent_user_us_per_io: Vec<f64>,
     pub qemu_cpu_us_per_io: Vec<f64>,
     pub guest_agent_peak_rss_kib: Vec<u64>,
     pub host_agent_peak_rss_kib: Vec<u64>,
@@ -248,7 +250,10 @@ fn bpf_accounting(dir: &Path, cond: &str, res: &mut BenchResult) -> Result<(), S
         let (iops, _, _, n) = parse_fio(&f).map_err(|e| format!("{e:#}"))?;
         ios += n;
         let s = res.jobs.entry(cond.into()).or_default();
-        s.entry(j.name.into()).or_default().iops_bpf_stats.push(iops);
+        s.entry(j.name.into())
+            .or_default()
+            .iops_bpf_stats
+            .push(iops);
     }
     let progs = |w: &str| {
         fs::read_to_string(dir.join(format!("bpf-progs.{w}.txt")))
@@ -430,6 +435,9 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
             }
             if let Some(u) = r.metrics.host_agent {
                 c.host_agent_cpu_us_per_io.push(per_io(u.cpu_secs));
+                if let Some(share) = u.user_share {
+                    c.host_agent_user_us_per_io.push(per_io(u.cpu_secs * share));
+                }
                 c.host_agent_peak_rss_kib.push(u.peak_rss_kib);
                 c.host_agent_rss_kib.push(u.rss_kib);
             }
@@ -499,7 +507,7 @@ pub fn render(res: &BenchResult) -> String {
     }
     let _ = writeln!(
         s,
-        "\n{:<8} {:>16} {:>16} {:>16} {:>20} {:>20} {:>7}",
+        "\n{:<8} {:>16} {:>18} {:>16} {:>20} {:>20} {:>7}",
         "tracing",
         "guest µs CPU/IO",
         "host µs CPU/IO",
@@ -531,9 +539,9 @@ pub fn render(res: &BenchResult) -> String {
         };
         let _ = writeln!(
             s,
-            "{name:<8} {:>16} {:>16} {qx:>16} {:>20} {:>20} {:>7}",
+            "{name:<8} {:>16} {:>18} {qx:>16} {:>20} {:>20} {:>7}",
             us(&c.guest_agent_cpu_us_per_io),
-            us(&c.host_agent_cpu_us_per_io),
+            host_us(c),
             rss(&c.guest_agent_peak_rss_kib, &c.guest_agent_rss_kib),
             rss(&c.host_agent_peak_rss_kib, &c.host_agent_rss_kib),
             c.drops.iter().sum::<u64>()
@@ -583,6 +591,15 @@ pub fn render(res: &BenchResult) -> String {
         }
     }
     s
+}
+
+/// The host agent's CPU per I/O, and its userspace part: `1.19 (u 1.01)`.
+fn host_us(c: &Costs) -> String {
+    match (&c.host_agent_cpu_us_per_io, &c.host_agent_user_us_per_io) {
+        (all, _) if all.is_empty() => "-".into(),
+        (all, user) if user.is_empty() => format!("{:.2}", median(all)),
+        (all, user) => format!("{:.2} (u {:.2})", median(all), median(user)),
+    }
 }
 
 /// One done-when check of issue 11, from medians within this run.
@@ -686,9 +703,14 @@ pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
                 16.0,
             );
         }
-        if !c.host_agent_cpu_us_per_io.is_empty() {
-            let value = median(&c.host_agent_cpu_us_per_io);
-            bound(format!("{cond}: host agent µs CPU per I/O"), value, 1.0);
+        // The issue's bound is on the agent's userspace; the table shows the whole.
+        if !c.host_agent_user_us_per_io.is_empty() {
+            let value = median(&c.host_agent_user_us_per_io);
+            bound(
+                format!("{cond}: host agent userspace µs CPU per I/O"),
+                value,
+                1.0,
+            );
         }
         if !c.drops.is_empty() {
             let value = c.drops.iter().sum::<u64>() as f64;

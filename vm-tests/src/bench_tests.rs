@@ -52,11 +52,13 @@ fn verdicts_compare_with_the_anchor_within_the_run() {
     c.guest_agent_peak_rss_kib = vec![9000];
     c.host_agent_rss_kib = vec![15000];
     c.host_agent_cpu_us_per_io = vec![1.5];
+    c.host_agent_user_us_per_io = vec![1.2];
     c.drops = vec![0, 2];
     let v = verdicts(&res);
     assert!(!get_in(&v, "both: guest agent peak RSS").pass);
     assert!(get_in(&v, "both: host agent RSS at the end").pass);
-    assert!(!get_in(&v, "both: host agent µs CPU").pass);
+    assert!(!get_in(&v, "both: host agent userspace µs CPU").pass);
+    assert!(render(&res).contains("1.50 (u 1.20)"));
     assert!(!get_in(&v, "both: drops").pass);
 }
 
@@ -111,8 +113,12 @@ fn bpf_accounting_has_its_own_pass_after_the_window() {
     assert!(condition_vm("guest", &base, false, 3).post.is_none());
     // ...the pass after it does, around every job.
     let post = condition_vm("guest", &base, true, 3).post.unwrap();
-    let on = post.find("echo 1 >/proc/sys/kernel/bpf_stats_enabled").unwrap();
-    let off = post.find("echo 0 >/proc/sys/kernel/bpf_stats_enabled").unwrap();
+    let on = post
+        .find("echo 1 >/proc/sys/kernel/bpf_stats_enabled")
+        .unwrap();
+    let off = post
+        .find("echo 0 >/proc/sys/kernel/bpf_stats_enabled")
+        .unwrap();
     for j in JOBS {
         let at = post
             .find(&format!("--output=/out/{STATS_PREFIX}{}.json", j.name))
@@ -131,19 +137,27 @@ fn bpf_accounting_is_read_per_io_of_its_pass() {
     fs::write(dir.join("post.rc"), "1\n").unwrap();
     fs::write(dir.join("post.log"), "bpftool: not found\n").unwrap();
     let e = bpf_accounting(&dir, "guest", &mut res).unwrap_err();
-    assert!(e.contains("rc \"1\"") && e.contains("bpftool: not found"), "{e}");
+    assert!(
+        e.contains("rc \"1\"") && e.contains("bpftool: not found"),
+        "{e}"
+    );
     fs::write(dir.join("post.rc"), "0\n").unwrap();
     for j in JOBS {
         let fio = r#"{"jobs":[{"read":{"total_ios":250,"iops":100.0,"clat_ns":{"percentile":{}}},"write":{"total_ios":0}}]}"#;
         fs::write(dir.join(format!("{STATS_PREFIX}{}.json", j.name)), fio).unwrap();
     }
-    let show = |t: u64| format!("6: raw_tracepoint  name rq_issue  tag 52  gpl run_time_ns {t} run_cnt 10\n");
+    let show = |t: u64| {
+        format!("6: raw_tracepoint  name rq_issue  tag 52  gpl run_time_ns {t} run_cnt 10\n")
+    };
     fs::write(dir.join("bpf-progs.start.txt"), show(1000)).unwrap();
     fs::write(dir.join("bpf-progs.end.txt"), show(1_001_000)).unwrap();
     bpf_accounting(&dir, "guest", &mut res).unwrap();
     // 1 ms over the pass's 4 × 250 I/Os.
     assert_eq!(res.costs["guest"].guest_bpf_ns_per_io, vec![1000.0]);
-    assert_eq!(res.jobs["guest"]["seqread-128k"].iops_bpf_stats, vec![100.0]);
+    assert_eq!(
+        res.jobs["guest"]["seqread-128k"].iops_bpf_stats,
+        vec![100.0]
+    );
     assert!(res.jobs["guest"]["seqread-128k"].iops.is_empty());
     let _ = fs::remove_dir_all(&dir);
 }

@@ -20,6 +20,8 @@ const USER_HZ: f64 = 100.0;
 pub struct ProcSample {
     /// utime + stime, seconds.
     pub cpu_secs: f64,
+    /// utime alone, seconds (ticks, as `cpu_secs`).
+    pub user_secs: f64,
     /// Peak resident set size (VmHWM), KiB.
     pub peak_rss_kib: u64,
     /// Resident set size now (VmRSS), KiB.
@@ -84,6 +86,7 @@ impl ProcSample {
         let stime: u64 = f.get(12)?.parse().ok()?;
         Some(ProcSample {
             cpu_secs: (utime + stime) as f64 / USER_HZ,
+            user_secs: utime as f64 / USER_HZ,
             peak_rss_kib: status_kib(status, "VmHWM:"),
             rss_kib: status_kib(status, "VmRSS:"),
             threads: None,
@@ -112,6 +115,10 @@ impl ProcSample {
 pub struct Usage {
     /// CPU seconds spent between the workload's start and end.
     pub cpu_secs: f64,
+    /// The share of it spent in userspace, from the ticks' split of utime and
+    /// stime over the window (the thread run times have no split): None
+    /// without a tick in the window.
+    pub user_share: Option<f64>,
     /// Peak RSS at the end of the workload, KiB.
     pub peak_rss_kib: u64,
     /// RSS at the end of the workload (the steady state), KiB.
@@ -125,8 +132,12 @@ impl Usage {
             (Some((a, ta)), Some((b, tb))) if ta == tb && b >= a => (b - a) as f64 / 1e9,
             _ => (e.cpu_secs - s.cpu_secs).max(0.0),
         };
+        let ticks = e.cpu_secs - s.cpu_secs;
+        let user_share =
+            (ticks > 0.0).then(|| ((e.user_secs - s.user_secs) / ticks).clamp(0.0, 1.0));
         Some(Usage {
             cpu_secs,
+            user_share,
             peak_rss_kib: e.peak_rss_kib,
             rss_kib: e.rss_kib,
         })
@@ -151,6 +162,7 @@ mod tests {
         let status = "Name:\tx\nVmHWM:\t   5120 kB\nVmRSS:\t 4000 kB\n";
         let s = ProcSample::parse(stat, status).unwrap();
         assert_eq!(s.cpu_secs, 3.0);
+        assert_eq!(s.user_secs, 2.5);
         assert_eq!(s.threads, None);
         assert_eq!((s.peak_rss_kib, s.rss_kib), (5120, 4000));
         assert!(ProcSample::parse("garbage", "").is_none());
@@ -160,18 +172,27 @@ mod tests {
     fn usage_is_a_difference() {
         let a = ProcSample {
             cpu_secs: 1.0,
+            user_secs: 0.8,
             peak_rss_kib: 10,
             rss_kib: 9,
             threads: None,
         };
         let b = ProcSample {
             cpu_secs: 1.5,
+            user_secs: 1.2,
             peak_rss_kib: 12,
             rss_kib: 7,
             threads: None,
         };
         let u = Usage::between(Some(a), Some(b)).unwrap();
         assert_eq!(u.cpu_secs, 0.5);
+        // 0.4 of the 0.5 s in userspace
+        assert!((u.user_share.unwrap() - 0.8).abs() < 1e-9);
+        assert_eq!(
+            Usage::between(Some(a), Some(a)).unwrap().user_share,
+            None,
+            "no tick: no split"
+        );
         assert_eq!((u.peak_rss_kib, u.rss_kib), (12, 7));
         assert!(Usage::between(None, Some(b)).is_none());
         // Thread times, when both ends saw the same threads; else the ticks.

@@ -233,9 +233,9 @@ impl Joined {
                 if let Some(c) = self.conns.get_mut(&ev.conn) {
                     c.records += records.len() as u64;
                 }
-                for r in records {
+                for r in &records {
                     match r {
-                        GuestRecord::Rq(rq) => self.engine.push_guest(&vm, rq, &mut self.out),
+                        GuestRecord::Rq(rq) => self.engine.push_guest_ref(&vm, rq, &mut self.out),
                         GuestRecord::Io(_) => self.out.vm_out(&vm).io_records += 1,
                     }
                 }

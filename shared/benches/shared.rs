@@ -425,9 +425,9 @@ impl HostPath {
                     let Message::Batch { records, .. } = m else {
                         continue;
                     };
-                    for r in records {
+                    for r in &records {
                         if let GuestRecord::Rq(rq) = r {
-                            self.engine.push_guest("vm0", rq, &mut self.out);
+                            self.engine.push_guest_ref("vm0", rq, &mut self.out);
                         }
                     }
                 }

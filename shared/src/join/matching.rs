@@ -2,6 +2,8 @@
 //! what happens to a record that has none yet (it waits, possibly with its
 //! choice deferred until the VM has a clock).
 
+use std::borrow::Cow;
+
 use crate::clock::OffsetEstimate;
 use crate::record::{GuestRq, HostElem, Name, Op};
 
@@ -173,8 +175,10 @@ impl JoinEngine {
     }
 
     /// Adds a record of side `S` from VM `vid`: joins it with its partner,
-    /// or keeps it pending; then emits what of the VM expired.
-    pub(super) fn push<S: Side>(&mut self, vid: u32, rec: S::Rec, out: &mut dyn Output) {
+    /// or keeps it pending; then emits what of the VM expired. A borrowed
+    /// record is copied only if it has to wait (a guest record mostly finds
+    /// its host element already there, and is read in place).
+    pub(super) fn push<S: Side>(&mut self, vid: u32, rec: Cow<'_, S::Rec>, out: &mut dyn Output) {
         let t = PendingSet::<S>::times(&rec);
         S::set_mut(&mut self.sides)
             .vm_mut(vid)
@@ -191,7 +195,7 @@ impl JoinEngine {
             _ => false,
         };
         if !joined {
-            self.wait::<S>(vid, rec, t, found, defer, out);
+            self.wait::<S>(vid, rec.into_owned(), t, found, defer, out);
         }
         self.expire_vm(vid, out);
     }

@@ -67,6 +67,8 @@ mod tests;
 #[cfg(test)]
 mod tests_live;
 
+use std::borrow::Cow;
+
 use crate::clock::{ClockConfig, ClockEstimator};
 use crate::record::{GuestRq, HostElem};
 
@@ -299,14 +301,22 @@ impl JoinEngine {
     pub fn push_guest(&mut self, vm: &str, rq: GuestRq, out: &mut dyn Output) {
         self.stats.guest_records += 1;
         let vid = self.vm_id(vm);
-        self.push::<Guest>(vid, rq, out);
+        self.push::<Guest>(vid, Cow::Owned(rq), out);
+    }
+
+    /// [`push_guest`](Self::push_guest) of a record the caller keeps: it is
+    /// copied only if it has to wait for its host element.
+    pub fn push_guest_ref(&mut self, vm: &str, rq: &GuestRq, out: &mut dyn Output) {
+        self.stats.guest_records += 1;
+        let vid = self.vm_id(vm);
+        self.push::<Guest>(vid, Cow::Borrowed(rq), out);
     }
 
     /// Adds a host element (its `vm` field names the VM).
     pub fn push_host(&mut self, el: HostElem, out: &mut dyn Output) {
         self.stats.host_records += 1;
         let vid = self.vm_id(&el.vm);
-        self.push::<Host>(vid, el, out);
+        self.push::<Host>(vid, Cow::Owned(el), out);
     }
 
     /// Tells the engine the host's current time (live mode, when records are

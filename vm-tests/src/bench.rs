@@ -92,9 +92,8 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> V
 
 /// The BPF accounting pass, after the measured window: the jobs again with
 /// `kernel.bpf_stats_enabled`, between two `bpftool prog show`. Accounting every program
-/// run costs two clock reads per hook, which under TCG weighs on a condition in proportion
-/// to its hooks per I/O (the anchor has 2, the guest agent up to 13): the IOPS ratios come
-/// from the window before, where it is off.
+/// run costs two clock reads per hook (the anchor has 2 per I/O, the guest agent up to 13):
+/// the IOPS ratios come from the window before, where it is off.
 fn bpf_stats_pass(runtime: u32) -> String {
     let mut s = format!(
         "set -e\nbpf_sample() {{ {BPF_SAMPLE} }}\n\

@@ -375,9 +375,23 @@ fn qemu_throttling_is_named_as_the_cause_and_a_clean_run_is_not_flagged() {
         "the bursts were not throttled: {}",
         slow.len()
     );
+    // On this 2-CPU host QEMU's threads sometimes really wait for a CPU for
+    // milliseconds (held by its own vCPU thread, or by a kernel thread such as
+    // kdamond): such a read is rightly named qemu_starved, with the wait as evidence.
+    let starved_with_evidence = slow
+        .iter()
+        .filter(|j| {
+            kind(j) == Some(CauseKind::QemuStarved)
+                && j.interference
+                    .as_ref()
+                    .and_then(|i| i.qemu_wait_ns)
+                    .is_some_and(|w| w >= 1_000_000)
+        })
+        .count();
     assert!(
-        named * 10 >= slow.len() * 9,
-        "{named} of {} slow reads named qemu_queue: {kinds:?}",
+        (named + starved_with_evidence) * 10 >= slow.len() * 9 && named * 3 >= slow.len() * 2,
+        "{named} of {} slow reads named qemu_queue, {starved_with_evidence} qemu_starved \
+         with ≥ 1 ms of QEMU CPU wait: {kinds:?}",
         slow.len()
     );
     let example = slow

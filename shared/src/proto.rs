@@ -538,7 +538,7 @@ const ENCODED_GUESS: usize = 160;
 
 /// Most bytes a batch frame adds around its encoded records (length prefix,
 /// tag, two varints).
-pub const BATCH_OVERHEAD: usize = FRAME_HEADER + 1 + 10 + 10;
+pub const BATCH_OVERHEAD: usize = FRAME_HEADER + 1 + 2 * varint::MAX_LEN;
 
 /// Appends one complete [`Message::Batch`] frame of `count` records already
 /// encoded with [`encode_record`], whose bytes are `records` concatenated (in

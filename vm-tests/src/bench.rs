@@ -15,8 +15,6 @@ use crate::vm::{Agents, Lab, RunResult, VmConfig};
 #[path = "bench_accounting.rs"]
 mod accounting;
 pub use accounting::parse_bpf_progs;
-#[cfg(test)]
-use accounting::STATS_PREFIX;
 use accounting::{bpf_accounting, bpf_stats_pass};
 
 /// One fio job of the bench.
@@ -167,12 +165,15 @@ fn note_failure(res: &mut BenchResult, cond: &str, round: u32, why: String) {
     res.failed_runs.push((cond.to_string(), round, why));
 }
 
+/// The result files of the measured window's fio jobs: `fio-<job>.json`.
+const WINDOW_PREFIX: &str = "fio-";
+
 fn workload(runtime: u32) -> String {
     format!(
         "set -e\nanchor_sample() {{ {ANCHOR_SAMPLE} }}\n\
          fio --name=prep --filename=/data/bench.dat --size=128M --rw=write --bs=1M \
          --direct=1 --output=/dev/null\nanchor_sample start\n{}anchor_sample end\n",
-        fio_jobs(runtime, "fio-")
+        fio_jobs(runtime, WINDOW_PREFIX)
     )
 }
 
@@ -323,7 +324,8 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
             };
             let mut total_ios = 0u64;
             for j in JOBS {
-                let (iops, p50, p99, ios) = parse_fio(&dir.join(format!("fio-{}.json", j.name)))?;
+                let (iops, p50, p99, ios) =
+                    parse_fio(&dir.join(format!("{WINDOW_PREFIX}{}.json", j.name)))?;
                 total_ios += ios;
                 let s = res
                     .jobs

@@ -1,4 +1,5 @@
 //! Unit tests of bench.rs (the parsers and the checks against the anchor).
+use super::accounting::STATS_PREFIX;
 use super::*;
 
 fn samples(iops: f64) -> Samples {

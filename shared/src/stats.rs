@@ -7,7 +7,6 @@
 //! [`TOTAL_STAGE`]. [`render_waterfall`] draws one record's points on a time line.
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use hdrhistogram::Histogram;
@@ -256,7 +255,9 @@ impl LabelStats {
 /// Per-`(label, stage)` latency histograms. Stages keep their first-seen order.
 #[derive(Clone, Debug, Default)]
 pub struct Aggregator {
-    labels: BTreeMap<String, LabelStats>,
+    /// Sorted by label: one binary search finds a record's label (an agent
+    /// has a few), without the map's second lookup to insert.
+    labels: Vec<(String, LabelStats)>,
 }
 
 impl Aggregator {
@@ -265,10 +266,15 @@ impl Aggregator {
     }
 
     fn label_mut(&mut self, label: &str) -> &mut LabelStats {
-        if !self.labels.contains_key(label) {
-            self.labels.insert(label.to_owned(), LabelStats::default());
-        }
-        self.labels.get_mut(label).expect("inserted above")
+        let i = match self.labels.binary_search_by(|(l, _)| l.as_str().cmp(label)) {
+            Ok(i) => i,
+            Err(i) => {
+                self.labels
+                    .insert(i, (label.to_owned(), LabelStats::default()));
+                i
+            }
+        };
+        &mut self.labels[i].1
     }
 
     /// Records one duration for `(label, stage)`.
@@ -336,7 +342,7 @@ impl Aggregator {
     /// Adds another aggregator's values into this one.
     pub fn merge(&mut self, other: &Aggregator) {
         for (label, theirs) in &other.labels {
-            let mine = self.labels.entry(label.clone()).or_default();
+            let mine = self.label_mut(label);
             for (stage, h) in &theirs.stages {
                 let i = mine.index_of_name(stage);
                 mine.stages[i].1.add(h);
@@ -360,8 +366,12 @@ impl Aggregator {
 
     /// Summary of one `(label, stage)`.
     pub fn get(&self, label: &str, stage: &str) -> Option<Summary> {
-        self.labels
-            .get(label)?
+        let i = self
+            .labels
+            .binary_search_by(|(l, _)| l.as_str().cmp(label))
+            .ok()?;
+        self.labels[i]
+            .1
             .stages
             .iter()
             .find(|(s, _)| s == stage)
@@ -378,8 +388,8 @@ impl Aggregator {
         }
         let width = self
             .labels
-            .values()
-            .flat_map(|s| s.stages.iter().map(|(n, _)| n.chars().count()))
+            .iter()
+            .flat_map(|(_, s)| s.stages.iter().map(|(n, _)| n.chars().count()))
             .max()
             .unwrap_or(5)
             .max(5);

@@ -89,12 +89,35 @@ agent_sample() {
 	cat /proc/$AGENT_PID/status >/out/guest-agent.$1.status 2>/dev/null
 }
 agent_sample start
-# A workload still running near the run's deadline: the stacks of the blocked
-# tasks go to the console (sysrq w), so that a hang leaves evidence.
+# A workload still running near the run's deadline leaves evidence on the console:
+# each virtio disk's requests in flight (a lost completion shows here, while its
+# waiter may sleep interruptibly, as libaio's io_getevents does), every user
+# task's state, wait channel and kernel stack, then the blocked tasks (sysrq w).
+hang_dump() {
+	echo "VIOTRACE-HANG-DUMP (disks, user tasks, blocked tasks follow)"
+	for d in /sys/block/vd*; do
+		[ -e "$d" ] || continue
+		echo "disk ${d##*/}: in flight (reads writes): $(cat $d/inflight)"
+		for b in /sys/kernel/debug/block/${d##*/}/hctx*/busy; do
+			[ -e "$b" ] && head -n 8 "$b" | sed "s|^|  ${b#/sys/kernel/debug/block/}: |"
+		done
+	done
+	for t in /proc/[0-9]*/task/[0-9]*; do
+		cmd=$(tr '\0' ' ' <$t/cmdline 2>/dev/null)
+		[ -n "$cmd" ] || continue # a kernel thread
+		name=$(sed -n 's/^Name:[[:space:]]*//p' $t/status 2>/dev/null)
+		case "$name" in sh | tee | cat | sed | head | tr) continue ;; esac # shells, this dump
+		state=$(sed -n 's/^State:[[:space:]]*//p' $t/status 2>/dev/null)
+		pid=${t#/proc/}
+		echo "task ${pid%%/*}/${t##*/} $name [$state] wchan=$(cat $t/wchan 2>/dev/null): $cmd"
+		sed 's/^/    /' $t/stack 2>/dev/null
+	done
+	echo 8 >/proc/sys/kernel/printk
+	echo w >/proc/sysrq-trigger
+}
 DUMP_PID=
 if [ -n "$VIOTRACE_DUMP_AFTER" ]; then
-	(sleep "$VIOTRACE_DUMP_AFTER" && echo "VIOTRACE-HANG-DUMP (blocked tasks follow)" &&
-		echo 8 >/proc/sys/kernel/printk && echo w >/proc/sysrq-trigger) &
+	(sleep "$VIOTRACE_DUMP_AFTER" && hang_dump) &
 	DUMP_PID=$!
 fi
 echo "VIOTRACE-WORKLOAD-START"

@@ -234,8 +234,9 @@ impl Run<'_> {
             "VIOTRACE_GUEST_OUTPUT={}\n",
             if cfg.guest_json { "--json" } else { "" }
         );
-        // 30 s before the run's deadline the guest dumps its blocked tasks to the
-        // console, so that a hung workload leaves evidence in serial.log.
+        // 30 s before the run's deadline the guest dumps its disks' requests in
+        // flight and its user tasks' states and kernel stacks to the console,
+        // so that a hung workload leaves evidence in serial.log (init.sh).
         conf += &format!(
             "VIOTRACE_DUMP_AFTER={}\n",
             cfg.timeout.as_secs().saturating_sub(30).max(10)

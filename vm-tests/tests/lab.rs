@@ -109,6 +109,26 @@ fn hanging_workload_is_stopped_at_timeout_without_leftovers() {
         msg.contains("about-to-hang"),
         "error shows the serial tail: {msg}"
     );
+    // The hang dump (10 s before the deadline here): the disks' requests in
+    // flight, and the hanging task with its state and kernel stack.
+    let serial = std::fs::read_to_string(out.join("serial.log")).expect("serial.log");
+    assert!(serial.contains("VIOTRACE-HANG-DUMP"), "{serial}");
+    assert!(
+        serial
+            .lines()
+            .any(|l| l.starts_with("disk vd") && l.contains("in flight")),
+        "{serial}"
+    );
+    let task = serial
+        .lines()
+        .position(|l| l.starts_with("task ") && l.trim_end().ends_with("sleep 100000"))
+        .unwrap_or_else(|| panic!("no line for the hanging task: {serial}"));
+    let next: Vec<&str> = serial.lines().skip(task).take(4).collect();
+    assert!(next[0].contains("[S (sleeping)]"), "{next:?}");
+    assert!(
+        next[1..].iter().any(|l| l.contains("nanosleep")),
+        "its kernel stack: {next:?}"
+    );
     assert!(
         t.elapsed() < Duration::from_secs(90),
         "took {:?}",

@@ -92,7 +92,8 @@ agent_sample start
 # A workload still running near the run's deadline leaves evidence on the console:
 # each virtio disk's requests in flight (a lost completion shows here, while its
 # waiter may sleep interruptibly, as libaio's io_getevents does), every user
-# task's state, wait channel and kernel stack, then the blocked tasks (sysrq w).
+# task's state, wait channel and kernel stack, the kernel log's tail, then the
+# blocked tasks (sysrq w).
 hang_dump() {
 	echo "VIOTRACE-HANG-DUMP (disks, user tasks, blocked tasks follow)"
 	for d in /sys/block/vd*; do
@@ -112,6 +113,9 @@ hang_dump() {
 		echo "task ${pid%%/*}/${t##*/} $name [$state] wchan=$(cat $t/wchan 2>/dev/null): $cmd"
 		sed 's/^/    /' $t/stack 2>/dev/null
 	done
+	# what the quiet console left out (an OOM kill, a warning, a lockup)
+	echo "kernel log, last 40 lines:"
+	dmesg | tail -n 40 | sed 's/^/    /'
 	echo 8 >/proc/sys/kernel/printk
 	echo w >/proc/sysrq-trigger
 }

@@ -568,7 +568,7 @@ impl Run<'_> {
         };
         format!(
             "lab VM {what}; QEMU and helpers stopped. Last serial lines:\n{}",
-            tail(&self.out.join("serial.log"), 60)
+            crate::vm::serial_tail(&self.out.join("serial.log"), 40)
         )
     }
 

@@ -73,6 +73,29 @@ pub(crate) fn tail(p: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// The serial console's last lines for a stopped run: the last `n` before the
+/// guest's hang dump, then the dump's disk and task lines (its stacks and
+/// kernel log stay in serial.log).
+pub(crate) fn serial_tail(p: &Path, n: usize) -> String {
+    let s = fs::read_to_string(p).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    let Some(d) = lines
+        .iter()
+        .position(|l| l.starts_with("VIOTRACE-HANG-DUMP"))
+    else {
+        return lines[lines.len().saturating_sub(n)..].join("\n");
+    };
+    let mut out: Vec<&str> = lines[d.saturating_sub(n)..=d].to_vec();
+    out.extend(
+        lines[d + 1..]
+            .iter()
+            .filter(|l| l.starts_with("disk ") || l.starts_with("task "))
+            .take(n),
+    );
+    out.push("(stacks and the kernel log's tail: serial.log)");
+    out.join("\n")
+}
+
 /// The lab.
 pub struct Lab {
     pub assets: Assets,
@@ -261,5 +284,32 @@ impl Lab {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serial_tail_keeps_the_lines_before_a_hang_dump_and_its_summary() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("serial.log");
+        let mut s: String = (0..50).map(|i| format!("line {i}\n")).collect();
+        s += "VIOTRACE-HANG-DUMP (disks, user tasks, blocked tasks follow)\n\
+              disk vda: in flight (reads writes): 1 0\n\
+              task 9/9 fio [S (sleeping)] wchan=read_events: fio x\n    [<0>] read_events+0x1\n\
+              kernel log, last 40 lines:\n    [ 1.0] boot\n";
+        fs::write(&p, &s).unwrap();
+        let t = serial_tail(&p, 3);
+        let want = "line 47\nline 48\nline 49\n\
+            VIOTRACE-HANG-DUMP (disks, user tasks, blocked tasks follow)\n\
+            disk vda: in flight (reads writes): 1 0\n\
+            task 9/9 fio [S (sleeping)] wchan=read_events: fio x\n\
+            (stacks and the kernel log's tail: serial.log)";
+        assert_eq!(t, want);
+        // Without a dump: the plain tail.
+        fs::write(&p, "a\nb\nc\n").unwrap();
+        assert_eq!(serial_tail(&p, 2), "b\nc");
     }
 }

@@ -119,6 +119,7 @@ fn hanging_workload_is_stopped_at_timeout_without_leftovers() {
             .any(|l| l.starts_with("disk vd") && l.contains("in flight")),
         "{serial}"
     );
+    assert!(serial.contains("kernel log, last 40 lines:"), "{serial}");
     let task = serial
         .lines()
         .position(|l| l.starts_with("task ") && l.trim_end().ends_with("sleep 100000"))

@@ -161,10 +161,15 @@ fn cli_runs_any_user_script_and_reuses_the_cache() {
         "echo hello from $(uname -r) on $VIOTRACE_DISK\ngrep -q ' /data ext4 ' /proc/mounts && echo data-mounted\nexit 3\n",
     )
     .unwrap();
+    // --post: after the workload, outside its window, even when it failed.
+    let post = dir.join("post.sh");
+    std::fs::write(&post, "echo post after $(cat /tmp/workload.rc)\nexit 5\n").unwrap();
     let out = dir.join("d");
     let o = Command::new(env!("CARGO_BIN_EXE_viotrace-vm"))
         .args(["run", "--quiet", "--agents", "none", "--workload"])
         .arg(&w)
+        .arg("--post")
+        .arg(&post)
         .arg("--out")
         .arg(&out)
         .output()
@@ -184,6 +189,10 @@ fn cli_runs_any_user_script_and_reuses_the_cache() {
     assert!(summary.contains("workload exit status: 3"), "{summary}");
     assert!(stdout.contains("boot to workload"), "{stdout}");
     assert!(out.join("serial.log").exists());
+    let post_log = std::fs::read_to_string(out.join("post.log")).unwrap();
+    assert_eq!(post_log.trim(), "post after 3");
+    let post_rc = std::fs::read_to_string(out.join("post.rc")).unwrap();
+    assert_eq!(post_rc.trim(), "5");
 }
 
 #[test]

@@ -149,6 +149,11 @@ struct VmArgs {
     /// Script run in the guest before the guest agent starts.
     #[arg(long)]
     setup: Option<PathBuf>,
+    /// Script run in the guest after the workload's end marker, outside its measured window,
+    /// with the guest agent still running (e.g. statistics that would weigh on the workload);
+    /// its output goes to `post.log`, its exit status to `post.rc`.
+    #[arg(long)]
+    post: Option<PathBuf>,
     /// Add a blank raw disk of this many MiB as the second virtio-blk disk (vdb).
     #[arg(long)]
     extra_disk: Option<u32>,
@@ -194,14 +199,8 @@ impl VmArgs {
             cid: self.cid,
             qemu_args: Vec::new(),
             host_attach: self.host_attach,
-            post: None,
-            setup: match &self.setup {
-                Some(p) => Some(
-                    std::fs::read_to_string(p)
-                        .with_context(|| format!("read setup script {}", p.display()))?,
-                ),
-                None => None,
-            },
+            post: read_script(self.post.as_deref(), "post")?,
+            setup: read_script(self.setup.as_deref(), "setup")?,
             extra_disk_mib: self.extra_disk,
             guest_tools: self.guest_tool.clone(),
             vsock_uds: None,
@@ -209,6 +208,14 @@ impl VmArgs {
             qemu: self.qemu.clone(),
         })
     }
+}
+
+/// The text of an optional `--setup`/`--post` script.
+fn read_script(p: Option<&std::path::Path>, what: &str) -> Result<Option<String>> {
+    p.map(|p| {
+        std::fs::read_to_string(p).with_context(|| format!("read {what} script {}", p.display()))
+    })
+    .transpose()
 }
 
 fn main() -> ExitCode {

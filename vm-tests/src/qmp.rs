@@ -1,4 +1,5 @@
-//! A minimal QMP client: enough to resume a VM started with `-S` and to ask it to quit.
+//! A minimal QMP client: enough to resume a VM started with `-S`, to ask it to quit and to
+//! read its virtqueues' state when a run hangs.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -52,7 +53,15 @@ impl Qmp {
 
     /// Runs a command and returns its `return` value (events in between are skipped).
     pub fn execute(&mut self, cmd: &str) -> Result<Value> {
-        let msg = serde_json::json!({ "execute": cmd });
+        self.execute_with(cmd, Value::Null)
+    }
+
+    /// [`Self::execute`] with arguments (`Value::Null`: none).
+    pub fn execute_with(&mut self, cmd: &str, args: Value) -> Result<Value> {
+        let msg = match args {
+            Value::Null => serde_json::json!({ "execute": cmd }),
+            a => serde_json::json!({ "execute": cmd, "arguments": a }),
+        };
         writeln!(self.writer, "{msg}").context("write to QMP")?;
         loop {
             let v = self.read_msg()?;
@@ -64,4 +73,41 @@ impl Qmp {
             }
         }
     }
+}
+
+/// Every queue of each virtio device named `device` (e.g. `virtio-blk`) as QEMU sees it
+/// (`x-query-virtio-queue-status`, QEMU 7.0 and later): one line per queue, and the raw
+/// answers. A request the guest waits for shows as `inuse` (popped, not pushed), or as a
+/// used index past `signalled_used` (pushed, the guest not notified).
+pub fn virtio_queues(q: &mut Qmp, device: &str) -> Result<(Vec<String>, Value)> {
+    let devs = q.execute("x-query-virtio")?;
+    let (mut lines, mut raw) = (Vec::new(), Vec::new());
+    for d in devs.as_array().into_iter().flatten() {
+        let (Some(path), Some(name)) = (d["path"].as_str(), d["name"].as_str()) else {
+            continue;
+        };
+        if name != device {
+            continue;
+        }
+        let st = q.execute_with("x-query-virtio-status", serde_json::json!({ "path": path }))?;
+        let n = st["num-vqs"].as_u64().unwrap_or(0);
+        for queue in 0..n {
+            let args = serde_json::json!({ "path": path, "queue": queue });
+            let v = q.execute_with("x-query-virtio-queue-status", args)?;
+            let f = |k: &str| v.get(k).map_or("?".to_string(), |x| x.to_string());
+            lines.push(format!(
+                "{name} {path} queue {queue}: last_avail_idx={} shadow_avail_idx={} \
+                 inuse={} used_idx={} signalled_used={} (valid {})",
+                f("last-avail-idx"),
+                f("shadow-avail-idx"),
+                f("inuse"),
+                f("used-idx"),
+                f("signalled-used"),
+                f("signalled-used-valid"),
+            ));
+            raw.push(serde_json::json!({ "path": path, "queue": queue, "status": v }));
+        }
+        raw.push(serde_json::json!({ "path": path, "device": st }));
+    }
+    Ok((lines, Value::Array(raw)))
 }

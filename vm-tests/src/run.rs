@@ -151,6 +151,7 @@ impl Run<'_> {
         let qemu_status = match ended {
             Ended::Exited(st) => st,
             Ended::Stopped { interrupted } => {
+                let virtio = (!interrupted).then(|| self.virtio_state());
                 qemu.stop(Signal::SIGTERM, Duration::from_secs(2))?;
                 if let Some(mut h) = con.host_agent.take() {
                     let _ = h.stop(Signal::SIGINT, Duration::from_secs(10));
@@ -159,7 +160,11 @@ impl Run<'_> {
                     let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
                 }
                 let _ = reader.join();
-                bail!(self.stopped_message(interrupted, con.t_start.is_some()));
+                let mut msg = self.stopped_message(interrupted, con.t_start.is_some());
+                if let Some(v) = virtio {
+                    msg += &format!("\nQEMU's virtio-blk queues then (virtio-state.json):\n{v}");
+                }
+                bail!(msg);
             }
         };
         let _ = reader.join();
@@ -550,6 +555,24 @@ impl Run<'_> {
             con.guest_agent_rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
         }
         Ok(())
+    }
+
+    /// A hung run's virtio-blk queues as QEMU sees them, into `virtio-state.json`; one
+    /// line per queue, or why they could not be read.
+    fn virtio_state(&self) -> String {
+        let read = || -> Result<Vec<String>> {
+            let mut q = Qmp::connect(&self.rd.join("qmp.sock"), Duration::from_secs(2))?;
+            let (lines, raw) = crate::qmp::virtio_queues(&mut q, "virtio-blk")?;
+            fs::write(
+                self.out.join("virtio-state.json"),
+                serde_json::to_string_pretty(&raw)?,
+            )?;
+            Ok(lines)
+        };
+        match read() {
+            Ok(l) => l.join("\n"),
+            Err(e) => format!("(not read: {e:#})"),
+        }
     }
 
     fn stopped_message(&self, interrupted: bool, started: bool) -> String {

@@ -109,6 +109,12 @@ fn hanging_workload_is_stopped_at_timeout_without_leftovers() {
         msg.contains("about-to-hang"),
         "error shows the serial tail: {msg}"
     );
+    // QEMU's view of the data disk's queue when the run was stopped.
+    assert!(
+        msg.contains("QEMU's virtio-blk queues then") && msg.contains("queue 0: last_avail_idx="),
+        "{msg}"
+    );
+    assert!(out.join("virtio-state.json").exists());
     // The hang dump (10 s before the deadline here): the disks' requests in
     // flight, and the hanging task with its state and kernel stack.
     let serial = std::fs::read_to_string(out.join("serial.log")).expect("serial.log");

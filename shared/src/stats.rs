@@ -265,8 +265,13 @@ impl Aggregator {
         Self::default()
     }
 
+    /// Where `label` is in the sorted labels (`Err`: where it would go).
+    fn position(&self, label: &str) -> Result<usize, usize> {
+        self.labels.binary_search_by(|(l, _)| l.as_str().cmp(label))
+    }
+
     fn label_mut(&mut self, label: &str) -> &mut LabelStats {
-        let i = match self.labels.binary_search_by(|(l, _)| l.as_str().cmp(label)) {
+        let i = match self.position(label) {
             Ok(i) => i,
             Err(i) => {
                 self.labels
@@ -366,10 +371,7 @@ impl Aggregator {
 
     /// Summary of one `(label, stage)`.
     pub fn get(&self, label: &str, stage: &str) -> Option<Summary> {
-        let i = self
-            .labels
-            .binary_search_by(|(l, _)| l.as_str().cmp(label))
-            .ok()?;
+        let i = self.position(label).ok()?;
         self.labels[i]
             .1
             .stages

@@ -400,7 +400,7 @@ impl Run<'_> {
         ])
         .args(["-display", "none", "-monitor", "none", "-serial", "stdio"])
         .args(["-cpu", if accel == "kvm" { "host" } else { "max" }])
-        .args(["-smp", &cfg.smp.to_string()])
+        .args(["-smp", &crate::config::smp_arg(cfg.smp, accel)])
         .args(["-m", &format!("{}M", cfg.memory_mib)])
         .arg("-object")
         .arg(format!(

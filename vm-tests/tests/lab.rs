@@ -11,6 +11,7 @@ use common::{lab, lab_lock, out_dir, qemu_processes_named};
 /// 1000 random 4 KiB O_DIRECT writes with crc32c checksums, read back and verified in the guest.
 fn verify_workload() -> String {
     "set -e\n\
+     echo \"cpus possible=$(cat /sys/devices/system/cpu/possible) online=$(cat /sys/devices/system/cpu/online)\"\n\
      fio --name=verify --filename=/data/verify.dat --size=64M --rw=randwrite --bs=4k --direct=1 \
      --ioengine=psync --number_ios=1000 --norandommap=0 --randrepeat=0 --verify=crc32c \
      --do_verify=1 --verify_fatal=1 --output-format=json --output=/tmp/fio.json\n\
@@ -44,6 +45,16 @@ fn check_verify_run(cfg: &VmConfig, name: &str) {
     let summary = std::fs::read_to_string(r.path("summary.txt")).unwrap();
     assert!(summary.contains("boot to workload"), "{summary}");
     assert!(r.path("serial.log").exists());
+    // Under TCG one vCPU gets a second, absent slot so that QEMU keeps the guest's locked
+    // instructions as host barriers (config::smp_arg); the guest still runs on one CPU.
+    let online = if cfg.smp == 1 { "0" } else { "0-1" };
+    let possible = if summary.contains("accel=tcg") {
+        "0-1"
+    } else {
+        online
+    };
+    let want = format!("cpus possible={possible} online={online}");
+    assert!(log.contains(&want), "want `{want}` in:\n{log}");
 }
 
 #[test]

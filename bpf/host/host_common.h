@@ -176,10 +176,15 @@ struct {
 	__uint(max_entries, RB_SIZE);
 } events SEC(".maps");
 
-/* scratch for building a record (too big for the stack together with loops) */
+/* scratch for building a record (too big for the stack together with loops):
+ * SCRATCH_BUILD for one about to be stored in `elems`, SCRATCH_PUSH for the
+ * element being pushed when it was first seen at its push (it goes straight to
+ * `pushed` or the ring buffer, without a round trip through `elems`). */
+#define SCRATCH_BUILD 0
+#define SCRATCH_PUSH 1
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, struct host_rec);
 } scratch SEC(".maps");
@@ -295,16 +300,21 @@ struct notify_find {
 	__u32 older; /* pushes recorded at or after submit */
 };
 
+/* Newest push first (a queue's pushes are recorded in time order): the walk
+ * ends at the first push before submit, the latest one. */
 static long push_before(__u64 i, void *data)
 {
 	struct notify_find *f = data;
 	if (!f->st)
 		return 1;
-	__u64 t = f->st->pushes[i & (PUSH_RING - 1)];
-	if (t && t < f->submit && t > f->push)
+	__u64 t = f->st->pushes[(f->st->push_n - 1 - i) & (PUSH_RING - 1)];
+	if (!t)
+		return 1;
+	if (t < f->submit) {
 		f->push = t;
-	else if (t >= f->submit)
-		f->older++;
+		return 1;
+	}
+	f->older++;
 	return 0;
 }
 

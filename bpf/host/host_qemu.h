@@ -77,8 +77,8 @@ __noinline __u32 sg_bytes(__u64 sg, __u32 n)
 }
 
 /* The fields every record gets from the element itself (VirtIOBlockReq). */
-static __always_inline void rec_init(struct host_rec *r, struct qemu_layout *l, __u32 tgid,
-				     __u64 e, __u64 vq, struct vq_state *st)
+static __always_inline void rec_init(struct host_rec *r, __u32 tgid, __u32 head, __u64 vq,
+				     struct vq_state *st)
 {
 	__builtin_memset(r, 0, sizeof(*r));
 	r->ts[HP_NOTIFY] = st->last_kick;
@@ -86,7 +86,7 @@ static __always_inline void rec_init(struct host_rec *r, struct qemu_layout *l, 
 	r->vq = vq;
 	r->dev = st->dev;
 	r->queue = st->queue;
-	r->head = (__u16)read_u32(e + l->elem_index);
+	r->head = (__u16)head;
 }
 
 /* An element popped from a queue (h.pop, sizes from its scatter lists). */
@@ -102,7 +102,7 @@ static __always_inline int pop_done(struct qemu_layout *l, __u32 tgid, __u64 vq,
 	struct host_rec *r = bpf_map_lookup_elem(&scratch, &z);
 	if (!r)
 		return 0;
-	rec_init(r, l, tgid, e, vq, st);
+	rec_init(r, tgid, read_u32(e + l->elem_index), vq, st);
 	r->ts[HP_POP] = bpf_ktime_get_ns();
 	__u32 out_num = read_u32(e + l->elem_out_num);
 	__u32 in_num = read_u32(e + l->elem_in_num);
@@ -170,22 +170,24 @@ int BPF_USDT(usdt_pop, void *vq, void *elem, unsigned int in_num, unsigned int o
  * (default mode: no virtqueue_pop probe). The header comes from the request's
  * own copy (req->out). push_vq: the queue virtqueue_push was given (0: not at
  * push); there it is the element's queue, whatever VirtIOBlockReq.vq reads.
- * Returns the tracked state or NULL.
+ * Built in scratch `slot`: SCRATCH_PUSH returns the scratch record itself (the
+ * element being pushed), SCRATCH_BUILD stores it in `elems` and returns that.
+ * v: the request read once (req_view_read), or NULL.
+ * Returns NULL if not a tracked virtio-blk request (or `elems` is full).
  */
-static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u32 tgid, __u64 req,
-						      int create_vq, __u64 push_vq)
+static __always_inline struct host_rec *elem_build(struct qemu_layout *l, __u32 tgid, __u64 req,
+						   struct req_view *v, int create_vq, __u64 push_vq,
+						   __u32 slot)
 {
 	struct tg_ptr ek = { .tgid = tgid, .ptr = req };
-	struct host_rec *r = bpf_map_lookup_elem(&elems, &ek);
-	if (r)
-		return r;
+	struct host_rec *r;
 	int at_push = push_vq != 0;
-	__u64 vq = at_push ? push_vq : read_u64(req + l->req_vq);
+	__u64 vq = at_push ? push_vq : rv_u64(v, req, l->req_vq);
 	struct vq_state *st;
 	if (create_vq) {
 		/* blk_aio_* serve every device model: a VirtIOBlockReq's queue belongs
 		 * to the request's device (vq->vdev == req->dev). */
-		__u64 dev = read_u64(req + l->req_dev);
+		__u64 dev = rv_u64(v, req, l->req_dev);
 		/* Counted for the runtime check (refusal) at submit only: every virtio
 		 * device pushes through virtqueue_push, other block devices rarely use
 		 * blk_aio_*. At push they are counted apart, for a warning. */
@@ -201,17 +203,19 @@ static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u
 	}
 	if (!st)
 		return NULL;
-	__u32 z = 0;
-	r = bpf_map_lookup_elem(&scratch, &z);
+	r = bpf_map_lookup_elem(&scratch, &slot);
 	if (!r)
 		return NULL;
-	rec_init(r, l, tgid, req, vq, st);
+	rec_init(r, tgid, rv_u32(v, req, l->elem_index), vq, st);
 	struct {
 		__u32 type;
 		__u32 ioprio;
 		__u64 sector;
 	} hdr = {};
-	if (bpf_probe_read_user(&hdr, sizeof(hdr), (void *)(req + l->req_out))) {
+	if (v && l->req_out <= REQ_SPAN - sizeof(hdr)) {
+		hdr.type = rv_u32(v, req, l->req_out);
+		hdr.sector = rv_u64(v, req, l->req_out + 8);
+	} else if (bpf_probe_read_user(&hdr, sizeof(hdr), (void *)(req + l->req_out))) {
 		stat_inc(ST_HDR_FAULT);
 		r->flags |= HR_HDR_FAULT;
 	}
@@ -224,21 +228,34 @@ static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u
 		 * may hold an earlier request's; push_submit_check drops it if the
 		 * request failed before it was set) */
 		if (hdr.type == 0 || hdr.type == 1 || hdr.type == 4)
-			r->ts[HP_SUBMIT] = read_u64(req + l->req_acct_start);
+			r->ts[HP_SUBMIT] = rv_u64(v, req, l->req_acct_start);
 		/* no blk_aio_* probe: the sizes from the element's scatter lists,
 		 * restored by QEMU before the push */
-		__u32 out_b = sg_bytes(read_u64(req + l->elem_out_sg), read_u32(req + l->elem_out_num));
-		__u32 in_b = sg_bytes(read_u64(req + l->elem_in_sg), read_u32(req + l->elem_in_num));
+		__u32 out_b = sg_bytes(rv_u64(v, req, l->elem_out_sg), rv_u32(v, req, l->elem_out_num));
+		__u32 in_b = sg_bytes(rv_u64(v, req, l->elem_in_sg), rv_u32(v, req, l->elem_in_num));
 		out_b = out_b > VIRTIO_BLK_OUTHDR ? out_b - VIRTIO_BLK_OUTHDR : 0;
 		in_b = in_b > 1 ? in_b - 1 : 0;
 		r->bytes = out_b + in_b;
 		r->flags |= HR_HAVE_BYTES;
 	}
+	/* the element being pushed: the caller keeps the scratch record */
+	if (slot == SCRATCH_PUSH)
+		return r;
 	if (bpf_map_update_elem(&elems, &ek, r, BPF_ANY)) {
 		stat_inc(ST_ELEMS_FULL);
 		return NULL;
 	}
 	return bpf_map_lookup_elem(&elems, &ek);
+}
+
+/* The tracked state of a request, or elem_build's, stored in `elems`. */
+static __always_inline struct host_rec *elem_from_req(struct qemu_layout *l, __u32 tgid, __u64 req,
+						      int create_vq, __u64 push_vq)
+{
+	struct tg_ptr ek = { .tgid = tgid, .ptr = req };
+	struct host_rec *r = bpf_map_lookup_elem(&elems, &ek);
+
+	return r ? r : elem_build(l, tgid, req, req_view_read(req), create_vq, push_vq, SCRATCH_BUILD);
 }
 
 struct chain_ctx {
@@ -483,8 +500,15 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 		return 0;
 	}
 	struct tg_ptr ek = { .tgid = tgid, .ptr = (__u64)elem };
-	/* without blk_aio_* probes the element is first seen here (its queue too) */
-	struct host_rec *r = elem_from_req(l, tgid, (__u64)elem, at_push, at_push ? (__u64)vq : 0);
+	/* without blk_aio_* probes the element is usually first seen here (its
+	 * queue too), built in scratch and never stored in `elems`; an element
+	 * already there (submit probes, a merged chain's member) is deleted below */
+	struct host_rec *r = bpf_map_lookup_elem(&elems, &ek);
+	int stored = r != NULL;
+	/* valid until push_take_chain, which reads the chain's other requests */
+	struct req_view *v = req_view_read((__u64)elem);
+	if (!r)
+		r = elem_build(l, tgid, (__u64)elem, v, at_push, at_push ? (__u64)vq : 0, SCRATCH_PUSH);
 	if (!r) {
 		stat_inc(st ? ST_PUSH_UNKNOWN : ST_PUSH_OTHER);
 		return 0;
@@ -501,7 +525,7 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 	 * polls the ring instead of reading the eventfd) and get no h.notify. */
 	st->last_kick = 0;
 	if (l->flags & QL_HAVE_REQ_IN) {
-		__u64 in = read_u64((__u64)elem + l->req_in);
+		__u64 in = rv_u64(v, (__u64)elem, l->req_in);
 		if (in && !bpf_probe_read_user(&r->status, 1, (void *)in))
 			r->has_status = 1;
 	}
@@ -517,9 +541,9 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 		 * buffer (reads: in_sg[0]; writes: after the 16-byte header in out_sg) */
 		__u64 buf = 0;
 		if (r->type == 0) {
-			buf = read_u64(read_u64((__u64)elem + l->elem_in_sg));
+			buf = read_u64(rv_u64(v, (__u64)elem, l->elem_in_sg));
 		} else if (r->type == 1) {
-			__u64 sg = read_u64((__u64)elem + l->elem_out_sg);
+			__u64 sg = rv_u64(v, (__u64)elem, l->elem_out_sg);
 			__u64 len0 = read_u64(sg + 8);
 			buf = len0 > VIRTIO_BLK_OUTHDR ? read_u64(sg) + VIRTIO_BLK_OUTHDR
 						       : read_u64(sg + 16);
@@ -530,7 +554,7 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 			r->merge_id = *mid;
 		/* a merged backend request completes head first: its other
 		 * requests share its host I/O */
-		if ((l->flags & QL_HAVE_MR_NEXT) && read_u64((__u64)elem + l->req_mr_next))
+		if ((l->flags & QL_HAVE_MR_NEXT) && rv_u64(v, (__u64)elem, l->req_mr_next))
 			push_take_chain(l, tgid, (__u64)elem, r);
 	}
 	if (r->merge_id)
@@ -538,7 +562,8 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 
 	if (!(l->flags & QL_HAVE_NOTIFIER)) {
 		emit(r);
-		bpf_map_delete_elem(&elems, &ek);
+		if (stored)
+			bpf_map_delete_elem(&elems, &ek);
 		return 0;
 	}
 	/* notifier fds change when the guest resets the device: follow them */
@@ -552,11 +577,13 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 	if (bpf_map_update_elem(&pushed, &pk, r, BPF_ANY)) {
 		stat_inc(ST_PUSHED_FULL);
 		emit(r);
-		bpf_map_delete_elem(&elems, &ek);
+		if (stored)
+			bpf_map_delete_elem(&elems, &ek);
 		return 0;
 	}
 	st->push_seq++;
-	bpf_map_delete_elem(&elems, &ek);
+	if (stored)
+		bpf_map_delete_elem(&elems, &ek);
 	if (st->push_seq - st->flush_seq > MAX_PENDING) {
 		/* notifications suppressed for too long: emit the oldest without h.irq */
 		pk.seq = st->flush_seq;

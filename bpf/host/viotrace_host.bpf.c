@@ -26,6 +26,7 @@
 #include "viotrace_host.bpf.h"
 
 #include "host_common.h"
+#include "host_req.h"
 #include "host_qemu.h"
 #include "host_notify.h"
 #include "host_interfere.h"

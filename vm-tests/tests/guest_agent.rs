@@ -218,11 +218,13 @@ fn tracepoint_mode_degrades_to_block_layer_points() {
 }
 
 /// 2 vCPUs and 2 virtqueues: blk-mq submits through virtio_queue_rqs (batched); 400 exact
-/// reads on both queues, each with its descriptor head.
+/// reads on both queues, each with its descriptor head. Each job is pinned to its own vCPU
+/// (blk-mq maps vCPU n to queue n), so both queues are used whatever the scheduler does.
 fn check_two_queues(name: &str, kernel: GuestKernel) -> RunResult {
     let wl = "set -e\n\
         fio --name=q --filename=/dev/vdb --rw=randread --bs=4k --direct=1 --ioengine=libaio \
-        --iodepth=8 --numjobs=2 --size=32M --number_ios=200 --randrepeat=0 --output=/dev/null\n";
+        --iodepth=8 --numjobs=2 --cpus_allowed=0,1 --cpus_allowed_policy=split --size=32M \
+        --number_ios=200 --randrepeat=0 --output=/dev/null\n";
     let r = run_guest(
         name,
         VmConfig {

@@ -80,6 +80,22 @@ fn mixed_workload_one_queue_is_joined() {
     );
 }
 
+/// The mixed workload, then a short job pinned to each vCPU: blk-mq maps vCPU n to
+/// queue n, and the scheduler alone may keep every fio on one vCPU (CI saw only q1).
+fn mixed_on_each_cpu() -> String {
+    let pinned: String = (0..2)
+        .map(|cpu| {
+            format!(
+                "fio --name=pin{cpu} --filename=/dev/vdb --rw=randread --bs=4k --direct=1 \
+                 --ioengine=psync --size=32M --number_ios=100 --cpus_allowed={cpu} \
+                 --output=/dev/null\n"
+            )
+        })
+        .collect();
+    let mixed = MIXED.strip_suffix("sleep 1\n").unwrap_or(MIXED);
+    format!("{mixed}{pinned}sleep 1\n")
+}
+
 #[test]
 fn mixed_workload_two_queues_is_joined() {
     let r = run_both(
@@ -89,7 +105,7 @@ fn mixed_workload_two_queues_is_joined() {
             queues: 2,
             ..VmConfig::default()
         },
-        MIXED,
+        &mixed_on_each_cpu(),
     );
     check_run_joined(&r, 0.999);
     check_transport(&r, "vt-joined-2q");

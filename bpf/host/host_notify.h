@@ -2,16 +2,27 @@
 /* QEMU's notifications: the guest and host notifier eventfds (h.irq, h.notify), virtio_notify (included by viotrace_host.bpf.c, in this order). */
 #pragma once
 
+/* The notifier eventfd `fd` of a traced QEMU process, if it is one. Every
+ * process's read() and write() pass here, QEMU's several per request: one
+ * lookup of the fd, and only on a hit the check that the process is still a
+ * traced QEMU (an entry may outlive its process, whose pid may be reused). */
+static __always_inline struct fd_val *notifier_of(__u32 tgid, __s32 fd)
+{
+	struct fd_key k = { .tgid = tgid, .fd = fd };
+	struct fd_val *v = bpf_map_lookup_elem(&notifier_fds, &k);
+
+	if (!v || !bpf_map_lookup_elem(&qemu_procs, &tgid))
+		return NULL;
+	return v;
+}
+
 /* QEMU writes the guest notifier eventfd of a queue (event_notifier_set from
  * virtio_notify_irqfd): the guest interrupt, h.irq. */
 SEC("tracepoint/syscalls/sys_enter_write")
 int irq_write(struct trace_event_raw_sys_enter *ctx)
 {
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
-	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
-		return 0;
-	struct fd_key k = { .tgid = tgid, .fd = (__s32)ctx->args[0] };
-	struct fd_val *v = bpf_map_lookup_elem(&notifier_fds, &k);
+	struct fd_val *v = notifier_of(tgid, (__s32)ctx->args[0]);
 	if (!v || v->kind != FD_IRQ)
 		return 0;
 	flush_vq(tgid, v->vq);
@@ -24,10 +35,7 @@ SEC("tracepoint/syscalls/sys_enter_read")
 int kick_read(struct trace_event_raw_sys_enter *ctx)
 {
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
-	if (!bpf_map_lookup_elem(&qemu_procs, &tgid))
-		return 0;
-	struct fd_key k = { .tgid = tgid, .fd = (__s32)ctx->args[0] };
-	struct fd_val *v = bpf_map_lookup_elem(&notifier_fds, &k);
+	struct fd_val *v = notifier_of(tgid, (__s32)ctx->args[0]);
 	if (!v || v->kind != FD_KICK)
 		return 0;
 	struct tg_ptr vk = { .tgid = tgid, .ptr = v->vq };

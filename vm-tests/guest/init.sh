@@ -135,7 +135,8 @@ agent_sample end
 # After the measured window, with the agent still running (e.g. the bench's BPF
 # accounting pass).
 if [ -s /viotrace/post.sh ]; then
-	(cd /data && sh /viotrace/post.sh) </dev/null >/out/post.log 2>&1
+	# (fd 3: the console, for lines to the lab, e.g. VIOTRACE-HOST-BPF-SAMPLE)
+	(cd /data && sh /viotrace/post.sh) </dev/null 3>&1 >/out/post.log 2>&1
 	echo $? >/out/post.rc
 fi
 

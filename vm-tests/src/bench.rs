@@ -15,7 +15,7 @@ use crate::vm::{Agents, Lab, RunResult, VmConfig};
 #[path = "bench_accounting.rs"]
 mod accounting;
 pub use accounting::parse_bpf_progs;
-use accounting::{bpf_accounting, bpf_stats_pass};
+use accounting::{bpf_accounting, bpf_stats_pass, render_bpf_costs};
 
 /// One fio job of the bench.
 #[derive(Clone, Debug, Serialize)]
@@ -88,7 +88,7 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> V
              [ $i -gt 1200 ] && exit 1; sleep 0.1; done\n"
         ));
     }
-    if bpf_stats && cond != "none" && cond != "host" {
+    if bpf_stats && cond != "none" {
         vm.guest_tools.push("bpftool".into());
         vm.post = Some(bpf_stats_pass(runtime));
     }
@@ -148,6 +148,10 @@ pub struct Costs {
     pub guest_bpf_ns_per_io: Vec<f64>,
     /// Per program: ns per I/O, one value per round.
     pub guest_bpf_programs: BTreeMap<String, Vec<f64>>,
+    /// The host agent's BPF run time per guest I/O (ns, host clock), in the same pass.
+    pub host_bpf_ns_per_io: Vec<f64>,
+    /// Per host program: ns per guest I/O, one value per round.
+    pub host_bpf_programs: BTreeMap<String, Vec<f64>>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -378,7 +382,8 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
                 c.host_other_traps.push(other);
             }
             if vm.post.is_some() {
-                if let Err(why) = bpf_accounting(&dir, &name, &mut res) {
+                let sides = (vm.agents.guest(), vm.agents.host());
+                if let Err(why) = bpf_accounting(&dir, &name, sides, &mut res) {
                     note_failure(&mut res, &name, round, why);
                 }
             }
@@ -467,44 +472,7 @@ pub fn render(res: &BenchResult) -> String {
         let _ = writeln!(s, "FAILED run: {cond}, round {}: {first}", round + 1);
     }
     s += &render_verdicts(&verdicts(res));
-    for &name in CONDITIONS {
-        let Some(c) = res.costs.get(name) else {
-            continue;
-        };
-        if c.guest_bpf_ns_per_io.is_empty() {
-            continue;
-        }
-        let _ = writeln!(
-            s,
-            "\n{name}: guest BPF run time {:.0} ns per I/O (guest clock), by program:",
-            median(&c.guest_bpf_ns_per_io)
-        );
-        // What the accounting itself costs: that pass's IOPS against the untraced runs'.
-        let pass: Vec<String> = JOBS
-            .iter()
-            .filter_map(|j| {
-                let x = median(&res.jobs.get(name)?.get(j.name)?.iops_bpf_stats);
-                let b = median(&base?.get(j.name)?.iops);
-                Some(format!("{} {:.3}", j.name, x / b))
-            })
-            .collect();
-        if !pass.is_empty() {
-            let _ = writeln!(
-                s,
-                "  (IOPS ratio during that pass, accounting on: {})",
-                pass.join(", ")
-            );
-        }
-        let mut progs: Vec<(&String, f64)> = c
-            .guest_bpf_programs
-            .iter()
-            .map(|(p, v)| (p, median(v)))
-            .collect();
-        progs.sort_by(|a, b| b.1.total_cmp(&a.1));
-        for (p, ns) in progs {
-            let _ = writeln!(s, "  {p:<24} {ns:>8.0} ns/IO");
-        }
-    }
+    s += &render_bpf_costs(res);
     s
 }
 

@@ -108,8 +108,10 @@ fn bpf_accounting_has_its_own_pass_after_the_window() {
     // The measured window never runs with bpf_stats_enabled...
     assert!(!workload(3).contains("bpf_stats_enabled"));
     let base = VmConfig::default();
-    for cond in ["none", "host"] {
-        assert!(condition_vm(cond, &base, true, 3).post.is_none());
+    assert!(condition_vm("none", &base, true, 3).post.is_none());
+    // (the host agent's programs are sampled by the lab during the same pass)
+    for cond in ["host", "both"] {
+        assert!(condition_vm(cond, &base, true, 3).post.is_some());
     }
     assert!(condition_vm("guest", &base, false, 3).post.is_none());
     // ...the pass after it does, around every job.
@@ -137,7 +139,7 @@ fn bpf_accounting_is_read_per_io_of_its_pass() {
     // A failed pass is an error naming its log.
     fs::write(dir.join("post.rc"), "1\n").unwrap();
     fs::write(dir.join("post.log"), "bpftool: not found\n").unwrap();
-    let e = bpf_accounting(&dir, "guest", &mut res).unwrap_err();
+    let e = bpf_accounting(&dir, "guest", (true, false), &mut res).unwrap_err();
     assert!(
         e.contains("rc \"1\"") && e.contains("bpftool: not found"),
         "{e}"
@@ -152,7 +154,7 @@ fn bpf_accounting_is_read_per_io_of_its_pass() {
     };
     fs::write(dir.join("bpf-progs.start.txt"), show(1000)).unwrap();
     fs::write(dir.join("bpf-progs.end.txt"), show(1_001_000)).unwrap();
-    bpf_accounting(&dir, "guest", &mut res).unwrap();
+    bpf_accounting(&dir, "guest", (true, false), &mut res).unwrap();
     // 1 ms over the pass's 4 × 250 I/Os.
     assert_eq!(res.costs["guest"].guest_bpf_ns_per_io, vec![1000.0]);
     assert_eq!(
@@ -160,5 +162,36 @@ fn bpf_accounting_is_read_per_io_of_its_pass() {
         vec![100.0]
     );
     assert!(res.jobs["guest"]["seqread-128k"].iops.is_empty());
+    assert!(res.costs["guest"].host_bpf_ns_per_io.is_empty());
+
+    // Both agents: the host's sample, taken by the lab, read the same way; a sample the
+    // lab could not take is an error that says why.
+    let host = |t: u64| format!("name vq_push  run_time_ns {t} run_cnt 7\n");
+    fs::write(dir.join("host-bpf-progs.start.txt"), host(5)).unwrap();
+    fs::write(dir.join("host-bpf-progs.end.err"), "no host agent runs\n").unwrap();
+    let e = bpf_accounting(&dir, "both", (true, true), &mut res).unwrap_err();
+    assert!(e.contains("host-bpf-progs.end: no host agent runs"), "{e}");
+    fs::remove_file(dir.join("host-bpf-progs.end.err")).unwrap();
+    fs::write(dir.join("host-bpf-progs.end.txt"), host(2_000_005)).unwrap();
+    bpf_accounting(&dir, "both", (true, true), &mut res).unwrap();
+    let c = &res.costs["both"];
+    assert_eq!(c.guest_bpf_ns_per_io.last(), Some(&1000.0));
+    assert_eq!(c.host_bpf_ns_per_io, vec![2000.0]);
+    assert_eq!(c.host_bpf_programs["vq_push"], vec![2000.0]);
+    let text = render(&res);
+    assert!(text.contains("host BPF run time 2000 ns per I/O"), "{text}");
+    assert!(text.contains("vq_push"), "{text}");
     let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_accounting_pass_asks_the_lab_for_the_hosts_sample() {
+    let post = bpf_stats_pass(3);
+    let line = format!("echo \"{} $1\" >&3", crate::host_bpf::MARK_HOST_BPF);
+    assert!(post.contains(&line), "{post}");
+    // the host's accounting is on before the first job starts
+    let start = post.find("bpf_sample start").unwrap();
+    let pause = post.find("sleep 1").unwrap();
+    let first = post.find("fio ").unwrap();
+    assert!(start < pause && pause < first, "{post}");
 }

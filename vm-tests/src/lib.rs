@@ -17,6 +17,7 @@ pub mod attack;
 pub mod bench;
 pub mod compat;
 mod config;
+pub mod host_bpf;
 pub mod interfere;
 pub mod metrics;
 mod proc;

@@ -18,6 +18,7 @@ use nix::sys::signal::Signal;
 
 use crate::assets::{self, Cpio, GuestAssets, Qemu};
 use crate::config::{Accel, Agents, Aio, DiskFormat, HostAttach, VmConfig, VsockMode};
+use crate::host_bpf::{self, StatsOn, MARK_HOST_BPF};
 use crate::metrics::{ProcSample, RunMetrics, Usage};
 use crate::proc::Guarded;
 use crate::qmp::Qmp;
@@ -62,6 +63,8 @@ struct Console {
     host_restarts: u32,
     /// Exit codes of the host agent's earlier incarnations.
     host_agent_rcs: Vec<Option<i32>>,
+    /// The host's BPF accounting, on between the guest's two sample lines.
+    host_bpf_stats: Option<StatsOn>,
 }
 
 /// How the console loop ended.
@@ -547,6 +550,9 @@ impl Run<'_> {
                 con.host_agent_pid = Some(h.pid());
                 con.host_agent = Some(h);
             }
+        } else if let Some((_, label)) = line.split_once(MARK_HOST_BPF) {
+            let (pid, on) = (con.host_agent_pid, &mut con.host_bpf_stats);
+            host_bpf::on_marker(label.trim(), pid, on, self.out);
         } else if line.contains(MARK_DONE) {
             con.done = true;
         } else if line.contains(MARK_ERROR) || line.contains(MARK_AGENT_FAILED) {

@@ -7,7 +7,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::vm::{Agents, Lab, RunResult, VmConfig};
@@ -16,6 +16,11 @@ use crate::vm::{Agents, Lab, RunResult, VmConfig};
 mod accounting;
 pub use accounting::parse_bpf_progs;
 use accounting::{bpf_accounting, bpf_stats_pass, render_bpf_costs};
+
+#[path = "bench_verdicts.rs"]
+mod verdicts;
+use verdicts::render_verdicts;
+pub use verdicts::{verdicts, Verdict};
 
 /// One fio job of the bench.
 #[derive(Clone, Debug, Serialize)]
@@ -116,7 +121,8 @@ pub struct BenchConfig {
 }
 
 /// Per (condition, job) samples over rounds.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Samples {
     pub iops: Vec<f64>,
     pub p50_us: Vec<f64>,
@@ -127,7 +133,8 @@ pub struct Samples {
 }
 
 /// Per condition costs over rounds.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Costs {
     pub guest_agent_cpu_us_per_io: Vec<f64>,
     pub host_agent_cpu_us_per_io: Vec<f64>,
@@ -154,8 +161,11 @@ pub struct Costs {
     pub host_bpf_programs: BTreeMap<String, Vec<f64>>,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct BenchResult {
+    /// (not read back by `bench-report`: the tables do not need it)
+    #[serde(skip_deserializing)]
     pub config: Option<BenchConfig>,
     /// condition → job → samples.
     pub jobs: BTreeMap<String, BTreeMap<String, Samples>>,
@@ -483,163 +493,6 @@ fn host_us(c: &Costs) -> String {
         (all, user) if user.is_empty() => format!("{:.2}", median(all)),
         (all, user) => format!("{:.2} (u {:.2})", median(all), median(user)),
     }
-}
-
-/// One done-when check of issue 11, from medians within this run.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Verdict {
-    pub check: String,
-    pub value: f64,
-    pub bound: f64,
-    /// `value <= bound` for costs, `value >= bound` for IOPS ratios.
-    pub pass: bool,
-}
-
-fn iops_ratio(res: &BenchResult, cond: &str, job: &str) -> Option<f64> {
-    let m = |c: &str| {
-        res.jobs
-            .get(c)
-            .and_then(|j| j.get(job))
-            .map(|s| median(&s.iops))
-    };
-    Some(m(cond)? / m("none")?)
-}
-
-/// The issue-11 checks this run has the conditions for: runs that did not finish, guest BPF
-/// run time per I/O against the anchor's, each condition's IOPS ratio against the anchor's
-/// ratio per job, and the agents' memory, host CPU per I/O, drops and uprobe hits.
-pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
-    let mut v = vec![Verdict {
-        check: "runs that did not finish".into(),
-        value: res.failed_runs.len() as f64,
-        bound: 0.0,
-        pass: res.failed_runs.is_empty(),
-    }];
-    let bpf = |c: &str| {
-        res.costs
-            .get(c)
-            .filter(|c| !c.guest_bpf_ns_per_io.is_empty())
-            .map(|c| median(&c.guest_bpf_ns_per_io))
-    };
-    if let Some(anchor) = bpf("bpftrace").filter(|a| *a > 0.0) {
-        for (cond, bound) in [
-            ("guest", MAX_BPF_X_ALWAYS_ON),
-            ("capture", MAX_BPF_X_CAPTURE),
-        ] {
-            if let Some(x) = bpf(cond) {
-                let value = x / anchor;
-                v.push(Verdict {
-                    check: format!("{cond}: guest BPF ns/IO ÷ anchor's"),
-                    value,
-                    bound,
-                    pass: value <= bound,
-                });
-            }
-        }
-    }
-    for (cond, margin) in [
-        ("guest", GUEST_IOPS_MARGIN),
-        ("capture", GUEST_IOPS_MARGIN),
-        ("both", BOTH_IOPS_MARGIN),
-        ("host", 0.0),
-    ] {
-        for j in JOBS {
-            let (Some(x), Some(a)) = (
-                iops_ratio(res, cond, j.name),
-                iops_ratio(res, "bpftrace", j.name),
-            ) else {
-                continue;
-            };
-            v.push(Verdict {
-                check: format!(
-                    "{cond} {}: IOPS ratio ≥ anchor's ({a:.3}) − {margin:.2}",
-                    j.name
-                ),
-                value: x,
-                bound: a - margin,
-                pass: x >= a - margin,
-            });
-        }
-    }
-    for (cond, c) in &res.costs {
-        let mut bound = |check: String, value: f64, bound: f64| {
-            v.push(Verdict {
-                check,
-                value,
-                bound,
-                pass: value <= bound,
-            })
-        };
-        // The anchor's process in the guest is bpftrace, not an agent of ours.
-        let agent = cond != "bpftrace";
-        if let Some(p) = c.guest_agent_peak_rss_kib.iter().max().filter(|_| agent) {
-            bound(
-                format!("{cond}: guest agent peak RSS, MiB"),
-                *p as f64 / 1024.0,
-                8.0,
-            );
-        }
-        if let Some(e) = c.host_agent_rss_kib.iter().max() {
-            bound(
-                format!("{cond}: host agent RSS at the end, MiB"),
-                *e as f64 / 1024.0,
-                16.0,
-            );
-        }
-        // The issue's bound is on the agent's userspace; the table shows the whole.
-        if !c.host_agent_user_us_per_io.is_empty() {
-            let value = median(&c.host_agent_user_us_per_io);
-            bound(
-                format!("{cond}: host agent userspace µs CPU per I/O"),
-                value,
-                1.0,
-            );
-        }
-        if !c.drops.is_empty() {
-            let value = c.drops.iter().sum::<u64>() as f64;
-            bound(format!("{cond}: drops of any kind"), value, 0.0);
-        }
-        if !c.host_uprobe_hits_per_io.is_empty() {
-            let value = median(&c.host_uprobe_hits_per_io);
-            v.push(Verdict {
-                check: format!(
-                    "{cond}: host uprobe hits per block request (+{} traps for other devices)",
-                    median(
-                        &c.host_other_traps
-                            .iter()
-                            .map(|&n| n as f64)
-                            .collect::<Vec<_>>()
-                    )
-                ),
-                value,
-                bound: 1.0,
-                pass: value <= 1.0,
-            });
-        }
-    }
-    v
-}
-
-fn render_verdicts(v: &[Verdict]) -> String {
-    let mut s = String::new();
-    if v.is_empty() {
-        return s;
-    }
-    let _ = writeln!(
-        s,
-        "\nagainst the anchor (issue 11, medians within this run):"
-    );
-    for x in v {
-        let _ = writeln!(
-            s,
-            "  {:<4} {:<60} {:>7.3} (bound {:.3})",
-            if x.pass { "ok" } else { "MISS" },
-            x.check,
-            x.value,
-            x.bound
-        );
-    }
-    s
 }
 
 #[cfg(test)]

@@ -63,6 +63,62 @@ fn verdicts_compare_with_the_anchor_within_the_run() {
     assert!(!get_in(&v, "both: drops").pass);
 }
 
+#[test]
+fn bootstrap_intervals_tell_a_clear_result_from_noise() {
+    use super::verdicts::bootstrap;
+    let med = |d: &[Vec<f64>]| median(&d[0]) - median(&d[1]);
+    // One round says nothing about the spread.
+    assert_eq!(bootstrap(&[&[1.0], &[2.0, 3.0]], med), None);
+    // Well apart: the whole interval on one side, around the point estimate.
+    let a = [100.0, 102.0, 98.0, 101.0, 99.0];
+    let b = [80.0, 82.0, 78.0, 81.0, 79.0];
+    let (lo, hi) = bootstrap(&[&a, &b], med).unwrap();
+    assert!(
+        lo > 15.0 && hi < 25.0 && lo <= 20.0 && 20.0 <= hi,
+        "{lo}..{hi}"
+    );
+    // Seeded: the same run renders the same interval.
+    assert_eq!(bootstrap(&[&a, &b], med), Some((lo, hi)));
+    // Overlapping spreads: the interval spans zero.
+    let c = [95.0, 110.0, 90.0, 104.0, 99.0];
+    let (lo, hi) = bootstrap(&[&a, &c], med).unwrap();
+    assert!(lo < 0.0 && hi > 0.0, "{lo}..{hi}");
+}
+
+#[test]
+fn iops_checks_carry_their_margin_and_say_when_the_rounds_cannot_tell() {
+    let mut res = BenchResult::default();
+    let rounds = |v: &[f64]| Samples {
+        iops: v.to_vec(),
+        ..Default::default()
+    };
+    for (cond, v) in [
+        ("none", [100.0, 101.0, 99.0, 100.0, 102.0]),
+        // clearly above the anchor's ratio − 0.05
+        ("guest", [95.0, 96.0, 94.0, 95.0, 97.0]),
+        // around the bound, with the spread of a TCG run
+        ("both", [80.0, 95.0, 72.0, 88.0, 76.0]),
+        ("bpftrace", [92.0, 93.0, 91.0, 92.0, 94.0]),
+    ] {
+        res.jobs
+            .entry(cond.into())
+            .or_default()
+            .insert("randread-4k-qd1".into(), rounds(&v));
+    }
+    let v = verdicts(&res);
+    let g = get_in(&v, "guest randread-4k-qd1");
+    let (lo, hi) = g.margin.unwrap();
+    assert!(g.pass && lo > 0.0 && lo <= g.value - g.bound && g.value - g.bound <= hi);
+    assert!(!g.within_noise());
+    let b = get_in(&v, "both randread-4k-qd1");
+    assert!(b.within_noise(), "{:?}", b.margin);
+    assert!(get_in(&v, "runs that did not finish").margin.is_none());
+    let text = render_verdicts(&v);
+    assert!(text.contains("margin +"), "{text}");
+    assert!(text.contains("~ "), "{text}");
+    assert!(text.contains("within noise"), "{text}");
+}
+
 fn get_in(v: &[Verdict], p: &str) -> Verdict {
     v.iter().find(|x| x.check.starts_with(p)).unwrap().clone()
 }

@@ -57,7 +57,8 @@ enum Cmd {
         /// in "both" the records go to the host over vsock either way).
         #[arg(long)]
         json: bool,
-        /// Also measure the guest's BPF run time per program (bpftool in the guest).
+        /// Also measure the BPF run time per program, the guest agent's (bpftool in the
+        /// guest) and the host agent's, in a pass of its own after each measured window.
         #[arg(long)]
         bpf_stats: bool,
         /// Conditions to alternate (none, guest, capture, host, both, bpftrace; capture = the
@@ -70,6 +71,12 @@ enum Cmd {
         conditions: Vec<String>,
         #[arg(short, long, default_value = "lab-out/bench")]
         out: PathBuf,
+    },
+    /// Print the tables and checks of a bench run again from its bench.json (e.g. one
+    /// made by an older viotrace-vm, or one still running).
+    BenchReport {
+        /// The run's bench.json, or its directory.
+        path: PathBuf,
     },
     /// Build and cache the lab's assets (guest kernel, initramfs, disk, vsock backend) without booting.
     Prepare {
@@ -262,6 +269,19 @@ fn real_main() -> Result<ExitCode> {
                 println!("VictoriaMetrics (OTLP tests): {}", v.display());
             }
             println!("lab assets ready in {}", lab.assets.cache.display());
+            return Ok(ExitCode::SUCCESS);
+        }
+        Cmd::BenchReport { path } => {
+            let file = if path.is_dir() {
+                path.join("bench.json")
+            } else {
+                path
+            };
+            let text = std::fs::read_to_string(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            let res: viotrace_vm_tests::bench::BenchResult = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a bench.json", file.display()))?;
+            print!("{}", viotrace_vm_tests::bench::render(&res));
             return Ok(ExitCode::SUCCESS);
         }
         Cmd::Bench {

@@ -100,6 +100,13 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> V
     vm
 }
 
+/// Whose BPF programs the accounting pass of a condition measures: (the guest's, the
+/// host agent's). The guest's whenever BPF runs there: the guest agent's or the anchor's.
+fn accounting_sides(vm: &VmConfig) -> (bool, bool) {
+    let anchor = vm.guest_tools.iter().any(|t| t == "bpftrace");
+    (vm.agents.guest() || anchor, vm.agents.host())
+}
+
 /// Samples of the anchor process, written where the lab reads the guest agent's.
 const ANCHOR_SAMPLE: &str = "if [ -e /run/anchor.pid ]; then \
 cat /proc/$(cat /run/anchor.pid)/stat >/out/guest-agent.$1.stat; \
@@ -392,8 +399,7 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
                 c.host_other_traps.push(other);
             }
             if vm.post.is_some() {
-                let sides = (vm.agents.guest(), vm.agents.host());
-                if let Err(why) = bpf_accounting(&dir, &name, sides, &mut res) {
+                if let Err(why) = bpf_accounting(&dir, &name, accounting_sides(&vm), &mut res) {
                     note_failure(&mut res, &name, round, why);
                 }
             }

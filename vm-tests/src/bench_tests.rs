@@ -170,6 +170,17 @@ fn bpf_accounting_has_its_own_pass_after_the_window() {
         assert!(condition_vm(cond, &base, true, 3).post.is_some());
     }
     assert!(condition_vm("guest", &base, false, 3).post.is_none());
+    // Each pass measures the side(s) where BPF runs: the anchor's programs too.
+    for (cond, sides) in [
+        ("guest", (true, false)),
+        ("capture", (true, false)),
+        ("host", (false, true)),
+        ("both", (true, true)),
+        ("bpftrace", (true, false)),
+    ] {
+        let vm = condition_vm(cond, &base, true, 3);
+        assert_eq!(accounting_sides(&vm), sides, "{cond}");
+    }
     // ...the pass after it does, around every job.
     let post = condition_vm("guest", &base, true, 3).post.unwrap();
     let on = post

@@ -2,10 +2,9 @@
 //! window, with `kernel.bpf_stats_enabled` on, and its reading.
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::fs;
 use std::path::Path;
-
-use std::fmt::Write as _;
 
 use super::{fio_jobs, median, parse_fio, BenchResult, CONDITIONS, JOBS};
 

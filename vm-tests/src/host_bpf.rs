@@ -1,42 +1,46 @@
 //! The host agent's BPF run time, for the bench's accounting pass (`--bpf-stats`).
 //!
 //! The guest's accounting script asks for a sample with a console line,
-//! `VIOTRACE-HOST-BPF-SAMPLE start|end`; the lab then switches the host's
-//! `kernel.bpf_stats_enabled` on (start) and back to what it was (end), and writes the
+//! `VIOTRACE-HOST-BPF-SAMPLE start|end`; the lab then switches the host's BPF run-time
+//! accounting on (start) and lets it go (end), and writes the
 //! run time of each program the host agent holds to `host-bpf-progs.<label>.txt`, in
 //! `bpftool prog show`'s words (`bench_accounting::parse_bpf_progs` reads both).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::fs;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use libbpf_rs::query::ProgInfoIter;
 
 /// The console line that asks for a sample: `VIOTRACE-HOST-BPF-SAMPLE <label>`.
 pub const MARK_HOST_BPF: &str = "VIOTRACE-HOST-BPF-SAMPLE";
 
-const STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
-
-/// `kernel.bpf_stats_enabled` switched on; its earlier value comes back when dropped.
+/// The host's BPF run-time accounting, on while this lives: a `BPF_ENABLE_STATS` descriptor,
+/// which the kernel counts with every other user of the accounting (and the
+/// `kernel.bpf_stats_enabled` sysctl) and drops with the descriptor, also when the lab is
+/// killed: the accounting is never left on behind it.
 pub struct StatsOn {
-    prev: String,
+    _fd: OwnedFd,
 }
 
 impl StatsOn {
     pub fn new() -> Result<StatsOn> {
-        let prev = fs::read_to_string(STATS_SYSCTL).with_context(|| STATS_SYSCTL.to_string())?;
-        fs::write(STATS_SYSCTL, "1").with_context(|| format!("writing 1 to {STATS_SYSCTL}"))?;
+        use libbpf_rs::libbpf_sys::{bpf_enable_stats, BPF_STATS_RUN_TIME};
+        // SAFETY: takes a plain enum; returns a new descriptor or a negative errno.
+        let fd = unsafe { bpf_enable_stats(BPF_STATS_RUN_TIME) };
+        if fd < 0 {
+            bail!(
+                "BPF_ENABLE_STATS: {}",
+                std::io::Error::from_raw_os_error(-fd)
+            );
+        }
+        // SAFETY: `fd` was just created for this process, and nothing else owns it.
         Ok(StatsOn {
-            prev: prev.trim().to_string(),
+            _fd: unsafe { OwnedFd::from_raw_fd(fd) },
         })
-    }
-}
-
-impl Drop for StatsOn {
-    fn drop(&mut self) {
-        let _ = fs::write(STATS_SYSCTL, &self.prev);
     }
 }
 
@@ -63,14 +67,21 @@ fn parse_prog_id(fdinfo: &str) -> Option<u32> {
 
 /// Each program of `pid`: name → (run_time_ns, run_cnt), summed over programs of one name.
 pub fn sample(pid: u32) -> Result<BTreeMap<String, (u64, u64)>> {
-    let ids = prog_ids_of(pid)?;
+    let mut ids = prog_ids_of(pid)?;
     let mut m = BTreeMap::new();
-    for p in ProgInfoIter::default().filter(|p| ids.contains(&p.id)) {
+    // (the iterator ends at the first program it cannot read: the ones left are named)
+    for p in ProgInfoIter::default() {
+        if !ids.remove(&p.id) {
+            continue;
+        }
         let e = m
             .entry(p.name.to_string_lossy().into_owned())
             .or_insert((0, 0));
         e.0 += p.run_time_ns;
         e.1 += p.run_cnt;
+    }
+    if !ids.is_empty() {
+        bail!("programs of process {pid} not read (ids {ids:?})");
     }
     Ok(m)
 }
@@ -134,6 +145,17 @@ mod tests {
         m.insert("pread_enter".to_string(), (850_000, 1000));
         let back = crate::bench::parse_bpf_progs(&render(&m));
         assert_eq!(back, m);
+    }
+
+    #[test]
+    fn the_accounting_leaves_the_sysctl_of_other_users_alone() {
+        // (the sysctl shows its own setting; the kernel counts the descriptors apart)
+        let sysctl = || fs::read_to_string("/proc/sys/kernel/bpf_stats_enabled").unwrap();
+        let before = sysctl();
+        let on = StatsOn::new().expect("BPF_ENABLE_STATS (root)");
+        assert_eq!(sysctl(), before);
+        drop(on);
+        assert_eq!(sysctl(), before);
     }
 
     #[test]

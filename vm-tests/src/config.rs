@@ -144,6 +144,9 @@ pub struct VmConfig {
     pub guest_kernel: GuestKernel,
     /// The QEMU build (default: the host's, Debian 12's 7.2).
     pub qemu: QemuBuild,
+    /// Each vCPU thread on a host CPU of its own, everything else the run starts on the
+    /// others (see `pin.rs`); the run's `pin.txt` says where. Needs more host CPUs than vCPUs.
+    pub pin_vcpus: bool,
 }
 
 impl Default for VmConfig {
@@ -176,6 +179,7 @@ impl Default for VmConfig {
             qemu_args: Vec::new(),
             guest_kernel: GuestKernel::default(),
             qemu: QemuBuild::default(),
+            pin_vcpus: false,
         }
     }
 }

@@ -20,6 +20,7 @@ mod config;
 pub mod host_bpf;
 pub mod interfere;
 pub mod metrics;
+mod pin;
 mod proc;
 mod qmp;
 pub mod records;

@@ -105,6 +105,9 @@ impl Run<'_> {
             Some(p) => Some(crate::vmlock::acquire(p)?),
             None => None,
         };
+        if cfg.pin_vcpus {
+            crate::pin::keep_off_vcpu_cpus(cfg.smp as usize)?;
+        }
         let mut vs = self.vsock()?;
         let qemu_build = self.lab.qemu(&cfg.qemu)?;
         let paused = host_bin.is_some() && cfg.host_attach == HostAttach::Paused;
@@ -145,6 +148,10 @@ impl Run<'_> {
             con.host_agent = Some(attach(hb, 0)?);
             qmp.execute("cont")?;
             t_resume = Instant::now();
+        }
+        if cfg.pin_vcpus {
+            let at = crate::pin::pin_vcpu_threads(&self.rd.join("qmp.sock"), cfg.smp as usize)?;
+            fs::write(out.join("pin.txt"), at)?;
         }
         con.host_agent_pid = con.host_agent.as_ref().map(|h| h.pid());
         let on_line = |con: &mut Console, t: Instant, line: &str| -> Result<()> {

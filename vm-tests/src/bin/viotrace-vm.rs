@@ -178,6 +178,10 @@ struct VmArgs {
     /// 11.x (sid's, run inside a debootstrapped sid root), or a path to a qemu-system-x86_64.
     #[arg(long, default_value = "7.2")]
     qemu: QemuBuild,
+    /// Each vCPU thread on a host CPU of its own, everything else on the others (steadier
+    /// figures; needs more host CPUs than vCPUs).
+    #[arg(long)]
+    pin_vcpus: bool,
 }
 
 impl VmArgs {
@@ -213,6 +217,7 @@ impl VmArgs {
             vsock_uds: None,
             guest_kernel: self.guest_kernel.clone(),
             qemu: self.qemu.clone(),
+            pin_vcpus: self.pin_vcpus,
         })
     }
 }

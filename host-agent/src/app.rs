@@ -636,6 +636,15 @@ impl<'obj> App<'obj> {
     fn detach(&mut self, pid: u32, why: &str) {
         self.tracer.last_checks(pid);
         self.print_notes();
+        // A layout the final counts refuse (the VM ended between two checks).
+        let mut why = why;
+        for (p, msg) in self.tracer.take_refusals() {
+            eprintln!("viotrace-host: pid {p}: {msg}");
+            self.failed.insert(p);
+            if p == pid {
+                why = "layout refused";
+            }
+        }
         let (t, leftover, abandoned) = self.tracer.remove(pid);
         let Some(t) = t else { return };
         if let Some(j) = self.sink.joined.as_mut() {

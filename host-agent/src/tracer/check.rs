@@ -158,20 +158,7 @@ impl Tracer<'_> {
         for pid in checking {
             if let Some(l) = self.layout_of(pid) {
                 self.warn_no_block_push(pid, &l);
-                if l.vdev_ok == 0 && l.vdev_bad >= VDEV_MISMATCH_LIMIT {
-                    let f = Failure {
-                        field: "VirtIOBlockReq.vq",
-                        why: format!(
-                            "on all {} block requests the queue (VirtIOBlockReq.vq) does not \
-                             belong to the request's device (VirtIOBlockReq.dev, \
-                             VirtQueue.vdev)",
-                            l.vdev_bad
-                        ),
-                    };
-                    if let Some(t) = self.targets.get(&pid) {
-                        let msg = refusal(t, &f, None);
-                        self.refuse(pid, msg);
-                    }
+                if self.refuse_bad_queue(pid, &l) {
                     continue;
                 }
             }
@@ -181,6 +168,28 @@ impl Tracer<'_> {
             }
         }
         out
+    }
+
+    /// Refuses the process when none of its block requests' queues (VirtIOBlockReq.vq)
+    /// belongs to the request's device, over enough of them; true if refused.
+    fn refuse_bad_queue(&mut self, pid: u32, l: &qemu_layout) -> bool {
+        if l.vdev_ok != 0 || l.vdev_bad < VDEV_MISMATCH_LIMIT {
+            return false;
+        }
+        let f = Failure {
+            field: "VirtIOBlockReq.vq",
+            why: format!(
+                "on all {} block requests the queue (VirtIOBlockReq.vq) does not belong to \
+                 the request's device (VirtIOBlockReq.dev, VirtQueue.vdev)",
+                l.vdev_bad
+            ),
+        };
+        let Some(t) = self.targets.get(&pid) else {
+            return false;
+        };
+        let msg = refusal(t, &f, None);
+        self.refuse(pid, msg);
+        true
     }
 
     /// Push-only mode: many pushes and not one of a virtio-blk request whose
@@ -204,8 +213,9 @@ impl Tracer<'_> {
         }
     }
 
-    /// The layout warnings of a process about to be let go, from its final
-    /// counts (the loop looks at them once a second: a VM may end in between).
+    /// The layout checks of a process about to be let go, from its final counts
+    /// (the loop looks at them once a second: a VM may end in between): its
+    /// warnings, and its refusal (see [`Self::take_refusals`]).
     pub fn last_checks(&mut self, pid: u32) {
         let checking = self
             .targets
@@ -213,6 +223,7 @@ impl Tracer<'_> {
             .is_some_and(|t| matches!(t.probation.standing, Standing::Checking));
         if let Some(l) = self.layout_of(pid).filter(|_| checking) {
             self.warn_no_block_push(pid, &l);
+            self.refuse_bad_queue(pid, &l);
         }
     }
 

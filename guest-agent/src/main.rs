@@ -34,8 +34,14 @@ use viotrace_shared::transport;
 
 /// Trace guest I/O end to end: syscall → block layer → virtio-blk → completion.
 #[derive(Parser, Debug)]
-#[command(name = "viotrace-guest", version)]
+#[command(
+    name = "viotrace-guest",
+    version,
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
     /// Only this process (tgid).
     #[arg(short = 'p', long)]
     pid: Option<u32>,
@@ -63,6 +69,12 @@ struct Cli {
     /// JSON lines on stdout (records and stats); tables and waterfalls go to stderr.
     #[arg(long)]
     json: bool,
+    /// Capture every record (each request and syscall, as `--json` would print
+    /// them) to this file in viotrace's compact binary form (`-`: stdout), for
+    /// `viotrace-guest decode` to print as JSON lines later, on any machine.
+    /// Much cheaper than `--json` for the traced machine.
+    #[arg(long, value_name = "FILE")]
+    capture: Option<PathBuf>,
     /// Also trap virtqueue_notify, for the exact time of each notification.
     /// Without it, g.kick is when virtqueue_kick_prepare returned true, just
     /// before the driver notifies (one trap less per request).
@@ -81,6 +93,61 @@ struct Cli {
     /// join does not use them; each request record carries its syscall's entry).
     #[arg(long, value_name = "ENDPOINT")]
     connect: Option<viotrace_shared::transport::Endpoint>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Cmd {
+    /// Print a capture file (`--capture`) as the JSON lines `--json` prints:
+    /// every record, then the final stats line. Fails, after the records it
+    /// could read, on a damaged capture or one that did not finish.
+    Decode {
+        /// The capture file (`-`: stdin).
+        file: PathBuf,
+    },
+}
+
+/// `viotrace-guest decode FILE`.
+fn decode(file: &Path) -> Result<()> {
+    use std::io::Write;
+    let input: Box<dyn std::io::Read> = if file == Path::new("-") {
+        Box::new(std::io::stdin().lock())
+    } else {
+        Box::new(std::fs::File::open(file).with_context(|| format!("opening {}", file.display()))?)
+    };
+    let input = std::io::BufReader::with_capacity(256 * 1024, input);
+    let mut rd = viotrace_shared::capture::CaptureReader::new(input)
+        .with_context(|| format!("{}", file.display()))?;
+    let mut out = std::io::BufWriter::with_capacity(256 * 1024, std::io::stdout().lock());
+    let r = viotrace_shared::capture::render_json(&mut rd, &mut out);
+    out.flush().context("writing stdout")?;
+    r.with_context(|| format!("{}: after {} records", file.display(), rd.records()))?;
+    Ok(())
+}
+
+/// The capture writer of `--capture PATH`, and whether it is stdout.
+fn open_capture(
+    path: &Path,
+    json: bool,
+) -> Result<(
+    viotrace_shared::capture::CaptureWriter<Box<dyn std::io::Write>>,
+    bool,
+)> {
+    let on_stdout = path == Path::new("-");
+    let out: Box<dyn std::io::Write> = if on_stdout {
+        if json {
+            bail!("--capture - and --json both want stdout");
+        }
+        Box::new(std::io::stdout())
+    } else {
+        Box::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("creating the capture file {}", path.display()))?,
+        )
+    };
+    let hello = transport::local_hello(env!("CARGO_PKG_VERSION"), transport::local_cid());
+    let w = viotrace_shared::capture::CaptureWriter::new(out, &hello)
+        .with_context(|| format!("starting the capture {}", path.display()))?;
+    Ok((w, on_stdout))
 }
 
 /// Filters as the BPF side wants them.
@@ -105,10 +172,11 @@ fn resolve_filters(cli: &Cli) -> Result<Filters> {
         tid: cli.tid.unwrap_or(0),
         off_cpu: cli.threshold.is_some(),
         exact_kick: cli.exact_kick,
-        // Always-on (no --json, no -t): the syscall table needs only each
-        // syscall's latency, and the kernel counts it (io_hist). JSON lines
-        // and the verdicts of -t (their baselines) need every record.
-        io_detail_ns: if cli.json || cli.threshold.is_some() {
+        // Always-on (no --json, --capture or -t): the syscall table needs only
+        // each syscall's latency, and the kernel counts it (io_hist). JSON
+        // lines, the capture and the verdicts of -t (their baselines) need
+        // every record.
+        io_detail_ns: if cli.json || cli.capture.is_some() || cli.threshold.is_some() {
             0
         } else {
             u64::MAX
@@ -224,7 +292,15 @@ fn bpf_stats(skel: &ViotraceGuestSkel<'_>) -> Vec<(&'static str, u64)> {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    if let Some(Cmd::Decode { file }) = &cli.cmd {
+        return decode(file);
+    }
     let filters = resolve_filters(&cli)?;
+    let capture = cli
+        .capture
+        .as_deref()
+        .map(|p| open_capture(p, cli.json))
+        .transpose()?;
 
     transport::one_heap_arena();
     // (before the agent has a mount namespace of its own: mounted for everyone)
@@ -299,6 +375,9 @@ fn main() -> Result<()> {
         uplink,
     ));
     sink.borrow_mut().set_off_cpu(run.off_cpu);
+    if let Some((w, on_stdout)) = capture {
+        sink.borrow_mut().set_capture(w, on_stdout);
+    }
     let mut rb = RingBufferBuilder::new();
     rb.add(&run.skel.maps.events, |data: &[u8]| {
         sink.borrow_mut().handle(data);
@@ -345,6 +424,6 @@ fn main() -> Result<()> {
     stats.push(("io_hist_reread", hist.batch_short));
     stats.extend(s.verdict_counters());
     s.close_uplink(&mut stats);
-    s.finish(started.elapsed(), &stats);
-    Ok(())
+    s.close_capture(&mut stats);
+    s.finish(started.elapsed(), &stats)
 }

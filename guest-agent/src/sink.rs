@@ -4,10 +4,11 @@ use std::collections::HashMap;
 use std::io::{self, BufWriter, Stdout, Write};
 use std::time::Duration;
 
+use viotrace_shared::capture::CaptureWriter;
 use viotrace_shared::cause::syscall::SyscallVerdicts;
 use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::jsonl::JsonLines;
-use viotrace_shared::proto::{Counter, GuestStats};
+use viotrace_shared::proto::{Counter, GuestRecordRef, GuestStats};
 use viotrace_shared::record::{GuestIo, GuestRq, Point, Points, Stats};
 use viotrace_shared::stats::{render_waterfall, Aggregator};
 use viotrace_shared::transport::GuestSender;
@@ -41,6 +42,10 @@ pub struct Sink {
     uplink: Option<GuestSender>,
     /// Verdicts on slow syscalls (`-t` with the off-CPU programs loaded).
     verdicts: Option<SyscallVerdicts>,
+    /// Every record, encoded, to the capture file (`--capture`).
+    capture: Option<CaptureWriter<Box<dyn Write>>>,
+    /// Human text goes to stderr (stdout carries JSON lines or the capture).
+    human_to_stderr: bool,
 }
 
 #[cfg(test)]
@@ -136,7 +141,16 @@ impl Sink {
             decode_errors: 0,
             interval_records: 0,
             verdicts: None,
+            capture: None,
+            human_to_stderr: json,
         }
+    }
+
+    /// Writes every record to `capture` from now on; `on_stdout`: the capture
+    /// is this process's stdout, so human text goes to stderr.
+    pub fn set_capture(&mut self, capture: CaptureWriter<Box<dyn Write>>, on_stdout: bool) {
+        self.capture = Some(capture);
+        self.human_to_stderr |= on_stdout;
     }
 
     /// The off-CPU programs are loaded: syscall records carry their off-CPU
@@ -160,9 +174,9 @@ impl Sink {
         }
     }
 
-    /// Human text: stdout, or stderr in JSON mode.
+    /// Human text: stdout, or stderr when stdout carries JSON or the capture.
     fn human(&mut self, s: &str) {
-        if self.json {
+        if self.human_to_stderr {
             let _ = io::stderr().write_all(s.as_bytes());
         } else {
             let _ = self.out.get_mut().write_all(s.as_bytes());
@@ -186,6 +200,9 @@ impl Sink {
         match rec {
             Record::Rq(r) => {
                 self.on_rq(&r);
+                if let Some(c) = &mut self.capture {
+                    c.push(GuestRecordRef::Rq(&r));
+                }
                 if let Some(u) = &self.uplink {
                     u.send_rq(&r);
                 }
@@ -197,6 +214,9 @@ impl Sink {
                 // (not streamed: the join has no use for it, and it would be
                 // half the uplink's cost)
                 self.on_io(&io);
+                if let Some(c) = &mut self.capture {
+                    c.push(GuestRecordRef::Io(&io));
+                }
             }
         }
     }
@@ -356,12 +376,33 @@ impl Sink {
         }
     }
 
+    /// Writes the capture's open chunk and adds its counts to `counters`:
+    /// records written, and lost (not encodable, or the write failed).
+    pub fn close_capture(&mut self, counters: &mut Vec<(&'static str, u64)>) {
+        if let Some(c) = &mut self.capture {
+            c.flush();
+            counters.push(("capture_records", c.written));
+            counters.push(("capture_lost", c.lost));
+            if let Some(e) = &c.failed {
+                eprintln!("viotrace-guest: capture: {e}; {} records lost", c.lost);
+            }
+        }
+    }
+
     pub fn flush(&mut self) {
+        if let Some(c) = &mut self.capture {
+            c.flush();
+        }
         let _ = self.out.flush();
     }
 
-    /// Final table, counters, and the `"kind":"stats"` line in JSON mode.
-    pub fn finish(&mut self, elapsed: Duration, counters: &[(&'static str, u64)]) {
+    /// Final table, counters, and the `"kind":"stats"` line in JSON mode and
+    /// at the end of the capture (an error: the capture could not be completed).
+    pub fn finish(
+        &mut self,
+        elapsed: Duration,
+        counters: &[(&'static str, u64)],
+    ) -> anyhow::Result<()> {
         self.total.merge(&self.interval);
         self.interval.clear();
         let mut t = self.total.render_table(&format!(
@@ -377,23 +418,37 @@ impl Sink {
         }
         t += &format!(" decode_errors={}\n", self.decode_errors);
         self.human(&t);
+        if !self.json && self.capture.is_none() {
+            self.flush();
+            return Ok(());
+        }
+        let line = Stats {
+            is_final: Some(true),
+            mode: Some(self.mode.clone()),
+            elapsed_ns: Some(elapsed.as_nanos().min(u128::from(u64::MAX)) as u64),
+            guest_rq: Some(self.rqs),
+            guest_io: Some(self.ios),
+            decode_errors: Some(self.decode_errors),
+            counters: Some(counters.iter().map(|(k, v)| (k.to_string(), *v)).collect()),
+            blind: Some(self.blind.clone()),
+            blind_points: Some(self.blind_points.iter().map(|p| p.to_string()).collect()),
+            stages: self.total.summaries(),
+            ..Stats::default()
+        };
+        let mut w = JsonLines::new(Vec::new());
+        let _ = w.write(&line);
+        let line = std::mem::take(w.get_mut());
         if self.json {
-            let line = Stats {
-                is_final: Some(true),
-                mode: Some(self.mode.clone()),
-                elapsed_ns: Some(elapsed.as_nanos().min(u128::from(u64::MAX)) as u64),
-                guest_rq: Some(self.rqs),
-                guest_io: Some(self.ios),
-                decode_errors: Some(self.decode_errors),
-                counters: Some(counters.iter().map(|(k, v)| (k.to_string(), *v)).collect()),
-                blind: Some(self.blind.clone()),
-                blind_points: Some(self.blind_points.iter().map(|p| p.to_string()).collect()),
-                stages: self.total.summaries(),
-                ..Stats::default()
-            };
-            let _ = self.out.write(&line);
+            let _ = self.out.get_mut().write_all(&line);
         }
         self.flush();
+        match self.capture.take() {
+            Some(c) => c
+                .finish(&line)
+                .map(drop)
+                .map_err(|e| anyhow::anyhow!("the capture is incomplete: {e}")),
+            None => Ok(()),
+        }
     }
 }
 

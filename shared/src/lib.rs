@@ -1,6 +1,7 @@
 //! viotrace-shared: record types, wire protocol, clock synchronisation and the
 //! guest↔host join engine. Pure Rust, no BPF.
 
+pub mod capture;
 pub mod cause;
 pub mod chrome;
 pub mod clock;

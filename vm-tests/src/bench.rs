@@ -50,10 +50,13 @@ pub const JOBS: &[Job] = &[
 ];
 
 /// Conditions, alternated in this order each round: no agents, the guest agent always-on
-/// (`guest`: tables, no records written) and in capture mode (`capture`: `--json`, a record
-/// for every I/O), the host agent, both joined, and the anchor: a biolatency-style bpftrace
-/// script in the guest.
-pub const CONDITIONS: &[&str] = &["none", "guest", "capture", "host", "both", "bpftrace"];
+/// (`guest`: tables, no records written), in capture mode (`capture`: `--capture`, every
+/// record to a file, rendered as JSON after the run) and with live JSON lines (`json`:
+/// `--json`, every record as JSON as it comes), the host agent, both joined, and the anchor: a
+/// biolatency-style bpftrace script in the guest.
+pub const CONDITIONS: &[&str] = &[
+    "none", "guest", "capture", "json", "host", "both", "bpftrace",
+];
 
 /// Done-when bounds of issue 11, checked by [`verdicts`]: guest BPF run time per I/O as a
 /// multiple of the anchor's (always-on, capture), and IOPS ratio margins below the anchor's
@@ -70,7 +73,7 @@ tracepoint:block:block_rq_complete /@s[args->dev, args->sector]/ { \
 
 fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> VmConfig {
     let agents = match cond {
-        "guest" | "capture" => Agents::Guest,
+        "guest" | "capture" | "json" => Agents::Guest,
         "host" => Agents::Host,
         "both" => Agents::Both,
         _ => Agents::None,
@@ -81,7 +84,8 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> V
         console: false,
         // bpftrace needs room; every condition gets the same memory.
         memory_mib: base.memory_mib.max(2048),
-        guest_json: base.guest_json || cond == "capture",
+        guest_json: base.guest_json || cond == "json",
+        guest_capture: cond == "capture",
         ..base.clone()
     };
     if cond == "bpftrace" {

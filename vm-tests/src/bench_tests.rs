@@ -160,6 +160,22 @@ fn workload_runs_every_job() {
 }
 
 #[test]
+fn capture_writes_the_binary_capture_and_json_the_live_lines() {
+    let base = VmConfig {
+        guest_json: false,
+        ..VmConfig::default()
+    };
+    let out = |c: &str| {
+        let vm = condition_vm(c, &base, false, 3);
+        (vm.agents, vm.guest_json, vm.guest_capture)
+    };
+    assert_eq!(out("guest"), (Agents::Guest, false, false));
+    assert_eq!(out("capture"), (Agents::Guest, false, true));
+    assert_eq!(out("json"), (Agents::Guest, true, false));
+    assert_eq!(out("both"), (Agents::Both, false, false));
+}
+
+#[test]
 fn bpf_accounting_has_its_own_pass_after_the_window() {
     // The measured window never runs with bpf_stats_enabled...
     assert!(!workload(3).contains("bpf_stats_enabled"));
@@ -174,6 +190,7 @@ fn bpf_accounting_has_its_own_pass_after_the_window() {
     for (cond, sides) in [
         ("guest", (true, false)),
         ("capture", (true, false)),
+        ("json", (true, false)),
         ("host", (false, true)),
         ("both", (true, true)),
         ("bpftrace", (true, false)),

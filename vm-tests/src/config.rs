@@ -107,6 +107,9 @@ pub struct VmConfig {
     /// The guest agent writes JSON records to guest.jsonl (default). Off: it keeps only its
     /// periodic per-stage tables (guest.log) — the always-on configuration the bench measures.
     pub guest_json: bool,
+    /// The guest agent also captures every record (`--capture /out/guest.cap`); the lab
+    /// decodes the capture into `guest.cap.jsonl` (the JSON lines `--json` prints).
+    pub guest_capture: bool,
     /// The host agent writes a JSON line per element to host.jsonl (default). Off: per-stage
     /// tables only (the host side of the always-on configuration the bench measures).
     pub host_json: bool,
@@ -161,6 +164,7 @@ impl Default for VmConfig {
             format: DiskFormat::Raw,
             agents: Agents::None,
             guest_json: true,
+            guest_capture: false,
             host_json: true,
             guest_args: String::new(),
             host_args: Vec::new(),

@@ -5,6 +5,28 @@ use std::path::Path;
 use anyhow::Result;
 use viotrace_shared::record::{GuestIo, GuestRq, HostElem, JoinedIo, Record, Stats};
 
+/// Decodes the guest agent's capture (`guest.cap`) into `guest.cap.jsonl`, the JSON
+/// lines `--json` prints. A capture that is missing, damaged or unfinished fails the run.
+pub fn decode_capture(out: &Path) -> Result<u64> {
+    use anyhow::Context;
+    use viotrace_shared::capture::{render_json, CaptureReader};
+    let src = out.join("guest.cap");
+    let f = std::fs::File::open(&src).with_context(|| format!("open {}", src.display()))?;
+    let mut rd = CaptureReader::new(std::io::BufReader::new(f))
+        .with_context(|| format!("{}", src.display()))?;
+    let dst = out.join("guest.cap.jsonl");
+    let mut w = std::io::BufWriter::new(std::fs::File::create(&dst)?);
+    let n = render_json(&mut rd, &mut w).with_context(|| {
+        format!(
+            "{}: the guest's capture, after {} records",
+            src.display(),
+            rd.records()
+        )
+    })?;
+    std::io::Write::flush(&mut w)?;
+    Ok(n)
+}
+
 /// The records of one output file, in order.
 #[derive(Clone, Debug, Default)]
 pub struct Records(pub Vec<Record>);

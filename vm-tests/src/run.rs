@@ -245,10 +245,12 @@ impl Run<'_> {
             gargs += &format!(" --connect vsock:2:{AGENT_VSOCK_PORT}");
         }
         conf += &format!("VIOTRACE_GUEST_ARGS={}\n", shell_quote(&gargs));
-        conf += &format!(
-            "VIOTRACE_GUEST_OUTPUT={}\n",
-            if cfg.guest_json { "--json" } else { "" }
-        );
+        let output = [
+            (cfg.guest_json, "--json"),
+            (cfg.guest_capture, "--capture /out/guest.cap"),
+        ];
+        let output: Vec<&str> = output.iter().filter(|o| o.0).map(|o| o.1).collect();
+        conf += &format!("VIOTRACE_GUEST_OUTPUT={}\n", shell_quote(&output.join(" ")));
         // 30 s before the run's deadline the guest dumps its disks' requests in
         // flight and its user tasks' states and kernel stacks to the console,
         // so that a hung workload leaves evidence in serial.log (init.sh).
@@ -615,6 +617,9 @@ impl Run<'_> {
             let mut ar = tar::Archive::new(File::open(&tarball)?);
             ar.unpack(self.out)
                 .context("unpack the results the guest shipped (truncated?)")?;
+        }
+        if self.cfg.guest_capture {
+            crate::records::decode_capture(self.out)?;
         }
         Ok(())
     }

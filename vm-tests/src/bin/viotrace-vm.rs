@@ -61,12 +61,12 @@ enum Cmd {
         /// guest) and the host agent's, in a pass of its own after each measured window.
         #[arg(long)]
         bpf_stats: bool,
-        /// Conditions to alternate (none, guest, capture, host, both, bpftrace; capture = the
-        /// guest agent with --json).
+        /// Conditions to alternate (none, guest, capture, json, host, both, bpftrace;
+        /// capture = the guest agent with --capture, json = with --json).
         #[arg(
             long,
             value_delimiter = ',',
-            default_value = "none,guest,capture,host,both,bpftrace"
+            default_value = "none,guest,capture,json,host,both,bpftrace"
         )]
         conditions: Vec<String>,
         #[arg(short, long, default_value = "lab-out/bench")]
@@ -127,6 +127,10 @@ struct VmArgs {
     /// The guest agent prints only its per-stage tables (guest.log), no JSON records.
     #[arg(long)]
     guest_tables_only: bool,
+    /// The guest agent also captures every record (`--capture`), and the lab decodes the
+    /// capture into guest.cap.jsonl.
+    #[arg(long)]
+    guest_capture: bool,
     /// The host agent runs always-on (no --json): its files get only the slow
     /// and the sampled records, every record still counts in its statistics.
     #[arg(long)]
@@ -199,6 +203,7 @@ impl VmArgs {
             format: self.format,
             agents: self.agents.unwrap_or(default_agents),
             guest_json: !self.guest_tables_only,
+            guest_capture: self.guest_capture,
             host_json: !self.host_always_on,
             guest_args: self.guest_args.clone(),
             host_args: split(&self.host_args, "host-args")?,

@@ -56,9 +56,17 @@ int BPF_KPROBE(notify_direct, void *vdev, void *vq)
 	stat_inc(ST_NOTIFY_CALLS);
 	__u32 tgid;
 	struct qemu_layout *l = this_proc(&tgid);
-	if (!l || !(l->flags & QL_HAVE_NOTIFIER))
+	if (!l)
 		return 0;
-	flush_vq(tgid, (__u64)vq);
+	/* (counted apart from other devices' calls: the bench's traps per request) */
+	if (l->flags & QL_HAVE_NOTIFIER) {
+		if (flush_vq(tgid, (__u64)vq))
+			stat_inc(ST_NOTIFY_TRACED);
+	} else {
+		struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
+		if (bpf_map_lookup_elem(&vqs, &vk))
+			stat_inc(ST_NOTIFY_TRACED);
+	}
 	return 0;
 }
 

@@ -619,12 +619,14 @@ static long flush_one(__u64 i, void *data)
 	return 0;
 }
 
-static __always_inline void flush_vq(__u32 tgid, __u64 vq)
+/* A guest notification on queue `vq`: its pushed elements get h.irq. Whether
+ * `vq` is a traced queue. */
+static __always_inline int flush_vq(__u32 tgid, __u64 vq)
 {
 	struct tg_ptr vk = { .tgid = tgid, .ptr = vq };
 	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
 	if (!st)
-		return;
+		return 0;
 	stat_inc(ST_IRQ);
 	__u64 n = st->push_seq - st->flush_seq;
 	if (n > MAX_PENDING)
@@ -632,5 +634,6 @@ static __always_inline void flush_vq(__u32 tgid, __u64 vq)
 	struct flush_ctx c = { .tgid = tgid, .vq = vq, .seq = st->flush_seq, .now = bpf_ktime_get_ns() };
 	st->flush_seq += n;
 	bpf_loop(n, flush_one, &c, 0);
+	return 1;
 }
 

@@ -143,7 +143,8 @@ struct wait_rec {
 	X(ST_UPROBE_HITS, "uprobe_hits", QEMU uprobe and USDT probe hits (each a trap in a QEMU thread))   \
 	X(ST_PUSH_OTHER, "push_other_device", virtqueue_push of an element of another device (ignored))    \
 	X(ST_NOTIFY_CALLS, "virtio_notify_calls", virtio_notify hits (synchronous guest notifications, any device)) \
-	X(ST_QEMU_EXECS, "qemu_execs", processes that started a QEMU binary (discovery scans for new VMs then))
+	X(ST_QEMU_EXECS, "qemu_execs", processes that started a QEMU binary (discovery scans for new VMs then)) \
+	X(ST_NOTIFY_TRACED, "virtio_notify_traced", virtio_notify hits on a traced virtio-blk queue)
 
 #define VH_STAT_ENUM(id, name, desc) id,
 enum {

@@ -259,6 +259,29 @@ pub fn final_counters(r: &RunResult, agent: &str) -> BTreeMap<String, u64> {
     parse_counters(last.as_deref().unwrap_or_default())
 }
 
+/// The host agent's traps (uprobe hits) per block request traced (fio's and the rest,
+/// e.g. the file system's; else per fio I/O), and the traps its shared probes took for
+/// other devices (the console's pushes and virtio_notify calls), which are left out and
+/// shown on their own. virtio_notify calls on the traced queues (QEMU's synchronous
+/// notification path) are the block requests' own traps and count.
+fn host_traps(host: &BTreeMap<String, u64>, total_ios: u64) -> Option<(f64, u64)> {
+    let n = |k: &str| host.get(k).copied().unwrap_or(0);
+    let hits = *host.get("uprobe_hits")?;
+    let other =
+        n("push_other_device") + n("virtio_notify_calls").saturating_sub(n("virtio_notify_traced"));
+    // (records: every element the agent got, also those taken from the pushed map at
+    // stop, which records_emitted leaves out)
+    let reqs = host
+        .get("records")
+        .or(host.get("records_emitted"))
+        .copied()
+        .unwrap_or(total_ios);
+    Some((
+        hits.saturating_sub(other) as f64 / reqs.max(1) as f64,
+        other,
+    ))
+}
+
 fn parse_counters(line: &str) -> BTreeMap<String, u64> {
     line.split_whitespace()
         .filter_map(|t| t.split_once('='))
@@ -384,22 +407,8 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
             // Each agent's final counters, read once.
             let (guest, host) = (final_counters(&r, "guest"), final_counters(&r, "host"));
             c.drops.push(losses(&guest) + losses(&host));
-            // Per block request traced (fio's and the rest, e.g. the file
-            // system's), else per fio I/O. The traps the shared probes take for
-            // other devices (the console's pushes and virtio_notify calls) are
-            // counted apart and left out, and shown on their own.
-            if let Some(h) = host.get("uprobe_hits") {
-                let other = host.get("push_other_device").copied().unwrap_or(0)
-                    + host.get("virtio_notify_calls").copied().unwrap_or(0);
-                // (records: every element the agent got, also those taken from
-                // the pushed map at stop, which records_emitted leaves out)
-                let reqs = host
-                    .get("records")
-                    .or(host.get("records_emitted"))
-                    .copied()
-                    .unwrap_or(total_ios);
-                c.host_uprobe_hits_per_io
-                    .push(h.saturating_sub(other) as f64 / reqs.max(1) as f64);
+            if let Some((per_rq, other)) = host_traps(&host, total_ios) {
+                c.host_uprobe_hits_per_io.push(per_rq);
                 c.host_other_traps.push(other);
             }
             if vm.post.is_some() {

@@ -160,6 +160,29 @@ fn workload_runs_every_job() {
 }
 
 #[test]
+fn notify_traps_on_traced_queues_count_as_the_requests_own() {
+    let c = |kv: &[(&str, u64)]| -> BTreeMap<String, u64> {
+        kv.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+    };
+    // TCG, QEMU's synchronous path: a push and a virtio_notify per request, 67 notify
+    // calls and 44 pushes for the console.
+    let tcg = c(&[
+        ("uprobe_hits", 551_271),
+        ("records", 275_580),
+        ("push_other_device", 44),
+        ("virtio_notify_calls", 275_647),
+        ("virtio_notify_traced", 275_580),
+    ]);
+    let (per_rq, other) = host_traps(&tcg, 1).unwrap();
+    assert_eq!(other, 44 + 67);
+    assert!((per_rq - 2.0).abs() < 1e-3, "{per_rq}");
+    // The irqfd path: the push alone.
+    let irqfd = c(&[("uprobe_hits", 1000), ("records", 1000)]);
+    assert_eq!(host_traps(&irqfd, 5).unwrap(), (1.0, 0));
+    assert!(host_traps(&c(&[]), 5).is_none());
+}
+
+#[test]
 fn capture_writes_the_binary_capture_and_json_the_live_lines() {
     let base = VmConfig {
         guest_json: false,

@@ -200,6 +200,18 @@ impl Tracer<'_> {
         if no_submit {
             attach_list.retain(|(_, f, _)| !f.starts_with("blk_aio_"));
         }
+        let mut skipped: Vec<&str> = attach_list
+            .iter()
+            .map(|(_, f, _)| *f)
+            .filter(|f| info.probeable(f) && info.entry_offset(f) > 0)
+            .collect();
+        skipped.dedup();
+        if !skipped.is_empty() {
+            warn.push(format!(
+                "uprobes placed past the endbr64 of {} (CET build; no single-step per hit)",
+                skipped.join(", ")
+            ));
+        }
         for (prog, func, ret) in attach_list {
             if !info.probeable(func) {
                 continue;
@@ -209,7 +221,8 @@ impl Tracer<'_> {
                 func_name: Some(func.to_string()),
                 ..Default::default()
             };
-            match prog.attach_uprobe_with_opts(pid_i, &proc.exe, 0, opts) {
+            let skip = info.entry_offset(func) as usize;
+            match prog.attach_uprobe_with_opts(pid_i, &proc.exe, skip, opts) {
                 Ok(l) => links.push(l),
                 Err(e) => {
                     if matches!(

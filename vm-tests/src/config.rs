@@ -188,6 +188,35 @@ impl Default for VmConfig {
     }
 }
 
+impl VmConfig {
+    /// The guest's `viotrace/config.sh` (read by init.sh): the data disk, whether the guest
+    /// agent runs (`agent`), its arguments and outputs, and when a hung run dumps state.
+    pub(crate) fn guest_config_sh(&self, agent: bool) -> String {
+        use crate::vm::{shell_quote, AGENT_VSOCK_PORT};
+        let mut conf = String::from("VIOTRACE_DISK=vda\n");
+        conf += &format!("VIOTRACE_GUEST_AGENT={}\n", u8::from(agent));
+        let mut gargs = self.guest_args.clone();
+        if self.agents == Agents::Both {
+            gargs += &format!(" --connect vsock:2:{AGENT_VSOCK_PORT}");
+        }
+        conf += &format!("VIOTRACE_GUEST_ARGS={}\n", shell_quote(&gargs));
+        let output = [
+            (self.guest_json, "--json"),
+            (self.guest_capture, "--capture /out/guest.cap"),
+        ];
+        let output: Vec<&str> = output.iter().filter(|o| o.0).map(|o| o.1).collect();
+        conf += &format!("VIOTRACE_GUEST_OUTPUT={}\n", shell_quote(&output.join(" ")));
+        // 30 s before the run's deadline the guest dumps its disks' requests in
+        // flight and its user tasks' states and kernel stacks to the console,
+        // so that a hung workload leaves evidence in serial.log (init.sh).
+        conf += &format!(
+            "VIOTRACE_DUMP_AFTER={}\n",
+            self.timeout.as_secs().saturating_sub(30).max(10)
+        );
+        conf
+    }
+}
+
 /// QEMU's `-smp` value. Under TCG a single-vCPU guest is given a second, absent CPU slot
 /// (`maxcpus=2`): QEMU translates a 1-CPU guest without `CF_PARALLEL`, and then a guest's locked
 /// instruction is a plain load and store with no host barrier. Linux's `virtio_mb()` on x86 is
@@ -214,6 +243,41 @@ impl FromStr for Agents {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn guest_config_names_the_agents_outputs() {
+        let cfg = super::VmConfig {
+            agents: super::Agents::Both,
+            guest_json: false,
+            guest_capture: true,
+            guest_args: "-c fio".into(),
+            ..super::VmConfig::default()
+        };
+        let conf = cfg.guest_config_sh(true);
+        assert!(conf.contains("VIOTRACE_GUEST_AGENT=1\n"), "{conf}");
+        assert!(conf.contains("--connect vsock:2:5515"), "{conf}");
+        assert!(
+            conf.contains("VIOTRACE_GUEST_OUTPUT='--capture /out/guest.cap'\n"),
+            "{conf}"
+        );
+        let both = super::VmConfig {
+            guest_json: true,
+            ..cfg
+        };
+        assert!(
+            both.guest_config_sh(true)
+                .contains("VIOTRACE_GUEST_OUTPUT='--json --capture /out/guest.cap'\n"),
+            "{}",
+            both.guest_config_sh(true)
+        );
+        let none = super::VmConfig {
+            guest_json: false,
+            guest_capture: false,
+            ..super::VmConfig::default()
+        };
+        let conf = none.guest_config_sh(false);
+        assert!(conf.contains("VIOTRACE_GUEST_AGENT=0\n"), "{conf}");
+    }
+
     use super::smp_arg;
 
     #[test]

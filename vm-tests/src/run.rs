@@ -24,9 +24,8 @@ use crate::proc::Guarded;
 use crate::qmp::Qmp;
 use crate::result::{write_summary, RunResult};
 use crate::vm::{
-    kernel_cid, kernel_vhost_vsock_usable, kvm_usable, mono_at, shell_quote, tail, Lab,
-    AGENT_VSOCK_PORT, MARK_AGENT_EXIT, MARK_AGENT_FAILED, MARK_DONE, MARK_END, MARK_ERROR,
-    MARK_HOST_RESTART, MARK_START,
+    kernel_cid, kernel_vhost_vsock_usable, kvm_usable, mono_at, tail, Lab, MARK_AGENT_EXIT,
+    MARK_AGENT_FAILED, MARK_DONE, MARK_END, MARK_ERROR, MARK_HOST_RESTART, MARK_START,
 };
 
 enum Event {
@@ -233,31 +232,7 @@ impl Run<'_> {
             std::io::copy(&mut File::open(tools)?, &mut f)?;
         }
         let mut c = Cpio::new(Vec::new(), 1_000_000);
-        let disk = "vda";
-        let mut conf = String::new();
-        conf += &format!("VIOTRACE_DISK={disk}\n");
-        conf += &format!(
-            "VIOTRACE_GUEST_AGENT={}\n",
-            if guest_bin.is_some() { 1 } else { 0 }
-        );
-        let mut gargs = cfg.guest_args.clone();
-        if cfg.agents == Agents::Both {
-            gargs += &format!(" --connect vsock:2:{AGENT_VSOCK_PORT}");
-        }
-        conf += &format!("VIOTRACE_GUEST_ARGS={}\n", shell_quote(&gargs));
-        let output = [
-            (cfg.guest_json, "--json"),
-            (cfg.guest_capture, "--capture /out/guest.cap"),
-        ];
-        let output: Vec<&str> = output.iter().filter(|o| o.0).map(|o| o.1).collect();
-        conf += &format!("VIOTRACE_GUEST_OUTPUT={}\n", shell_quote(&output.join(" ")));
-        // 30 s before the run's deadline the guest dumps its disks' requests in
-        // flight and its user tasks' states and kernel stacks to the console,
-        // so that a hung workload leaves evidence in serial.log (init.sh).
-        conf += &format!(
-            "VIOTRACE_DUMP_AFTER={}\n",
-            cfg.timeout.as_secs().saturating_sub(30).max(10)
-        );
+        let conf = cfg.guest_config_sh(guest_bin.is_some());
         c.file("viotrace/config.sh", 0o644, conf.as_bytes())?;
         c.file(
             "viotrace/setup.sh",

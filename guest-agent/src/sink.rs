@@ -46,6 +46,7 @@ pub struct Sink {
     capture: Option<CaptureWriter<Box<dyn Write>>>,
     /// Human text goes to stderr (stdout carries JSON lines or the capture).
     human_to_stderr: bool,
+    capture_failure_said: bool,
 }
 
 #[cfg(test)]
@@ -143,6 +144,7 @@ impl Sink {
             verdicts: None,
             capture: None,
             human_to_stderr: json,
+            capture_failure_said: false,
         }
     }
 
@@ -392,6 +394,13 @@ impl Sink {
     pub fn flush(&mut self) {
         if let Some(c) = &mut self.capture {
             c.flush();
+            // Said once, when it happens; the count comes with the totals.
+            if let (Some(e), false) = (&c.failed, self.capture_failure_said) {
+                eprintln!(
+                    "viotrace-guest: capture: {e}; the records from here on are lost (counted)"
+                );
+                self.capture_failure_said = true;
+            }
         }
         let _ = self.out.flush();
     }

@@ -1,7 +1,7 @@
 use super::*;
 use crate::cause::{Cause, CauseKind};
 use crate::jsonl::JsonLines;
-use crate::record::{GuestIo, GuestRq, OffCpu, Op, Point, RqRef};
+use crate::record::{GuestIo, GuestRq, Op, Point, RqRef};
 use crate::walltime::WallTime;
 
 fn hello() -> Hello {
@@ -16,6 +16,7 @@ fn hello() -> Hello {
     }
 }
 
+/// The protocol tests' request, varied per record (op, queue, kick, a wall time, one more point).
 fn rq(i: u64) -> GuestRq {
     GuestRq {
         time: Some(WallTime(1_700_000_000_000_000_000 + i as i64)),
@@ -25,19 +26,8 @@ fn rq(i: u64) -> GuestRq {
         } else {
             Op::Write
         },
-        sector: 8 * i,
-        bytes: 4096,
         queue: Some((i % 2) as u16),
-        head: Some((i % 128) as u16),
-        pid: 42,
-        tid: 43,
-        comm: "fio".into(),
-        cgroup_id: 7,
-        inode: 12,
-        file_offset: Some(4096 * i),
         kicked: Some(i.is_multiple_of(3)),
-        bios: 1,
-        error: 0,
         ts: [
             (Point::SyscallEnter, 900 + i),
             (Point::RqIssue, 1000 + i),
@@ -45,20 +35,15 @@ fn rq(i: u64) -> GuestRq {
         ]
         .into_iter()
         .collect(),
+        ..crate::proto::tests::rq(i)
     }
 }
 
+/// The protocol tests' syscall record, with a name to escape, an error and (every other one)
+/// a why-slow verdict.
 fn io(i: u64) -> GuestIo {
     GuestIo {
-        time: None,
-        syscall: "pwrite64".into(),
-        pid: 1,
-        tid: 1,
         comm: "dd \"quoted\"".into(),
-        cgroup_id: 0,
-        inode: 5,
-        file_offset: None,
-        bytes: 4096,
         ret: -5,
         requests: smallvec::smallvec![RqRef {
             disk: "vdb".into(),
@@ -68,11 +53,6 @@ fn io(i: u64) -> GuestIo {
         ts: [(Point::SyscallEnter, 10), (Point::SyscallExit, 90_000)]
             .into_iter()
             .collect(),
-        off_cpu: Some(OffCpu {
-            runnable_ns: 5,
-            blocked_ns: 7,
-            holder: Some("pid 1 x".into()),
-        }),
         cause: i.is_multiple_of(2).then(|| {
             Box::new(Cause {
                 kind: CauseKind::GuestBlocked,
@@ -84,6 +64,7 @@ fn io(i: u64) -> GuestIo {
                 evidence: "slept".into(),
             })
         }),
+        ..crate::proto::tests::io()
     }
 }
 

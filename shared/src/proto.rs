@@ -564,4 +564,4 @@ pub fn batch_frame<'a>(
 
 #[cfg(test)]
 #[path = "proto_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -1,7 +1,7 @@
 use super::*;
 use crate::record::{Op, Point, Points, RqRef};
 
-fn rq(i: u64) -> GuestRq {
+pub(crate) fn rq(i: u64) -> GuestRq {
     GuestRq {
         time: None,
         disk: "vda".into(),
@@ -25,7 +25,7 @@ fn rq(i: u64) -> GuestRq {
     }
 }
 
-fn io() -> GuestIo {
+pub(crate) fn io() -> GuestIo {
     GuestIo {
         time: None,
         syscall: "pwrite64".into(),

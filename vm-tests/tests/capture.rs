@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use viotrace_shared::capture::{CaptureError, CaptureReader, Item};
 use viotrace_shared::record::{Record, Stats};
 use viotrace_vm_tests::{assets, Agents, RunResult, VmConfig};
 
@@ -97,4 +98,52 @@ fn capture_alone_keeps_the_tables_and_records_every_syscall() {
     let tabled: u64 = syscalls.values().sum();
     assert_eq!(tabled, ios.len() as u64, "{log}");
     assert_eq!(final_stats(&recs.0).guest_io, Some(tabled));
+}
+
+/// A capture that runs out of room (a 32 KiB tmpfs): every record it could not write is
+/// counted, the agent says so and fails its exit status, and the file reads back up to the
+/// last chunk it wrote whole, then names where it stops.
+#[test]
+fn a_full_disk_loses_no_record_silently() {
+    let cfg = VmConfig {
+        guest_json: false,
+        guest_args: "-c fio --capture /out/small/guest.cap".into(),
+        setup: Some("mkdir -p /out/small && mount -t tmpfs -o size=32k tmpfs /out/small\n".into()),
+        ..VmConfig::default()
+    };
+    let r = run_agents("capture-full", Agents::Guest, cfg, KNOWN_IO);
+    let log = std::fs::read_to_string(r.path("guest.jsonl")).unwrap();
+    let err = std::fs::read_to_string(r.path("guest.log")).unwrap_or_default();
+    assert_ne!(r.guest_agent_rc, Some(0), "{err}");
+    assert!(err.contains("No space left on device"), "{err}");
+    let (written, lost) = (
+        counter(&log, "capture_records"),
+        counter(&log, "capture_lost"),
+    );
+    assert!(written > 0 && lost > 0, "{log}");
+    // Every record the kernel emitted was decoded and either written or counted lost.
+    assert_eq!(counter(&log, "decode_errors"), 0, "{log}");
+    assert_eq!(
+        written + lost,
+        counter(&log, "rq_emitted") + counter(&log, "io_emitted"),
+        "{log}"
+    );
+    let f = std::fs::File::open(r.path("small/guest.cap")).unwrap();
+    let rd = CaptureReader::new(std::io::BufReader::new(f)).unwrap();
+    let (mut n, mut end) = (0u64, None);
+    for item in rd {
+        match item {
+            Ok(Item::Record(_)) => n += 1,
+            Ok(Item::End(l)) => panic!("a full capture ended cleanly: {l}"),
+            Err(e) => end = Some(e),
+        }
+    }
+    assert_eq!(n, written);
+    assert!(
+        matches!(
+            end,
+            Some(CaptureError::Truncated { .. } | CaptureError::NoEnd { .. })
+        ),
+        "{end:?}"
+    );
 }

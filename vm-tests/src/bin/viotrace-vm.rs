@@ -43,11 +43,11 @@ enum Cmd {
         #[arg(short, long, default_value = "lab-out/demo")]
         out: PathBuf,
     },
-    /// fio in the guest under alternated conditions (none, guest, host, both): IOPS, latency and agent costs.
+    /// fio in the guest under alternated conditions (see --conditions): IOPS, latency and agent costs.
     Bench {
         #[command(flatten)]
         vm: VmArgs,
-        /// Rounds of A B C D.
+        /// Rounds: each runs every condition once, in order.
         #[arg(long, default_value_t = 3)]
         rounds: u32,
         /// Seconds per fio job.

@@ -65,12 +65,14 @@ pub enum CaptureError {
     Proto(#[from] ProtoError),
 }
 
-fn write_chunk<W: Write>(out: &mut W, kind: u8, payload: &[u8]) -> io::Result<()> {
+/// One chunk whose payload is `parts` concatenated.
+fn write_chunk<W: Write>(out: &mut W, kind: u8, parts: &[&[u8]]) -> io::Result<()> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
     let mut h = [0u8; CHUNK_HEADER];
     h[0] = kind;
-    h[1..].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    h[1..].copy_from_slice(&(len as u32).to_le_bytes());
     out.write_all(&h)?;
-    out.write_all(payload)
+    parts.iter().try_for_each(|p| out.write_all(p))
 }
 
 /// Writes a capture file. Records are encoded into an open chunk and the
@@ -97,7 +99,7 @@ impl<W: Write> CaptureWriter<W> {
     pub fn new(mut out: W, hello: &Hello) -> Result<Self, CaptureError> {
         let h = postcard::to_allocvec(hello).map_err(ProtoError::Encode)?;
         out.write_all(MAGIC)?;
-        write_chunk(&mut out, HELLO, &h)?;
+        write_chunk(&mut out, HELLO, &[&h])?;
         Ok(CaptureWriter {
             out,
             pending: Vec::with_capacity(CHUNK_BYTES + 1024),
@@ -132,17 +134,9 @@ impl<W: Write> CaptureWriter<W> {
             return;
         }
         let n = std::mem::take(&mut self.pending_count);
-        let mut head = Vec::with_capacity(varint::MAX_LEN);
-        varint::push(&mut head, n);
-        let len = head.len() + self.pending.len();
-        let mut h = [0u8; CHUNK_HEADER];
-        h[0] = RECORDS;
-        h[1..].copy_from_slice(&(len as u32).to_le_bytes());
-        let r = self
-            .out
-            .write_all(&h)
-            .and_then(|_| self.out.write_all(&head))
-            .and_then(|_| self.out.write_all(&self.pending));
+        let mut count = Vec::with_capacity(varint::MAX_LEN);
+        varint::push(&mut count, n);
+        let r = write_chunk(&mut self.out, RECORDS, &[&count, &self.pending]);
         self.pending.clear();
         match r {
             Ok(()) => self.written += n,
@@ -175,7 +169,7 @@ impl<W: Write> CaptureWriter<W> {
         if let Some(f) = &self.failed {
             return Err(CaptureError::Io(io::Error::other(f.clone())));
         }
-        write_chunk(&mut self.out, END, stats_line)?;
+        write_chunk(&mut self.out, END, &[stats_line])?;
         self.out.flush()?;
         Ok(self.out)
     }
@@ -213,75 +207,34 @@ impl<R: Read> CaptureReader<R> {
         if n < m.len() || &m != MAGIC {
             return Err(CaptureError::BadMagic(m[..n].to_vec()));
         }
-        let mut rd = CaptureReader {
-            r,
-            hello: Hello {
-                protocol_version: 0,
-                agent_version: String::new(),
-                kernel_release: String::new(),
-                boot_id: String::new(),
-                hostname: String::new(),
-                cid: None,
-                session: 0,
-            },
-            at: MAGIC.len() as u64,
-            chunk: Vec::new(),
-            cur: (0, 0),
-            records: 0,
-            done: false,
-        };
-        let at = rd.at;
-        match rd.next_chunk()? {
-            Some(HELLO) => {}
-            _ => return Err(CaptureError::NoHello),
+        let (mut at, mut chunk) = (MAGIC.len() as u64, Vec::new());
+        let hello_at = at;
+        if read_chunk(&mut r, &mut at, &mut chunk)? != Some(HELLO) {
+            return Err(CaptureError::NoHello);
         }
-        rd.hello = postcard::from_bytes(&rd.chunk).map_err(|e| CaptureError::Malformed {
-            at,
+        let hello: Hello = postcard::from_bytes(&chunk).map_err(|e| CaptureError::Malformed {
+            at: hello_at,
             what: format!("hello: {e}"),
         })?;
-        if rd.hello.protocol_version != PROTOCOL_VERSION {
+        if hello.protocol_version != PROTOCOL_VERSION {
             return Err(CaptureError::Version {
-                got: rd.hello.protocol_version,
+                got: hello.protocol_version,
                 want: PROTOCOL_VERSION,
             });
         }
-        Ok(rd)
+        Ok(CaptureReader {
+            r,
+            hello,
+            at,
+            chunk,
+            cur: (0, 0),
+            records: 0,
+            done: false,
+        })
     }
 
-    /// Reads the next chunk into `self.chunk`; its kind, or None at the end of the file.
     fn next_chunk(&mut self) -> Result<Option<u8>, CaptureError> {
-        let at = self.at;
-        let mut h = [0u8; CHUNK_HEADER];
-        let n = read_full(&mut self.r, &mut h)?;
-        if n == 0 {
-            return Ok(None);
-        }
-        if n < CHUNK_HEADER {
-            return Err(CaptureError::Truncated {
-                at,
-                have: n,
-                need: CHUNK_HEADER,
-            });
-        }
-        let kind = h[0];
-        if !matches!(kind, HELLO | RECORDS | END) {
-            return Err(CaptureError::UnknownChunk { at, kind });
-        }
-        let len = u32::from_le_bytes(h[1..].try_into().expect("4 bytes")) as usize;
-        if len > MAX_CHUNK {
-            return Err(CaptureError::Oversized { at, len });
-        }
-        self.chunk.resize(len, 0);
-        let got = read_full(&mut self.r, &mut self.chunk)?;
-        if got < len {
-            return Err(CaptureError::Truncated {
-                at,
-                have: CHUNK_HEADER + got,
-                need: CHUNK_HEADER + len,
-            });
-        }
-        self.at += (CHUNK_HEADER + len) as u64;
-        Ok(Some(kind))
+        read_chunk(&mut self.r, &mut self.at, &mut self.chunk)
     }
 
     fn next_item(&mut self) -> Result<Option<Item>, CaptureError> {
@@ -363,6 +316,47 @@ impl<R: Read> Iterator for CaptureReader<R> {
             }
         }
     }
+}
+
+/// Reads the chunk at byte `*at` of `r` into `chunk` and moves `*at` past it; its
+/// kind, or None at the end of the input.
+fn read_chunk<R: Read>(
+    r: &mut R,
+    at: &mut u64,
+    chunk: &mut Vec<u8>,
+) -> Result<Option<u8>, CaptureError> {
+    let start = *at;
+    let mut h = [0u8; CHUNK_HEADER];
+    let n = read_full(r, &mut h)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if n < CHUNK_HEADER {
+        return Err(CaptureError::Truncated {
+            at: start,
+            have: n,
+            need: CHUNK_HEADER,
+        });
+    }
+    let kind = h[0];
+    if !matches!(kind, HELLO | RECORDS | END) {
+        return Err(CaptureError::UnknownChunk { at: start, kind });
+    }
+    let len = u32::from_le_bytes(h[1..].try_into().expect("4 bytes")) as usize;
+    if len > MAX_CHUNK {
+        return Err(CaptureError::Oversized { at: start, len });
+    }
+    chunk.resize(len, 0);
+    let got = read_full(r, chunk)?;
+    if got < len {
+        return Err(CaptureError::Truncated {
+            at: start,
+            have: CHUNK_HEADER + got,
+            need: CHUNK_HEADER + len,
+        });
+    }
+    *at += (CHUNK_HEADER + len) as u64;
+    Ok(Some(kind))
 }
 
 /// Reads until `buf` is full or the end of the input; the bytes read.

@@ -38,8 +38,7 @@ int kick_read(struct trace_event_raw_sys_enter *ctx)
 	struct fd_val *v = notifier_of(tgid, (__s32)ctx->args[0]);
 	if (!v || v->kind != FD_KICK)
 		return 0;
-	struct tg_ptr vk = { .tgid = tgid, .ptr = v->vq };
-	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
+	struct vq_state *st = traced_vq(tgid, v->vq);
 	if (st) {
 		vq_kick(st, bpf_ktime_get_ns());
 		stat_inc(ST_KICKS);
@@ -58,15 +57,13 @@ int BPF_KPROBE(notify_direct, void *vdev, void *vq)
 	struct qemu_layout *l = this_proc(&tgid);
 	if (!l)
 		return 0;
+	struct vq_state *st = traced_vq(tgid, (__u64)vq);
+	if (!st)
+		return 0;
 	/* (counted apart from other devices' calls: the bench's traps per request) */
-	if (l->flags & QL_HAVE_NOTIFIER) {
-		if (flush_vq(tgid, (__u64)vq))
-			stat_inc(ST_NOTIFY_TRACED);
-	} else {
-		struct tg_ptr vk = { .tgid = tgid, .ptr = (__u64)vq };
-		if (bpf_map_lookup_elem(&vqs, &vk))
-			stat_inc(ST_NOTIFY_TRACED);
-	}
+	stat_inc(ST_NOTIFY_TRACED);
+	if (l->flags & QL_HAVE_NOTIFIER)
+		flush_st(tgid, (__u64)vq, st);
 	return 0;
 }
 

@@ -619,14 +619,16 @@ static long flush_one(__u64 i, void *data)
 	return 0;
 }
 
-/* A guest notification on queue `vq`: its pushed elements get h.irq. Whether
- * `vq` is a traced queue. */
-static __always_inline int flush_vq(__u32 tgid, __u64 vq)
+/* The state of queue `vq` of process `tgid`, if it is a traced queue. */
+static __always_inline struct vq_state *traced_vq(__u32 tgid, __u64 vq)
 {
 	struct tg_ptr vk = { .tgid = tgid, .ptr = vq };
-	struct vq_state *st = bpf_map_lookup_elem(&vqs, &vk);
-	if (!st)
-		return 0;
+	return bpf_map_lookup_elem(&vqs, &vk);
+}
+
+/* A guest notification on traced queue `vq` (state `st`): its pushed elements get h.irq. */
+static __always_inline void flush_st(__u32 tgid, __u64 vq, struct vq_state *st)
+{
 	stat_inc(ST_IRQ);
 	__u64 n = st->push_seq - st->flush_seq;
 	if (n > MAX_PENDING)
@@ -634,6 +636,13 @@ static __always_inline int flush_vq(__u32 tgid, __u64 vq)
 	struct flush_ctx c = { .tgid = tgid, .vq = vq, .seq = st->flush_seq, .now = bpf_ktime_get_ns() };
 	st->flush_seq += n;
 	bpf_loop(n, flush_one, &c, 0);
-	return 1;
+}
+
+/* A guest notification on queue `vq`, if it is a traced one. */
+static __always_inline void flush_vq(__u32 tgid, __u64 vq)
+{
+	struct vq_state *st = traced_vq(tgid, vq);
+	if (st)
+		flush_st(tgid, vq, st);
 }
 

@@ -17,6 +17,8 @@ mod accounting;
 pub use accounting::parse_bpf_progs;
 use accounting::{bpf_accounting, bpf_stats_pass, render_bpf_costs};
 
+#[path = "bench_records.rs"]
+mod bench_records;
 #[path = "bench_verdicts.rs"]
 mod verdicts;
 use verdicts::render_verdicts;
@@ -86,6 +88,8 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> V
         memory_mib: base.memory_mib.max(2048),
         guest_json: base.guest_json || cond == "json",
         guest_capture: cond == "capture",
+        // (the bench reads the capture itself: its JSON is not needed)
+        decode_capture: false,
         ..base.clone()
     };
     if cond == "bpftrace" {
@@ -129,6 +133,9 @@ pub struct BenchConfig {
     /// the guest), in a pass of its own after each measured window (the accounting slows
     /// every hook, so the IOPS ratios are never taken with it on). Off by default.
     pub bpf_stats: bool,
+    /// Keep every round's record files (`guest.jsonl`, `guest.cap`, …); by default those
+    /// over 1 MiB are removed once the round is read (see `bench_records`).
+    pub keep_records: bool,
 }
 
 /// Per (condition, job) samples over rounds.
@@ -183,6 +190,14 @@ pub struct BenchResult {
     pub costs: BTreeMap<String, Costs>,
     /// Runs that did not finish: (condition, round, why).
     pub failed_runs: Vec<(String, u32, String)>,
+}
+
+/// The records missing from a checked capture (its error is noted as a failed run).
+fn capture_lost(check: &Option<Result<u64, String>>) -> u64 {
+    match check {
+        Some(Ok(n)) => *n,
+        _ => 0,
+    }
 }
 
 fn note_failure(res: &mut BenchResult, cond: &str, round: u32, why: String) {
@@ -343,6 +358,7 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
         ..Default::default()
     };
     let wl = workload(cfg.runtime_secs);
+    let mut removed = 0u64;
     for round in 0..cfg.rounds {
         for &cond in CONDITIONS
             .iter()
@@ -406,18 +422,36 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
             }
             // Each agent's final counters, read once.
             let (guest, host) = (final_counters(&r, "guest"), final_counters(&r, "host"));
-            c.drops.push(losses(&guest) + losses(&host));
+            // A capture holds every record the agent counted as written.
+            let capture = vm
+                .guest_capture
+                .then(|| bench_records::capture_shortfall(&dir, &guest));
+            c.drops
+                .push(losses(&guest) + losses(&host) + capture_lost(&capture));
             if let Some((per_rq, other)) = host_traps(&host, total_ios) {
                 c.host_uprobe_hits_per_io.push(per_rq);
                 c.host_other_traps.push(other);
+            }
+            if let Some(Err(why)) = capture {
+                note_failure(&mut res, &name, round, why);
             }
             if vm.post.is_some() {
                 if let Err(why) = bpf_accounting(&dir, &name, accounting_sides(&vm), &mut res) {
                     note_failure(&mut res, &name, round, why);
                 }
             }
+            if !cfg.keep_records {
+                removed += bench_records::trim(&dir)?;
+            }
             fs::write(out.join("bench.json"), serde_json::to_vec_pretty(&res)?)?;
         }
+    }
+    if removed > 0 {
+        eprintln!(
+            "bench: removed {:.0} MiB of record files after their rounds were read (each round's \
+             records-removed.txt lists them; --keep-records keeps them)",
+            removed as f64 / (1u64 << 20) as f64
+        );
     }
     let table = render(&res);
     fs::write(out.join("bench.txt"), &table)?;

@@ -196,6 +196,8 @@ fn capture_writes_the_binary_capture_and_json_the_live_lines() {
     assert_eq!(out("capture"), (Agents::Guest, false, true));
     assert_eq!(out("json"), (Agents::Guest, true, false));
     assert_eq!(out("both"), (Agents::Both, false, false));
+    // The bench checks the capture itself (bench_records): no JSON decode of it.
+    assert!(!condition_vm("capture", &base, false, 3).decode_capture);
 }
 
 #[test]

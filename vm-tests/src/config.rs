@@ -110,6 +110,9 @@ pub struct VmConfig {
     /// The guest agent also captures every record (`--capture /out/guest.cap`); the lab
     /// decodes the capture into `guest.cap.jsonl` (the JSON lines `--json` prints).
     pub guest_capture: bool,
+    /// With `guest_capture`: decode it into `guest.cap.jsonl` (default). Off: the run
+    /// leaves only `guest.cap` (the bench reads it itself; its JSON would be ~6× larger).
+    pub decode_capture: bool,
     /// The host agent writes a JSON line per element to host.jsonl (default). Off: per-stage
     /// tables only (the host side of the always-on configuration the bench measures).
     pub host_json: bool,
@@ -165,6 +168,7 @@ impl Default for VmConfig {
             agents: Agents::None,
             guest_json: true,
             guest_capture: false,
+            decode_capture: true,
             host_json: true,
             guest_args: String::new(),
             host_args: Vec::new(),

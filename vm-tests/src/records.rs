@@ -27,6 +27,25 @@ pub fn decode_capture(out: &Path) -> Result<u64> {
     Ok(n)
 }
 
+/// Reads the guest agent's capture (`guest.cap`) through to its end chunk: the
+/// records it holds. A capture that is missing, damaged or unfinished is an error
+/// naming where it stops.
+pub fn count_capture(out: &Path) -> Result<u64> {
+    use anyhow::Context;
+    use viotrace_shared::capture::{CaptureReader, Item};
+    let src = out.join("guest.cap");
+    let f = std::fs::File::open(&src).with_context(|| format!("open {}", src.display()))?;
+    let mut rd = CaptureReader::new(std::io::BufReader::new(f))
+        .with_context(|| format!("{}", src.display()))?;
+    let mut ended = false;
+    for item in rd.by_ref() {
+        let item = item.with_context(|| format!("{}", src.display()))?;
+        ended |= matches!(item, Item::End(_));
+    }
+    anyhow::ensure!(ended, "{}: no end chunk", src.display());
+    Ok(rd.records())
+}
+
 /// The records of one output file, in order.
 #[derive(Clone, Debug, Default)]
 pub struct Records(pub Vec<Record>);

@@ -593,7 +593,7 @@ impl Run<'_> {
             ar.unpack(self.out)
                 .context("unpack the results the guest shipped (truncated?)")?;
         }
-        if self.cfg.guest_capture {
+        if self.cfg.guest_capture && self.cfg.decode_capture {
             crate::records::decode_capture(self.out)?;
         }
         Ok(())

@@ -69,6 +69,10 @@ enum Cmd {
             default_value = "none,guest,capture,json,host,both,bpftrace"
         )]
         conditions: Vec<String>,
+        /// Keep every round's record files (a capture round leaves ~270 MB, a json
+        /// round ~220 MB); by default those over 1 MiB are removed once the round is read.
+        #[arg(long)]
+        keep_records: bool,
         #[arg(short, long, default_value = "lab-out/bench")]
         out: PathBuf,
     },
@@ -204,6 +208,7 @@ impl VmArgs {
             agents: self.agents.unwrap_or(default_agents),
             guest_json: !self.guest_tables_only,
             guest_capture: self.guest_capture,
+            decode_capture: true,
             host_json: !self.host_always_on,
             guest_args: self.guest_args.clone(),
             host_args: split(&self.host_args, "host-args")?,
@@ -301,6 +306,7 @@ fn real_main() -> Result<ExitCode> {
             conditions,
             json,
             bpf_stats,
+            keep_records,
             out,
         } => {
             let lab = Lab::with_kernel(&vm.guest_kernel)?;
@@ -312,6 +318,7 @@ fn real_main() -> Result<ExitCode> {
                 runtime_secs: runtime,
                 conditions,
                 bpf_stats,
+                keep_records,
                 vm: VmConfig {
                     console: false,
                     guest_json: json,

@@ -21,6 +21,7 @@ use crate::kernel::Facts;
 use crate::plan::{self, Plan, Report, Variants};
 use crate::probe::{Mode, SYS_TP_PROGS};
 use crate::Filters;
+use viotrace_shared::selfcost::BpfRuns;
 
 /// A loaded and attached object.
 pub struct Running {
@@ -63,29 +64,56 @@ impl Running {
 
     /// The same per attached program.
     pub fn bpf_runs_missed_by_program(&self) -> Option<Vec<(String, u64)>> {
-        let mut out = Vec::new();
+        let mut out = Some(Vec::new());
+        self.each_attached(|name, fd| {
+            let missed = prog_info(fd).and_then(|(i, rec)| rec.then_some(i.recursion_misses));
+            match (&mut out, missed) {
+                (Some(v), Some(n)) => v.push((name, n)),
+                _ => out = None,
+            }
+        });
+        out
+    }
+
+    /// The kernel's run time and run count of the attached programs, summed (both 0
+    /// while the kernel does not measure them: `kernel.bpf_stats_enabled`).
+    pub fn bpf_runs(&self) -> BpfRuns {
+        let mut sum = BpfRuns::default();
+        self.each_attached(|_, fd| {
+            if let Some((i, _)) = prog_info(fd) {
+                sum.ns += i.run_time_ns;
+                sum.runs += i.run_cnt;
+            }
+        });
+        sum
+    }
+
+    /// Calls `f` with the name and descriptor of each attached program.
+    fn each_attached(&self, mut f: impl FnMut(String, BorrowedFd<'_>)) {
         for p in self.skel.object().progs() {
             let name = p.name().to_string_lossy().into_owned();
             if self.links.iter().any(|(n, _)| *n == name) {
-                out.push((name, recursion_misses(p.as_fd())?));
+                f(name, p.as_fd());
             }
         }
-        Some(out)
     }
 }
 
-/// `recursion_misses` of a loaded program, if the kernel reports it.
-fn recursion_misses(fd: BorrowedFd<'_>) -> Option<u64> {
-    let mut info = libbpf_rs::libbpf_sys::bpf_prog_info::default();
-    let mut len = size_of::<libbpf_rs::libbpf_sys::bpf_prog_info>() as u32;
+/// A loaded program's info (run time and runs, Linux 5.1+), and whether it has
+/// `recursion_misses` (Linux 5.12+).
+fn prog_info(fd: BorrowedFd<'_>) -> Option<(libbpf_rs::libbpf_sys::bpf_prog_info, bool)> {
+    use libbpf_rs::libbpf_sys::bpf_prog_info;
+    let mut info = bpf_prog_info::default();
+    let mut len = size_of::<bpf_prog_info>() as u32;
     // SAFETY: `info` is a writable bpf_prog_info of `len` bytes, its pointer fields are
     // zero (nothing is requested), and the kernel writes at most `len` bytes.
     let r = unsafe {
         libbpf_rs::libbpf_sys::bpf_prog_get_info_by_fd(fd.as_raw_fd(), &mut info, &mut len)
     };
-    let needed =
-        offset_of!(libbpf_rs::libbpf_sys::bpf_prog_info, recursion_misses) + size_of::<u64>();
-    (r == 0 && len as usize >= needed).then_some(info.recursion_misses)
+    let has = |end: usize| len as usize >= end;
+    let runs = offset_of!(bpf_prog_info, run_cnt) + size_of::<u64>();
+    let recursion = offset_of!(bpf_prog_info, recursion_misses) + size_of::<u64>();
+    (r == 0 && has(runs)).then_some((info, has(recursion)))
 }
 
 /// Programs libbpf reported as failing to load during the current attempt.

@@ -393,6 +393,7 @@ fn main() -> Result<()> {
 
     let mut hist = io_hist::IoHist::default();
     let started = Instant::now();
+    let cost = viotrace_shared::selfcost::SelfCost::start(run.bpf_runs());
     let mut next_table = started + cli.interval;
     while !stop.load(Ordering::SeqCst) {
         if cli.duration.is_some_and(|d| started.elapsed() >= d) {
@@ -425,5 +426,9 @@ fn main() -> Result<()> {
     stats.extend(s.verdict_counters());
     s.close_uplink(&mut stats);
     s.close_capture(&mut stats);
-    s.finish(started.elapsed(), &stats)
+    let cost = cost.report(run.bpf_runs(), s.rqs);
+    stats.extend(cost.counters());
+    let r = s.finish(started.elapsed(), &stats);
+    s.say(&format!("viotrace-guest: {}\n", cost.line("request")));
+    r
 }

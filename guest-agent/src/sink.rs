@@ -185,6 +185,12 @@ impl Sink {
         }
     }
 
+    /// A line of human text, written out now.
+    pub fn say(&mut self, s: &str) {
+        self.human(s);
+        let _ = self.out.flush();
+    }
+
     /// One raw ring-buffer record.
     pub fn handle(&mut self, data: &[u8]) {
         let rec = match self.decoder.decode(data) {

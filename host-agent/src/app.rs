@@ -19,6 +19,7 @@ use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::metrics::otlp::Otlp;
 use viotrace_shared::metrics::{Metrics, Recorder};
 use viotrace_shared::record::Stats;
+use viotrace_shared::selfcost::SelfCost;
 use viotrace_shared::stats::Aggregator;
 
 use crate::bpf::types::{host_rec, wait_rec};
@@ -68,6 +69,8 @@ pub struct App<'obj> {
     qemu_execs: Option<u64>,
     /// Discovery scans of /proc so far.
     discoveries: u64,
+    /// The agent's own cost from the moment its programs were loaded.
+    cost: SelfCost,
 }
 
 impl<'obj> App<'obj> {
@@ -109,7 +112,9 @@ impl<'obj> App<'obj> {
             _ => None,
         };
         let start = Instant::now();
+        let cost = SelfCost::start(tracer.bpf_runs());
         Ok(App {
+            cost,
             explicit: cli.pids.iter().copied().collect(),
             next_table: start + cli.interval,
             next_scan: start + Duration::from_secs(1),
@@ -499,7 +504,12 @@ impl<'obj> App<'obj> {
                 stats.extend(o.stats.counters());
             }
         }
+        let cost = self.cost.report(self.tracer.bpf_runs(), self.sink.records);
+        stats.extend(cost.counters().into_iter().map(|(k, v)| (k.to_string(), v)));
         self.final_lines(&stats, transport, why)?;
+        self.sink
+            .human(&format!("viotrace-host: {}\n", cost.line("request")));
+        let _ = self.sink.out.flush();
         let _ = detaching.join();
         Ok(())
     }

@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod points;
 pub mod proto;
 pub mod record;
+pub mod selfcost;
 pub mod stages;
 pub mod stats;
 pub mod transport;

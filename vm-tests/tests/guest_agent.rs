@@ -685,3 +685,44 @@ fn check_always_on(name: &str, kernel: GuestKernel) {
     // fio's requests on vdb are all still in the request table.
     assert_eq!(totals_rows(&log, "vdb").get("total"), Some(&600), "{log}");
 }
+
+#[test]
+fn the_agent_reports_what_it_costs() {
+    // The kernel measures BPF run time only when asked (it costs two clock reads a run).
+    let cfg = VmConfig {
+        setup: Some("echo 1 >/proc/sys/kernel/bpf_stats_enabled\n".into()),
+        ..VmConfig::default()
+    };
+    let r = run_guest("guest-self-cost", cfg, KNOWN_IO);
+    let c = final_stats(&r).counters.expect("counters");
+    let get = |n: &str| *c.get(n).unwrap_or_else(|| panic!("no {n}: {c:?}"));
+    let (cpu_us, peak_kib, bpf_ns) = (
+        get("cost_cpu_us"),
+        get("cost_peak_rss_kib"),
+        get("cost_bpf_ns"),
+    );
+    // Its CPU covers the workload window the lab measured from /proc (10 ms ticks).
+    let lab = r.metrics.guest_agent.as_ref().expect("lab's agent usage");
+    assert!(
+        lab.cpu_secs <= cpu_us as f64 / 1e6 + 0.02,
+        "self-reported {cpu_us} µs < the lab's {} s over the workload",
+        lab.cpu_secs
+    );
+    assert!(cpu_us > 0 && bpf_ns > 0, "{c:?}");
+    // Its peak is the kernel's high-water mark, later than the lab's reading.
+    assert!(
+        peak_kib >= lab.peak_rss_kib && peak_kib < 64 * 1024,
+        "peak {peak_kib} KiB, the lab's {} KiB",
+        lab.peak_rss_kib
+    );
+    let rqs = final_stats(&r).guest_rq.expect("guest_rq");
+    let log = guest_log(&r);
+    let line = log
+        .lines()
+        .find(|l| l.contains("cost while tracing:"))
+        .unwrap_or_else(|| panic!("no cost line: {log}"));
+    assert!(
+        line.contains(&format!("per request ({rqs} requests)")) && line.contains("BPF run time"),
+        "{line}"
+    );
+}

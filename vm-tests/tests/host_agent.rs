@@ -248,6 +248,30 @@ fn agent_started_before_qemu_discovers_it() {
         "{scans} discovery scans in {:.0} s (at most {bound}): {c:?}",
         r.total_secs
     );
+    // What the agent says it cost covers what the lab measured over the workload
+    // (from /proc; 10 ms ticks), and its peak RSS is the kernel's high-water mark.
+    let lab = r
+        .metrics
+        .host_agent
+        .as_ref()
+        .expect("lab's host agent usage");
+    let (cpu_us, peak_kib) = (counter("cost_cpu_us"), counter("cost_peak_rss_kib"));
+    assert!(
+        cpu_us > 0 && lab.cpu_secs <= cpu_us as f64 / 1e6 + 0.02,
+        "self-reported {cpu_us} µs, the lab's {} s over the workload",
+        lab.cpu_secs
+    );
+    assert!(
+        peak_kib >= lab.peak_rss_kib && peak_kib < 256 * 1024,
+        "peak {peak_kib} KiB, the lab's {} KiB",
+        lab.peak_rss_kib
+    );
+    let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default()
+        + &std::fs::read_to_string(r.path("host.jsonl")).unwrap_or_default();
+    assert!(
+        log.contains("viotrace-host: cost while tracing:"),
+        "no cost line: {log}"
+    );
 }
 
 #[test]

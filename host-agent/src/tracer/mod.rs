@@ -10,6 +10,7 @@ use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, OpenObject};
 use viotrace_shared::interference::Interference;
 use viotrace_shared::record::{Backend, HostElem, Name, Op, Point, Points};
+use viotrace_shared::selfcost::BpfRuns;
 
 use crate::bpf::types::{
     dev_user, host_rec, pushed_key, qemu_layout, rq_owner, tg_ptr, vq_state, wait_rec,
@@ -328,6 +329,24 @@ impl<'obj> Tracer<'obj> {
     /// Whether the kernel program `prog` attached (see `missing_kernel`).
     pub fn kernel_probe_attached(&self, prog: &str) -> bool {
         !self.missing_kernel.iter().any(|m| m.0.starts_with(prog))
+    }
+
+    /// The kernel's run time and run count of this agent's programs, summed (both 0
+    /// while the kernel does not measure them: `kernel.bpf_stats_enabled`).
+    pub fn bpf_runs(&self) -> BpfRuns {
+        use std::os::fd::AsFd;
+        let ids: FxHashSet<u32> = self
+            .skel
+            .object()
+            .progs()
+            .filter_map(|p| libbpf_rs::Program::id_from_fd(p.as_fd()).ok())
+            .collect();
+        libbpf_rs::query::ProgInfoIter::default()
+            .filter(|i| ids.contains(&i.id))
+            .fold(BpfRuns::default(), |a, i| BpfRuns {
+                ns: a.ns + i.run_time_ns,
+                runs: a.runs + i.run_cnt,
+            })
     }
 
     /// Reads the kernel-side counters.

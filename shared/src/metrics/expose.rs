@@ -163,19 +163,10 @@ impl Collector for MetricsCollector {
     }
 }
 
-/// (CPU seconds, RSS bytes) of this process, from `/proc/self`.
+/// (CPU seconds, RSS bytes) of this process: its exact CPU time
+/// ([`selfcost::usage`](crate::selfcost::usage)) and its RSS now (`/proc/self/statm`).
 pub fn self_usage() -> (f64, f64) {
-    let tick = 100.0; // USER_HZ on Linux
-    let cpu = std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            let rest = s.rsplit_once(')')?.1;
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            let u: f64 = f.get(11)?.parse().ok()?;
-            let k: f64 = f.get(12)?.parse().ok()?;
-            Some((u + k) / tick)
-        })
-        .unwrap_or(0.0);
+    let cpu = crate::selfcost::usage().map_or(0.0, |u| u.0.as_secs_f64());
     let rss = std::fs::read_to_string("/proc/self/statm")
         .ok()
         .and_then(|s| s.split_whitespace().nth(1)?.parse::<f64>().ok())

@@ -562,6 +562,34 @@ pub fn batch_frame<'a>(
     out[start..start + FRAME_HEADER].copy_from_slice(&len.to_le_bytes());
 }
 
+/// A typical guest request record, varied by `i` (sector, head, offset, points): for
+/// tests and benches.
+#[cfg(any(test, feature = "testing"))]
+pub fn sample_rq(i: u64) -> GuestRq {
+    use crate::record::{Op, Point};
+    GuestRq {
+        time: None,
+        disk: "vda".into(),
+        op: Op::Write,
+        sector: 8 * i,
+        bytes: 4096,
+        queue: Some(0),
+        head: Some((i % 128) as u16),
+        pid: 42,
+        tid: 43,
+        comm: "fio".into(),
+        cgroup_id: 7,
+        inode: 12,
+        file_offset: Some(4096 * i),
+        kicked: Some(true),
+        bios: 1,
+        error: 0,
+        ts: [(Point::RqIssue, 1000 + i), (Point::RqComplete, 2000 + i)]
+            .into_iter()
+            .collect(),
+    }
+}
+
 #[cfg(test)]
 #[path = "proto_tests.rs"]
 pub(crate) mod tests;

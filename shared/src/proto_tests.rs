@@ -1,28 +1,8 @@
 use super::*;
-use crate::record::{Op, Point, Points, RqRef};
+use crate::record::{Points, RqRef};
 
 pub(crate) fn rq(i: u64) -> GuestRq {
-    GuestRq {
-        time: None,
-        disk: "vda".into(),
-        op: Op::Write,
-        sector: 8 * i,
-        bytes: 4096,
-        queue: Some(0),
-        head: Some((i % 128) as u16),
-        pid: 42,
-        tid: 43,
-        comm: "fio".into(),
-        cgroup_id: 7,
-        inode: 12,
-        file_offset: Some(4096 * i),
-        kicked: Some(true),
-        bios: 1,
-        error: 0,
-        ts: [(Point::RqIssue, 1000 + i), (Point::RqComplete, 2000 + i)]
-            .into_iter()
-            .collect(),
-    }
+    sample_rq(i)
 }
 
 pub(crate) fn io() -> GuestIo {

@@ -102,31 +102,6 @@ mod tests {
         assert!(!e.path().join("records-removed.txt").exists());
     }
 
-    fn rq(i: u64) -> viotrace_shared::record::GuestRq {
-        use viotrace_shared::record::{GuestRq, Op, Point};
-        GuestRq {
-            disk: "vdb".into(),
-            time: None,
-            op: Op::Read,
-            sector: 8 * i,
-            bytes: 4096,
-            queue: Some(0),
-            head: Some(i as u16),
-            pid: 7,
-            tid: 7,
-            comm: "fio".into(),
-            cgroup_id: 1,
-            inode: 12,
-            file_offset: Some(4096 * i),
-            kicked: Some(true),
-            bios: 1,
-            error: 0,
-            ts: [(Point::RqIssue, 1000 + i), (Point::RqComplete, 2000 + i)]
-                .into_iter()
-                .collect(),
-        }
-    }
-
     #[test]
     fn a_capture_is_checked_against_the_agents_count() {
         use viotrace_shared::capture::CaptureWriter;
@@ -144,7 +119,7 @@ mod tests {
         let n = 5u64;
         let mut w = CaptureWriter::new(Vec::new(), &hello).unwrap();
         for i in 0..n {
-            w.push(GuestRecordRef::Rq(&rq(i)));
+            w.push(GuestRecordRef::Rq(&viotrace_shared::proto::sample_rq(i)));
         }
         w.flush();
         let full = w.finish(b"{\"kind\":\"stats\"}\n").unwrap();

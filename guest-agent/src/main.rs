@@ -426,7 +426,7 @@ fn main() -> Result<()> {
     stats.extend(s.verdict_counters());
     s.close_uplink(&mut stats);
     s.close_capture(&mut stats);
-    let cost = cost.report(run.bpf_runs(), s.rqs);
+    let cost = cost.report(Some(run.bpf_runs()), s.rqs);
     stats.extend(cost.counters());
     let r = s.finish(started.elapsed(), &stats);
     s.say(&format!("viotrace-guest: {}\n", cost.line("request")));

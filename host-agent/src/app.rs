@@ -19,7 +19,7 @@ use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::metrics::otlp::Otlp;
 use viotrace_shared::metrics::{Metrics, Recorder};
 use viotrace_shared::record::Stats;
-use viotrace_shared::selfcost::SelfCost;
+use viotrace_shared::selfcost::{CostReport, SelfCost};
 use viotrace_shared::stats::Aggregator;
 
 use crate::bpf::types::{host_rec, wait_rec};
@@ -71,6 +71,8 @@ pub struct App<'obj> {
     discoveries: u64,
     /// The agent's own cost from the moment its programs were loaded.
     cost: SelfCost,
+    /// That cost at the stop, with the programs' run time (for the last publication).
+    final_cost: Option<CostReport>,
 }
 
 impl<'obj> App<'obj> {
@@ -115,6 +117,7 @@ impl<'obj> App<'obj> {
         let cost = SelfCost::start(tracer.bpf_runs());
         Ok(App {
             cost,
+            final_cost: None,
             explicit: cli.pids.iter().copied().collect(),
             next_table: start + cli.interval,
             next_scan: start + Duration::from_secs(1),
@@ -496,6 +499,11 @@ impl<'obj> App<'obj> {
             j.out.otlp = None;
             self.sink.joined = Some(j);
         }
+        let cost = self
+            .cost
+            .report(Some(self.tracer.bpf_runs()), self.sink.records);
+        stats.extend(cost.counters().into_iter().map(|(k, v)| (k.to_string(), v)));
+        self.final_cost = Some(cost);
         if self.otlp.is_some() {
             // The last push carries the final counters.
             self.publish_metrics();
@@ -504,8 +512,6 @@ impl<'obj> App<'obj> {
                 stats.extend(o.stats.counters());
             }
         }
-        let cost = self.cost.report(self.tracer.bpf_runs(), self.sink.records);
-        stats.extend(cost.counters().into_iter().map(|(k, v)| (k.to_string(), v)));
         self.final_lines(&stats, transport, why)?;
         self.sink
             .human(&format!("viotrace-host: {}\n", cost.line("request")));
@@ -582,6 +588,11 @@ impl<'obj> App<'obj> {
         if let Some(o) = &self.otlp {
             c.extend(o.stats.counters());
         }
+        // The agent's own cost: live without the BPF run time, final with it.
+        let cost = self
+            .final_cost
+            .unwrap_or_else(|| self.cost.report(None, s.records));
+        c.extend(cost.counters().into_iter().map(|(k, v)| (k.to_string(), v)));
         m.set_counters(c);
         m.set_gauges(g);
     }

@@ -63,14 +63,15 @@ impl SelfCost {
     }
 
     /// The cost since [`start`](Self::start), `ios` I/Os traced, the programs'
-    /// counters now `bpf`.
-    pub fn report(&self, bpf: BpfRuns, ios: u64) -> CostReport {
+    /// counters now `bpf` (None: not read, e.g. for a live metric, where reading
+    /// every program's info each time would cost more than it tells).
+    pub fn report(&self, bpf: Option<BpfRuns>, ios: u64) -> CostReport {
         let (cpu, peak) = usage().unwrap_or_default();
         CostReport {
             cpu: cpu.saturating_sub(self.cpu0),
             wall: self.t0.elapsed(),
             peak_rss_kib: peak,
-            bpf_ns: measured(self.bpf0, bpf),
+            bpf_ns: bpf.and_then(|b| measured(self.bpf0, b)),
             ios,
         }
     }

@@ -1,21 +1,27 @@
 //! An agent's JSON-lines output read as typed [`Record`]s (the VM tests' view).
 
-use std::path::Path;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use viotrace_shared::capture::{render_json, CaptureReader};
 use viotrace_shared::record::{GuestIo, GuestRq, HostElem, JoinedIo, Record, Stats};
+
+/// The guest agent's capture of run directory `out` (`guest.cap`), opened, its path.
+fn open_capture(out: &Path) -> Result<(CaptureReader<BufReader<File>>, PathBuf)> {
+    let src = out.join("guest.cap");
+    let f = File::open(&src).with_context(|| format!("open {}", src.display()))?;
+    let rd = CaptureReader::new(BufReader::new(f)).with_context(|| format!("{}", src.display()))?;
+    Ok((rd, src))
+}
 
 /// Decodes the guest agent's capture (`guest.cap`) into `guest.cap.jsonl`, the JSON
 /// lines `--json` prints. A capture that is missing, damaged or unfinished fails the run.
 pub fn decode_capture(out: &Path) -> Result<u64> {
-    use anyhow::Context;
-    use viotrace_shared::capture::{render_json, CaptureReader};
-    let src = out.join("guest.cap");
-    let f = std::fs::File::open(&src).with_context(|| format!("open {}", src.display()))?;
-    let mut rd = CaptureReader::new(std::io::BufReader::new(f))
-        .with_context(|| format!("{}", src.display()))?;
+    let (mut rd, src) = open_capture(out)?;
     let dst = out.join("guest.cap.jsonl");
-    let mut w = std::io::BufWriter::new(std::fs::File::create(&dst)?);
+    let mut w = std::io::BufWriter::new(File::create(&dst)?);
     let n = render_json(&mut rd, &mut w).with_context(|| {
         format!(
             "{}: the guest's capture, after {} records",
@@ -29,20 +35,12 @@ pub fn decode_capture(out: &Path) -> Result<u64> {
 
 /// Reads the guest agent's capture (`guest.cap`) through to its end chunk: the
 /// records it holds. A capture that is missing, damaged or unfinished is an error
-/// naming where it stops.
+/// naming where it stops (the reader fails a file without its end chunk).
 pub fn count_capture(out: &Path) -> Result<u64> {
-    use anyhow::Context;
-    use viotrace_shared::capture::{CaptureReader, Item};
-    let src = out.join("guest.cap");
-    let f = std::fs::File::open(&src).with_context(|| format!("open {}", src.display()))?;
-    let mut rd = CaptureReader::new(std::io::BufReader::new(f))
-        .with_context(|| format!("{}", src.display()))?;
-    let mut ended = false;
+    let (mut rd, src) = open_capture(out)?;
     for item in rd.by_ref() {
-        let item = item.with_context(|| format!("{}", src.display()))?;
-        ended |= matches!(item, Item::End(_));
+        item.with_context(|| format!("{}", src.display()))?;
     }
-    anyhow::ensure!(ended, "{}: no end chunk", src.display());
     Ok(rd.records())
 }
 

@@ -177,6 +177,12 @@ pub struct Costs {
     pub host_bpf_ns_per_io: Vec<f64>,
     /// Per host program: ns per guest I/O, one value per round.
     pub host_bpf_programs: BTreeMap<String, Vec<f64>>,
+    /// The vCPU threads' wait for a host CPU, share of the window.
+    pub vcpu_wait_share: Vec<f64>,
+    /// The host CPUs' busy share over the window (every process).
+    pub host_busy_share: Vec<f64>,
+    /// Per host thread group (`process/thread name`): its run time, share of the window.
+    pub host_thread_run_share: BTreeMap<String, Vec<f64>>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -420,6 +426,9 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
                 c.host_agent_peak_rss_kib.push(u.peak_rss_kib);
                 c.host_agent_rss_kib.push(u.rss_kib);
             }
+            if let Some(h) = &r.metrics.host_threads {
+                accounting::note_host_threads(c, h);
+            }
             // Each agent's final counters, read once.
             let (guest, host) = (final_counters(&r, "guest"), final_counters(&r, "host"));
             // A capture holds every record the agent counted as written.
@@ -534,6 +543,7 @@ pub fn render(res: &BenchResult) -> String {
         let first = why.lines().next().unwrap_or_default();
         let _ = writeln!(s, "FAILED run: {cond}, round {}: {first}", round + 1);
     }
+    s += &accounting::render_host_threads(res);
     s += &render_verdicts(&verdicts(res));
     s += &render_bpf_costs(res);
     s

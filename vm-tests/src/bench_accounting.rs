@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 use std::fs;
 use std::path::Path;
 
-use super::{fio_jobs, median, parse_fio, BenchResult, CONDITIONS, JOBS};
+use super::{fio_jobs, median, parse_fio, BenchResult, Costs, CONDITIONS, JOBS};
+use crate::host_threads::HostThreads;
 
 /// The BPF accounting pass, after the measured window: the jobs again with
 /// `kernel.bpf_stats_enabled`, between two `bpftool prog show`. Accounting every program
@@ -189,6 +190,70 @@ pub(super) fn render_bpf_costs(res: &BenchResult) -> String {
                 let _ = writeln!(s, "    {p:<24} {ns:>8.0} ns/IO");
             }
         }
+    }
+    s
+}
+
+/// One round's host threads into the condition's costs.
+pub(super) fn note_host_threads(c: &mut Costs, h: &HostThreads) {
+    if let Some(w) = h.vcpu_wait_share() {
+        c.vcpu_wait_share.push(w);
+    }
+    if let Some(b) = h.host_busy_share {
+        c.host_busy_share.push(b);
+    }
+    if h.window_secs > 0.0 {
+        for t in &h.threads {
+            c.host_thread_run_share
+                .entry(format!("{}/{}", t.role, t.name))
+                .or_default()
+                .push(t.run_secs / h.window_secs);
+        }
+    }
+}
+
+/// The host CPUs per condition (medians over rounds): how long the vCPU thread waited
+/// for a CPU, how busy the host was, and the busiest host threads besides the vCPU.
+pub(super) fn render_host_threads(res: &BenchResult) -> String {
+    let mut s = String::new();
+    for &name in CONDITIONS {
+        let Some(c) = res.costs.get(name) else {
+            continue;
+        };
+        if c.vcpu_wait_share.is_empty() && c.host_busy_share.is_empty() {
+            continue;
+        }
+        if s.is_empty() {
+            s +=
+                "\nhost CPUs over the window (medians): vCPU thread waiting for a CPU, host busy, \
+                  busiest other host threads (% of one CPU)\n";
+        }
+        let pct = |v: &Vec<f64>| {
+            if v.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.1} %", 100.0 * median(v))
+            }
+        };
+        let mut others: Vec<(f64, &String)> = c
+            .host_thread_run_share
+            .iter()
+            .filter(|(k, _)| !k.starts_with("qemu/CPU "))
+            .map(|(k, v)| (median(v), k))
+            .collect();
+        others.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let top: Vec<String> = others
+            .iter()
+            .take(4)
+            .map(|(v, k)| format!("{k} {:.1}", 100.0 * v))
+            .collect();
+        let _ = writeln!(
+            s,
+            "{name:<8} vCPU wait {:>7}  host busy {:>7}  {}",
+            pct(&c.vcpu_wait_share),
+            pct(&c.host_busy_share),
+            top.join(", ")
+        );
     }
     s
 }

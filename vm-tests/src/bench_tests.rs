@@ -304,3 +304,39 @@ fn the_accounting_pass_asks_the_lab_for_the_hosts_sample() {
     let first = post.find("fio ").unwrap();
     assert!(start < pause && pause < first, "{post}");
 }
+
+#[test]
+fn host_threads_give_the_vcpu_wait_and_the_busiest_other_threads() {
+    use crate::host_threads::{HostThreads, ThreadUse};
+    let use_of = |role: &'static str, name: &str, run: f64, wait: f64| ThreadUse {
+        role,
+        name: name.into(),
+        threads: 1,
+        run_secs: run,
+        wait_secs: wait,
+        slices: 1,
+    };
+    let mut res = BenchResult::default();
+    for (round, wait) in [(0, 1.0), (1, 3.0), (2, 2.0)] {
+        let h = HostThreads {
+            window_secs: 10.0,
+            threads: vec![
+                use_of("qemu", "CPU 0/TCG", 9.0, wait),
+                use_of("qemu", "worker", 4.0 + round as f64, 0.0),
+                use_of("vsock-backend", "vhost-device-vs", 1.5, 0.0),
+            ],
+            host_busy_share: Some(0.95),
+            ended: 0,
+        };
+        accounting::note_host_threads(res.costs.entry("both".into()).or_default(), &h);
+    }
+    let c = &res.costs["both"];
+    assert_eq!(c.vcpu_wait_share, vec![0.1, 0.3, 0.2]);
+    let text = accounting::render_host_threads(&res);
+    assert!(
+        text.contains("both     vCPU wait  20.0 %  host busy  95.0 %  qemu/worker 50.0, vsock-backend/vhost-device-vs 15.0"),
+        "{text}"
+    );
+    // Without host thread samples there is no table.
+    assert!(accounting::render_host_threads(&BenchResult::default()).is_empty());
+}

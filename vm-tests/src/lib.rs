@@ -18,6 +18,7 @@ pub mod bench;
 pub mod compat;
 mod config;
 pub mod host_bpf;
+pub mod host_threads;
 pub mod interfere;
 pub mod metrics;
 mod pin;

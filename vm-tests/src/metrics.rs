@@ -150,6 +150,8 @@ pub struct RunMetrics {
     pub qemu: Option<Usage>,
     pub host_agent: Option<Usage>,
     pub guest_agent: Option<Usage>,
+    /// The host's threads (QEMU's, the vsock backend's, the host agent's) over the window.
+    pub host_threads: Option<crate::host_threads::HostThreads>,
 }
 
 #[cfg(test)]

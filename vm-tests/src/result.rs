@@ -125,6 +125,15 @@ pub(crate) fn write_summary(r: &RunResult) -> Result<()> {
             );
         }
     }
+    if let Some(h) = &m.host_threads {
+        if let Some(w) = h.vcpu_wait_share() {
+            s += &format!(
+                "vCPU threads waited for a host CPU {:.1} % of the window (host-threads.txt)\n",
+                100.0 * w
+            );
+        }
+        fs::write(r.path("host-threads.txt"), h.text())?;
+    }
     fs::write(r.path("summary.txt"), s)?;
     fs::write(r.path("summary.json"), serde_json::to_vec_pretty(r)?)?;
     Ok(())

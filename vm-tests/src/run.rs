@@ -19,6 +19,7 @@ use nix::sys::signal::Signal;
 use crate::assets::{self, Cpio, GuestAssets, Qemu};
 use crate::config::{Accel, Agents, Aio, DiskFormat, HostAttach, VmConfig, VsockMode};
 use crate::host_bpf::{self, StatsOn, MARK_HOST_BPF};
+use crate::host_threads::{self, HostThreads, Snapshot};
 use crate::metrics::{ProcSample, RunMetrics, Usage};
 use crate::proc::Guarded;
 use crate::qmp::Qmp;
@@ -58,6 +59,9 @@ struct Console {
     host_agent_pid: Option<u32>,
     /// (QEMU, host agent) at the workload's start and end.
     samples: (Sample, Sample),
+    /// The host threads at the workload's start and end.
+    threads: (Snapshot, Snapshot),
+    backend_pid: Option<u32>,
     mono: (u64, u64),
     host_restarts: u32,
     /// Exit codes of the host agent's earlier incarnations.
@@ -153,6 +157,7 @@ impl Run<'_> {
             fs::write(out.join("pin.txt"), at)?;
         }
         con.host_agent_pid = con.host_agent.as_ref().map(|h| h.pid());
+        con.backend_pid = vs.backend.as_ref().map(|b| b.pid());
         let on_line = |con: &mut Console, t: Instant, line: &str| -> Result<()> {
             self.on_line(con, t, line, qemu_pid, host_bin.as_deref(), &attach)
         };
@@ -206,6 +211,13 @@ impl Run<'_> {
                     ProcSample::from_files(out, "guest-agent.start"),
                     ProcSample::from_files(out, "guest-agent.end"),
                 ),
+                host_threads: con.t_end.map(|_| {
+                    HostThreads::between(
+                        &con.threads.0,
+                        &con.threads.1,
+                        (t_end - t_start).as_secs_f64(),
+                    )
+                }),
             },
             workload_start_ns: con.mono.0,
             workload_end_ns: con.mono.1,
@@ -511,6 +523,12 @@ impl Run<'_> {
                 hp.and_then(ProcSample::of_pid),
             )
         };
+        let threads = |con: &Console| {
+            let mut procs = vec![("qemu", qemu_pid)];
+            procs.extend(con.host_agent_pid.map(|p| ("host-agent", p)));
+            procs.extend(con.backend_pid.map(|p| ("vsock-backend", p)));
+            host_threads::snapshot(&procs)
+        };
         if line.contains(MARK_START) {
             con.t_start = Some(t);
             con.mono.0 = mono_at(t);
@@ -520,10 +538,12 @@ impl Run<'_> {
                 con.host_agent = Some(h);
             }
             con.samples.0 = sample(con.host_agent_pid);
+            con.threads.0 = threads(con);
         } else if let Some(r) = line.split_once(MARK_END) {
             con.t_end = Some(t);
             con.mono.1 = mono_at(t);
             con.samples.1 = sample(con.host_agent_pid);
+            con.threads.1 = threads(con);
             con.rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
         } else if line.contains(MARK_HOST_RESTART) {
             if let (Some(hb), Some(mut h)) = (host_bin, con.host_agent.take()) {

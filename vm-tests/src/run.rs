@@ -389,38 +389,34 @@ impl Run<'_> {
             guest.kernel.vmlinuz.clone()
         };
         let mut q = qemu_build.command(&[rd]);
-        q.args([
-            "-name",
-            &cfg.name,
-            "-accel",
-            accel,
-            "-nodefaults",
-            "-no-reboot",
-        ])
-        .args(["-display", "none", "-monitor", "none", "-serial", "stdio"])
-        .args(["-cpu", if accel == "kvm" { "host" } else { "max" }])
-        .args(["-smp", &crate::config::smp_arg(cfg.smp, accel)])
-        .args(["-m", &format!("{}M", cfg.memory_mib)])
-        .arg("-object")
-        .arg(format!(
-            "memory-backend-memfd,id=mem,size={}M,share=on",
-            cfg.memory_mib
-        ))
-        .args(["-numa", "node,memdev=mem"])
-        .arg("-kernel")
-        .arg(&vmlinuz)
-        .arg("-initrd")
-        .arg(initrd)
-        .args([
-            "-append",
-            "console=ttyS0 panic=-1 quiet loglevel=3 rdinit=/init tsc=reliable \
+        // As libvirt starts QEMU: named threads (`CPU 0/TCG`, `worker`, ...), which the
+        // host agent's interference evidence and the lab's host-threads.txt go by.
+        let name = format!("guest={},debug-threads=on", cfg.name);
+        q.args(["-name", &name, "-accel", accel, "-nodefaults", "-no-reboot"])
+            .args(["-display", "none", "-monitor", "none", "-serial", "stdio"])
+            .args(["-cpu", if accel == "kvm" { "host" } else { "max" }])
+            .args(["-smp", &crate::config::smp_arg(cfg.smp, accel)])
+            .args(["-m", &format!("{}M", cfg.memory_mib)])
+            .arg("-object")
+            .arg(format!(
+                "memory-backend-memfd,id=mem,size={}M,share=on",
+                cfg.memory_mib
+            ))
+            .args(["-numa", "node,memdev=mem"])
+            .arg("-kernel")
+            .arg(&vmlinuz)
+            .arg("-initrd")
+            .arg(initrd)
+            .args([
+                "-append",
+                "console=ttyS0 panic=-1 quiet loglevel=3 rdinit=/init tsc=reliable \
                      random.trust_cpu=on mitigations=off",
-        ])
-        .arg("-qmp")
-        .arg(format!(
-            "unix:{},server=on,wait=off",
-            rd.join("qmp.sock").display()
-        ));
+            ])
+            .arg("-qmp")
+            .arg(format!(
+                "unix:{},server=on,wait=off",
+                rd.join("qmp.sock").display()
+            ));
         let cache = if cfg.aio == Aio::Native {
             "none"
         } else {

@@ -226,7 +226,7 @@ pub(super) fn render_host_threads(res: &BenchResult) -> String {
         if s.is_empty() {
             s +=
                 "\nhost CPUs over the window (medians): vCPU thread waiting for a CPU, host busy, \
-                  busiest other host threads (% of one CPU)\n";
+                  the busiest other host threads (% of one CPU)\n";
         }
         let pct = |v: &Vec<f64>| {
             if v.is_empty() {
@@ -240,6 +240,8 @@ pub(super) fn render_host_threads(res: &BenchResult) -> String {
             .iter()
             .filter(|(k, _)| !k.starts_with("qemu/CPU "))
             .map(|(k, v)| (median(v), k))
+            // (idle threads, below 0.1 % of a CPU, are left out)
+            .filter(|(v, _)| *v >= 0.001)
             .collect();
         others.sort_by(|a, b| b.0.total_cmp(&a.0));
         let top: Vec<String> = others

@@ -324,6 +324,7 @@ fn host_threads_give_the_vcpu_wait_and_the_busiest_other_threads() {
                 use_of("qemu", "CPU 0/TCG", 9.0, wait),
                 use_of("qemu", "worker", 4.0 + round as f64, 0.0),
                 use_of("vsock-backend", "vhost-device-vs", 1.5, 0.0),
+                use_of("qemu", "IO mon_iothread", 0.001, 0.0),
             ],
             host_busy_share: Some(0.95),
             ended: 0,
@@ -337,6 +338,7 @@ fn host_threads_give_the_vcpu_wait_and_the_busiest_other_threads() {
         text.contains("both     vCPU wait  20.0 %  host busy  95.0 %  qemu/worker 50.0, vsock-backend/vhost-device-vs 15.0"),
         "{text}"
     );
+    assert!(!text.contains("mon_iothread"), "{text}");
     // Without host thread samples there is no table.
     assert!(accounting::render_host_threads(&BenchResult::default()).is_empty());
 }

@@ -149,7 +149,7 @@ fn watch_qemu(needle: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<
 #[test]
 fn qemu_11_sid_runs_from_its_own_root() {
     let stop = Arc::new(AtomicBool::new(false));
-    let watcher = watch_qemu("-name vt-qemu-11.x ".into(), stop.clone());
+    let watcher = watch_qemu("-name guest=vt-qemu-11.x,".into(), stop.clone());
     let r = run_direct_io(
         "qemu-11.x",
         VmConfig {

@@ -199,7 +199,10 @@ fn sectors_in(recs: &Records, lo: u64, hi: u64) -> usize {
 #[test]
 fn restarting_either_agent_mid_run_recovers() {
     // Three phases on distinct ranges of vdb: before any restart, after the guest agent
-    // restarted, after the host agent restarted.
+    // restarted, after the host agent restarted. The new guest agent connects in the
+    // background (with back-off) and flushes every 100 ms: phase 2's records get 3 s to
+    // reach the first host agent before it is restarted (without, a CI run once saw them
+    // all delivered to the second one instead).
     let phase = |off_mib: u32| {
         format!(
             "fio --name=p{off_mib} --filename=/dev/vdb --rw=randwrite --bs=4k --direct=1 \
@@ -215,6 +218,7 @@ fn restarting_either_agent_mid_run_recovers() {
          G2=$!\n\
          while [ ! -e /run/g2.ready ]; do sleep 0.1; done\n\
          {}\
+         sleep 3\n\
          echo VIOTRACE-HOST-AGENT-RESTART\n\
          sleep 12\n\
          {}\

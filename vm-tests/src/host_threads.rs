@@ -14,6 +14,8 @@ use std::fs;
 
 use serde::Serialize;
 
+use crate::metrics::task_schedstats;
+
 /// One thread at one instant.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ThreadSample {
@@ -33,12 +35,6 @@ type CpuTicks = (u64, u64);
 pub struct Snapshot {
     pub threads: Vec<ThreadSample>,
     cpu: Option<CpuTicks>,
-}
-
-/// Parses a schedstat line: run time (ns), wait time (ns), time slices.
-fn parse_schedstat(s: &str) -> Option<(u64, u64, u64)> {
-    let mut f = s.split_whitespace().map(|x| x.parse::<u64>().ok());
-    Some((f.next()??, f.next()??, f.next()??))
 }
 
 /// Parses `/proc/stat`'s aggregate `cpu` line into (busy, all) ticks; idle and
@@ -62,21 +58,11 @@ fn parse_cpu_line(stat: &str) -> Option<CpuTicks> {
 pub fn snapshot(procs: &[(&'static str, u32)]) -> Snapshot {
     let mut threads = Vec::new();
     for &(role, pid) in procs {
-        let Ok(dir) = fs::read_dir(format!("/proc/{pid}/task")) else {
-            continue;
-        };
-        for e in dir.flatten() {
-            let Some(tid) = e.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else {
+        for (tid, st) in task_schedstats(pid).unwrap_or_default() {
+            let Some((run_ns, wait_ns, slices)) = st else {
                 continue;
             };
-            let base = format!("/proc/{pid}/task/{tid}");
-            let Some((run_ns, wait_ns, slices)) = fs::read_to_string(format!("{base}/schedstat"))
-                .ok()
-                .and_then(|s| parse_schedstat(&s))
-            else {
-                continue;
-            };
-            let name = fs::read_to_string(format!("{base}/comm"))
+            let name = fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
                 .map(|s| s.trim_end().to_string())
                 .unwrap_or_default();
             threads.push(ThreadSample {
@@ -250,6 +236,7 @@ mod tests {
 
     #[test]
     fn parses_proc_lines() {
+        use crate::metrics::parse_schedstat;
         assert_eq!(parse_schedstat("123 45 6\n"), Some((123, 45, 6)));
         assert_eq!(parse_schedstat("123 x 6"), None);
         assert_eq!(parse_schedstat("1 2"), None);

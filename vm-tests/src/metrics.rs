@@ -31,6 +31,31 @@ pub struct ProcSample {
     pub threads: Option<(u64, u64)>,
 }
 
+/// A thread's schedstat line: run time (ns), time runnable but waiting (ns), time slices.
+pub(crate) type Schedstat = (u64, u64, u64);
+
+/// Parses `/proc/PID/task/TID/schedstat`.
+pub(crate) fn parse_schedstat(s: &str) -> Option<Schedstat> {
+    let mut f = s.split_whitespace().map(|x| x.parse::<u64>().ok());
+    Some((f.next()??, f.next()??, f.next()??))
+}
+
+/// Every thread of a live process with its schedstat: None for a thread that ended
+/// while the list was read. None when the process's task list cannot be read.
+pub(crate) fn task_schedstats(pid: u32) -> Option<Vec<(u32, Option<Schedstat>)>> {
+    let mut v = Vec::new();
+    for e in fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten() {
+        let Some(tid) = e.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else {
+            continue;
+        };
+        let st = fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat"))
+            .ok()
+            .and_then(|s| parse_schedstat(&s));
+        v.push((tid, st));
+    }
+    Some(v)
+}
+
 /// The sum of the run times (ns) of a live process's threads and a digest of
 /// their ids. A thread that ends while the list is read still counts in the
 /// digest (so that this sample matches no other and the ticks count); None
@@ -39,17 +64,11 @@ fn thread_times(pid: u32) -> Option<(u64, u64)> {
     let mut sum = 0u64;
     let mut read_any = false;
     let mut ids: Vec<u64> = Vec::new();
-    for e in fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten() {
-        let Some(tid) = e.file_name().to_str().and_then(|t| t.parse::<u64>().ok()) else {
-            continue;
-        };
-        ids.push(tid);
-        let run_ns = fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat"))
-            .ok()
-            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
-        match run_ns {
-            Some(ns) => {
-                sum += ns;
+    for (tid, st) in task_schedstats(pid)? {
+        ids.push(u64::from(tid));
+        match st {
+            Some((run_ns, _, _)) => {
+                sum += run_ns;
                 read_any = true;
             }
             // Gone meanwhile: a digest no later sample can have.

@@ -32,7 +32,8 @@ struct vq_state {
 	__u64 push_seq;  /* next sequence number for a pushed element */
 	__u64 flush_seq; /* first pushed element not yet emitted */
 	__u16 queue;
-	__u16 pad;
+	__u8 irq_by_fd; /* its guest notifier eventfd was written (QL_IRQ_LEARN) */
+	__u8 pad;
 	__s32 kick_fd; /* host notifier rfd seen at registration */
 	/* push-only mode: an element's h.notify is found at its push from its
 	 * h.submit (the latest kick before it, if no push came in between) */

@@ -25,7 +25,11 @@ int irq_write(struct trace_event_raw_sys_enter *ctx)
 	struct fd_val *v = notifier_of(tgid, (__s32)ctx->args[0]);
 	if (!v || v->kind != FD_IRQ)
 		return 0;
-	flush_vq(tgid, v->vq);
+	struct vq_state *st = traced_vq(tgid, v->vq);
+	if (st) {
+		st->irq_by_fd = 1;
+		flush_st(tgid, v->vq, st);
+	}
 	return 0;
 }
 

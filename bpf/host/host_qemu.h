@@ -573,6 +573,14 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 		fd_register(tgid, kfd, (__u64)vq, FD_KICK);
 		fd_register(tgid, read_fd((__u64)vq + l->vq_guest_notifier_wfd), (__u64)vq, FD_IRQ);
 	}
+	if ((l->flags & QL_IRQ_LEARN) && !st->irq_by_fd) {
+		/* no eventfd notification seen on this queue: nothing would give h.irq */
+		stat_inc(ST_IRQ_UNTRACED);
+		emit(r);
+		if (stored)
+			bpf_map_delete_elem(&elems, &ek);
+		return 0;
+	}
 	struct pushed_key pk = { .tgid = tgid, .vq = (__u64)vq, .seq = st->push_seq };
 	if (bpf_map_update_elem(&pushed, &pk, r, BPF_ANY)) {
 		stat_inc(ST_PUSHED_FULL);
@@ -637,12 +645,3 @@ static __always_inline void flush_st(__u32 tgid, __u64 vq, struct vq_state *st)
 	st->flush_seq += n;
 	bpf_loop(n, flush_one, &c, 0);
 }
-
-/* A guest notification on queue `vq`, if it is a traced one. */
-static __always_inline void flush_vq(__u32 tgid, __u64 vq)
-{
-	struct vq_state *st = traced_vq(tgid, vq);
-	if (st)
-		flush_st(tgid, vq, st);
-}
-

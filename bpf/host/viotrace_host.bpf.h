@@ -59,6 +59,11 @@ struct qemu_layout {
 #define QL_HAVE_LURING 4u   /* luring_sqe valid: io_uring I/O matched */
 #define QL_HAVE_REQ_IN 8u   /* req_in valid: status byte read at push */
 #define QL_NO_SUBMIT 16u    /* no blk_aio_* probes (default, or LTO): elements are taken at virtqueue_push */
+/* No virtio_notify probe where QEMU (8.2+) may raise a queue's interrupt from it
+ * without an eventfd (a main-loop queue): an element waits for h.irq only on a
+ * queue whose guest notifier eventfd was seen written; others are emitted at
+ * their push (counted as irq_untraced). */
+#define QL_IRQ_LEARN 32u
 
 /* One finished virtqueue element (ring buffer record). */
 struct host_rec {
@@ -144,7 +149,8 @@ struct wait_rec {
 	X(ST_PUSH_OTHER, "push_other_device", virtqueue_push of an element of another device (ignored))    \
 	X(ST_NOTIFY_CALLS, "virtio_notify_calls", virtio_notify hits (synchronous guest notifications, any device)) \
 	X(ST_QEMU_EXECS, "qemu_execs", processes that started a QEMU binary (discovery scans for new VMs then)) \
-	X(ST_NOTIFY_TRACED, "virtio_notify_traced", virtio_notify hits on a traced virtio-blk queue)
+	X(ST_NOTIFY_TRACED, "virtio_notify_traced", virtio_notify hits on a traced virtio-blk queue)      \
+	X(ST_IRQ_UNTRACED, "irq_untraced", emitted at push without h.irq: the queue notifies without an eventfd (--irq traces it))
 
 #define VH_STAT_ENUM(id, name, desc) id,
 enum {

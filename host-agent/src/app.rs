@@ -82,7 +82,7 @@ impl<'obj> App<'obj> {
         // QEMU threads' waits for a CPU: only for the verdicts (joined mode with -t).
         let sched =
             cli.threshold.is_some() && (!cli.listen_uds.is_empty() || cli.listen_vsock.is_some());
-        let tracer = Tracer::open(storage, cli.pop, cli.submit, sched)?;
+        let tracer = Tracer::open(storage, cli.pop, cli.submit, cli.irq, sched)?;
         for (what, e) in &tracer.missing_kernel {
             eprintln!("viotrace-host: warning: kernel probe {what} not attached: {e}");
         }

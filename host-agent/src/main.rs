@@ -64,6 +64,12 @@ pub(crate) struct Cli {
     /// more uprobe hit per request.
     #[arg(long)]
     submit: bool,
+    /// Also probe virtio_notify for h.irq where QEMU 8.2+ raises a queue's interrupt
+    /// without an eventfd (queues served by the main loop, not an iothread): one
+    /// more uprobe hit per request. Without it h.irq comes only from the guest
+    /// notifier eventfd, a kernel tracepoint.
+    #[arg(long)]
+    irq: bool,
     /// Create this file once the probes are attached.
     #[arg(long, value_name = "FILE")]
     ready_file: Option<PathBuf>,

@@ -57,6 +57,16 @@ pub enum DiskFormat {
     Qcow2,
 }
 
+impl DiskFormat {
+    /// QEMU's name of the format (also the image's file extension).
+    pub fn name(self) -> &'static str {
+        match self {
+            DiskFormat::Raw => "raw",
+            DiskFormat::Qcow2 => "qcow2",
+        }
+    }
+}
+
 /// How the guest↔host vsock channel is provided.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -103,6 +113,9 @@ pub struct VmConfig {
     /// `aio=native` the lab forces `cache.direct=on` (`none`) as QEMU requires.
     pub cache: String,
     pub format: DiskFormat,
+    /// Serve the virtio-blk disks from an IOThread (`-object iothread` and the device's
+    /// `iothread=`, as libvirt's `<driver iothread=…>`) instead of QEMU's main loop.
+    pub iothread: bool,
     pub agents: Agents,
     /// The guest agent writes JSON records to guest.jsonl (default). Off: it keeps only its
     /// periodic per-stage tables (guest.log) — the always-on configuration the bench measures.
@@ -185,6 +198,7 @@ impl Default for VmConfig {
             console: false,
             cid: 3,
             qemu_args: Vec::new(),
+            iothread: false,
             guest_kernel: GuestKernel::default(),
             qemu: QemuBuild::default(),
             pin_vcpus: false,
@@ -193,6 +207,36 @@ impl Default for VmConfig {
 }
 
 impl VmConfig {
+    /// The IOThread of the virtio-blk disks (`iothread`).
+    pub(crate) const IOTHREAD_ID: &'static str = "vt-io0";
+
+    /// QEMU's `-drive` and `-device` arguments of a virtio-blk disk backed by `file`.
+    pub(crate) fn disk_args(&self, file: &std::path::Path, id: &str, dev: &str) -> [String; 4] {
+        let cache = if self.aio == Aio::Native {
+            "none"
+        } else {
+            self.cache.as_str()
+        };
+        let mut device = format!(
+            "virtio-blk-pci,drive={id},id={dev},num-queues={}",
+            self.queues
+        );
+        if self.iothread {
+            device += &format!(",iothread={}", Self::IOTHREAD_ID);
+        }
+        [
+            "-drive".into(),
+            format!(
+                "file={},if=none,id={id},format={},aio={},cache={cache}",
+                file.display(),
+                self.format.name(),
+                self.aio
+            ),
+            "-device".into(),
+            device,
+        ]
+    }
+
     /// The guest's `viotrace/config.sh` (read by init.sh): the data disk, whether the guest
     /// agent runs (`agent`), its arguments and outputs, and when a hung run dumps state.
     pub(crate) fn guest_config_sh(&self, agent: bool) -> String {

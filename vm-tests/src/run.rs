@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
 
 use crate::assets::{self, Cpio, GuestAssets, Qemu};
-use crate::config::{Accel, Agents, Aio, DiskFormat, HostAttach, VmConfig, VsockMode};
+use crate::config::{Accel, Agents, DiskFormat, HostAttach, VmConfig, VsockMode};
 use crate::host_bpf::{self, StatsOn, MARK_HOST_BPF};
 use crate::host_threads::{self, HostThreads, Snapshot};
 use crate::metrics::{ProcSample, RunMetrics, Usage};
@@ -270,18 +270,14 @@ impl Run<'_> {
             DiskFormat::Raw => &self.lab.assets.golden_raw,
             DiskFormat::Qcow2 => &self.lab.assets.golden_qcow2,
         };
-        let disk = self
-            .rd
-            .join(format!("data.{}", format_name(self.cfg.format)));
+        let disk = self.rd.join(format!("data.{}", self.cfg.format.name()));
         fs::copy(golden, &disk).context("copy golden data disk")?;
         Ok(disk)
     }
 
     /// The extra blank disk (`--extra-disk`), when asked for.
     fn extra_disk(&self, mib: u32) -> Result<PathBuf> {
-        let extra = self
-            .rd
-            .join(format!("extra.{}", format_name(self.cfg.format)));
+        let extra = self.rd.join(format!("extra.{}", self.cfg.format.name()));
         if self.cfg.format == DiskFormat::Qcow2 {
             let st = Command::new("qemu-img")
                 .args(["create", "-q", "-f", "qcow2"])
@@ -417,26 +413,13 @@ impl Run<'_> {
                 "unix:{},server=on,wait=off",
                 rd.join("qmp.sock").display()
             ));
-        let cache = if cfg.aio == Aio::Native {
-            "none"
-        } else {
-            cfg.cache.as_str()
-        };
-        let fmt = format_name(cfg.format);
-        let mut drive = |file: &Path, id: &str, dev: &str| {
-            q.arg("-drive").arg(format!(
-                "file={},if=none,id={id},format={fmt},aio={},cache={cache}",
-                file.display(),
-                cfg.aio
-            ));
-            q.arg("-device").arg(format!(
-                "virtio-blk-pci,drive={id},id={dev},num-queues={}",
-                cfg.queues
-            ));
-        };
-        drive(disk, "data", "vdata");
+        if cfg.iothread {
+            q.arg("-object")
+                .arg(format!("iothread,id={}", VmConfig::IOTHREAD_ID));
+        }
+        q.args(cfg.disk_args(disk, "data", "vdata"));
         if let Some(mib) = cfg.extra_disk_mib {
-            drive(&self.extra_disk(mib)?, "extra", "vextra");
+            q.args(cfg.disk_args(&self.extra_disk(mib)?, "extra", "vextra"));
         }
         q.args(["-device", "virtio-serial-pci,id=vser"])
             .arg("-chardev")
@@ -643,13 +626,6 @@ impl Run<'_> {
             );
         }
         Ok(())
-    }
-}
-
-fn format_name(f: DiskFormat) -> &'static str {
-    match f {
-        DiskFormat::Raw => "raw",
-        DiskFormat::Qcow2 => "qcow2",
     }
 }
 

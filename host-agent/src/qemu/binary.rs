@@ -204,6 +204,21 @@ impl BinaryInfo {
         self.has(s) && !self.never_called.contains(s)
     }
 
+    /// Whether this QEMU may raise a queue's interrupt from `virtio_notify` without
+    /// writing the queue's guest notifier eventfd: 8.2+ does on a queue served by
+    /// the main loop (only an iothread's queue notifies through the eventfd;
+    /// 10.2 also folds `virtio_notify_irqfd` into `virtio_notify`). Older builds
+    /// (7.2: measured) notify virtio-blk queues through the eventfd. An unknown
+    /// version is taken as a newer one.
+    pub fn may_notify_without_eventfd(&self) -> bool {
+        let old = self
+            .version
+            .as_deref()
+            .and_then(Version::parse)
+            .is_some_and(|v| v < Version(8, 2, 0));
+        !old || !self.has("virtio_notify_irqfd")
+    }
+
     /// What cannot be seen in this binary, as (symbol, what is lost, why).
     pub fn missing(&self, pop: bool) -> Vec<(&'static str, &'static str, &'static str)> {
         PROBE_SYMBOLS
@@ -513,6 +528,36 @@ mod tests {
             .iter()
             .any(|m| m.0 == "blk_aio_preadv"
                 && m.2 == "has no call site in the binary (inlined by LTO)"));
+    }
+
+    #[test]
+    fn which_builds_may_notify_without_an_eventfd() {
+        let info = |version: Option<&str>, irqfd: bool| {
+            let (layout, basis) = layout::select(version.and_then(Version::parse));
+            let mut symbols = HashMap::new();
+            if irqfd {
+                symbols.insert("virtio_notify_irqfd".to_string(), 1);
+            }
+            BinaryInfo {
+                version: version.map(String::from),
+                symbols,
+                layout,
+                basis,
+                confirmed: vec![],
+                unconfirmed: vec![],
+                corrected: vec![],
+                never_called: HashSet::new(),
+                usdt: HashSet::new(),
+                entry_skips: HashMap::new(),
+            }
+        };
+        assert!(!info(Some("7.2.22"), true).may_notify_without_eventfd());
+        assert!(!info(Some("8.1.5"), true).may_notify_without_eventfd());
+        assert!(info(Some("7.2.22"), false).may_notify_without_eventfd());
+        assert!(info(Some("8.2.2"), true).may_notify_without_eventfd());
+        assert!(info(Some("10.0.2"), true).may_notify_without_eventfd());
+        assert!(info(Some("11.1.3"), false).may_notify_without_eventfd());
+        assert!(info(None, true).may_notify_without_eventfd());
     }
 
     #[test]

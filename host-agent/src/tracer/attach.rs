@@ -9,7 +9,7 @@ use viotrace_shared::record::Point;
 
 use super::{
     plain_bytes, Target, Tracer, QL_HAVE_LURING, QL_HAVE_MR_NEXT, QL_HAVE_NOTIFIER, QL_HAVE_REQ_IN,
-    QL_NO_SUBMIT,
+    QL_IRQ_LEARN, QL_NO_SUBMIT,
 };
 use crate::bpf::types::qemu_layout;
 use crate::qemu::layout::{apply_overrides, Layout};
@@ -154,7 +154,8 @@ impl Tracer<'_> {
         let mut links = Vec::new();
         let pid_i = i32::try_from(pid).context("pid out of range")?;
         // Per guest request only virtqueue_push traps (and blk_aio_* with
-        // --submit); h.notify and h.irq come from kernel tracepoints. --pop adds
+        // --submit, virtio_notify with --irq where QEMU notifies without an
+        // eventfd); h.notify and h.irq come from kernel tracepoints. --pop adds
         // three traps per request.
         let mut attach_list: Vec<(&libbpf_rs::ProgramMut, &str, bool)> = vec![
             (&progs.submit_rw, "blk_aio_preadv", false),
@@ -199,6 +200,9 @@ impl Tracer<'_> {
         }
         if no_submit {
             attach_list.retain(|(_, f, _)| !f.starts_with("blk_aio_"));
+        }
+        if self.irq_learn(info) {
+            attach_list.retain(|(_, f, _)| *f != "virtio_notify");
         }
         let mut skipped: Vec<&str> = attach_list
             .iter()
@@ -327,8 +331,25 @@ impl Tracer<'_> {
         let notify_path = info.has("virtio_notify_irqfd") || info.probeable("virtio_notify");
         if notify_path && self.kernel_probe_attached("irq_write") {
             flags |= QL_HAVE_NOTIFIER;
+            if self.irq_learn(info) {
+                flags |= QL_IRQ_LEARN;
+                warn.push(format!(
+                    "{} only on queues whose guest notifier eventfd QEMU writes (an iothread's): \
+                     QEMU {} raises a main-loop queue's interrupt in virtio_notify, without one \
+                     (add --irq to trap it: one more hit per request)",
+                    Point::HostIrq,
+                    info.version.as_deref().unwrap_or("of unknown version")
+                ));
+            }
         }
         flags
+    }
+
+    /// Whether h.irq is left to the guest notifier eventfd (QL_IRQ_LEARN): no
+    /// virtio_notify probe on a build that may notify without the eventfd, unless
+    /// --irq asks for it.
+    fn irq_learn(&self, info: &BinaryInfo) -> bool {
+        !self.irq && info.may_notify_without_eventfd() && info.probeable("virtio_notify")
     }
 }
 

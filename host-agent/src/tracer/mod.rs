@@ -74,6 +74,8 @@ pub struct Tracer<'obj> {
     pub pop: bool,
     /// Also probe blk_aio_* (exact h.submit, merges) at one more trap per request.
     pub submit: bool,
+    /// Also probe virtio_notify (h.irq without an eventfd) at one more trap per request.
+    pub irq: bool,
     /// Elements emitted by [`Tracer::sweep_unnotified`].
     unnotified: u64,
     /// VMs whose layout the runtime check refused, not yet taken by the caller.
@@ -109,6 +111,7 @@ impl<'obj> Tracer<'obj> {
         storage: &'obj mut MaybeUninit<OpenObject>,
         pop: bool,
         submit: bool,
+        irq: bool,
         sched: bool,
     ) -> Result<Tracer<'obj>> {
         let mut open = ViotraceHostSkelBuilder::default()
@@ -146,6 +149,7 @@ impl<'obj> Tracer<'obj> {
             missing_kernel,
             pop,
             submit,
+            irq,
             unnotified: 0,
             refusals: Vec::new(),
             notes: Vec::new(),

@@ -125,6 +125,9 @@ struct VmArgs {
     /// Data disk image format.
     #[arg(long, value_enum, default_value_t = DiskFormat::Raw)]
     format: DiskFormat,
+    /// Serve the virtio-blk disks from an IOThread instead of QEMU's main loop.
+    #[arg(long)]
+    iothread: bool,
     /// Agents to run.
     #[arg(long, value_enum)]
     agents: Option<Agents>,
@@ -205,6 +208,7 @@ impl VmArgs {
             aio: self.aio,
             cache: self.cache.clone(),
             format: self.format,
+            iothread: self.iothread,
             agents: self.agents.unwrap_or(default_agents),
             guest_json: !self.guest_tables_only,
             guest_capture: self.guest_capture,

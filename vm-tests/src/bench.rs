@@ -54,10 +54,11 @@ pub const JOBS: &[Job] = &[
 /// Conditions, alternated in this order each round: no agents, the guest agent always-on
 /// (`guest`: tables, no records written), in capture mode (`capture`: `--capture`, every
 /// record to a file, rendered as JSON after the run) and with live JSON lines (`json`:
-/// `--json`, every record as JSON as it comes), the host agent, both joined, and the anchor: a
+/// `--json`, every record as JSON as it comes), the host agent, both joined, both agents
+/// unjoined (`apart`: not in the default set; what joining adds), and the anchor: a
 /// biolatency-style bpftrace script in the guest.
 pub const CONDITIONS: &[&str] = &[
-    "none", "guest", "capture", "json", "host", "both", "bpftrace",
+    "none", "guest", "capture", "json", "host", "both", "apart", "bpftrace",
 ];
 
 /// Done-when bounds of issue 11, checked by [`verdicts`]: guest BPF run time per I/O as a
@@ -78,6 +79,7 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> V
         "guest" | "capture" | "json" => Agents::Guest,
         "host" => Agents::Host,
         "both" => Agents::Both,
+        "apart" => Agents::Apart,
         _ => Agents::None,
     };
     let mut vm = VmConfig {

@@ -196,6 +196,7 @@ fn capture_writes_the_binary_capture_and_json_the_live_lines() {
     assert_eq!(out("capture"), (Agents::Guest, false, true));
     assert_eq!(out("json"), (Agents::Guest, true, false));
     assert_eq!(out("both"), (Agents::Both, false, false));
+    assert_eq!(out("apart"), (Agents::Apart, false, false));
     // The bench checks the capture itself (bench_records): no JSON decode of it.
     assert!(!condition_vm("capture", &base, false, 3).decode_capture);
 }
@@ -218,6 +219,7 @@ fn bpf_accounting_has_its_own_pass_after_the_window() {
         ("json", (true, false)),
         ("host", (false, true)),
         ("both", (true, true)),
+        ("apart", (true, true)),
         ("bpftrace", (true, false)),
     ] {
         let vm = condition_vm(cond, &base, true, 3);

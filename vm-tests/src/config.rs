@@ -17,15 +17,18 @@ pub enum Agents {
     None,
     Guest,
     Host,
+    /// Both agents, joined over vsock.
     Both,
+    /// Both agents, each alone (not joined): what joining adds over running both.
+    Apart,
 }
 
 impl Agents {
     pub fn guest(self) -> bool {
-        matches!(self, Agents::Guest | Agents::Both)
+        matches!(self, Agents::Guest | Agents::Both | Agents::Apart)
     }
     pub fn host(self) -> bool {
-        matches!(self, Agents::Host | Agents::Both)
+        matches!(self, Agents::Host | Agents::Both | Agents::Apart)
     }
 }
 

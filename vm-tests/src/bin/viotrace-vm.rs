@@ -61,8 +61,9 @@ enum Cmd {
         /// guest) and the host agent's, in a pass of its own after each measured window.
         #[arg(long)]
         bpf_stats: bool,
-        /// Conditions to alternate (none, guest, capture, json, host, both, bpftrace;
-        /// capture = the guest agent with --capture, json = with --json).
+        /// Conditions to alternate (none, guest, capture, json, host, both, apart, bpftrace;
+        /// capture = the guest agent with --capture, json = with --json, apart = both
+        /// agents not joined).
         #[arg(
             long,
             value_delimiter = ',',

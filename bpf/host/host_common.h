@@ -239,36 +239,13 @@ static __always_inline void emit(struct host_rec *r)
 
 /* ---- virtqueues and their notifier eventfds ---- */
 
-/*
- * Every process's read() and write() ask whether their fd is a traced queue's
- * notifier. A bit per (tgid, fd) hash, set when one is registered and never
- * cleared, answers most of them with a load instead of a hash-map lookup: other
- * processes' calls, and the traced QEMU's own on other fds (a different fd of the
- * same tgid is a different bit). A stale or shared bit only costs that lookup.
- */
-#define NOTIFIER_BITS 65536
-__u64 notifier_bits[NOTIFIER_BITS / 64] = {};
-
-static __always_inline __u32 notifier_bit(__u32 tgid, __s32 fd)
-{
-	return ((tgid * 0x9E3779B1u) ^ (__u32)fd) & (NOTIFIER_BITS - 1);
-}
-
-static __always_inline int notifier_maybe(__u32 tgid, __s32 fd)
-{
-	__u32 b = notifier_bit(tgid, fd);
-	return (notifier_bits[b / 64] >> (b % 64)) & 1;
-}
-
 static __always_inline void fd_register(__u32 tgid, __s32 fd, __u64 vq, __u32 kind)
 {
 	if (fd < 0)
 		return;
 	struct fd_key k = { .tgid = tgid, .fd = fd };
 	struct fd_val v = { .vq = vq, .kind = kind };
-	__u32 b = notifier_bit(tgid, fd);
 	bpf_map_update_elem(&notifier_fds, &k, &v, BPF_ANY);
-	__sync_fetch_and_or(&notifier_bits[b / 64], 1ULL << (b % 64));
 }
 
 static __always_inline __s32 read_fd(__u64 addr)

@@ -3,18 +3,13 @@
 #pragma once
 
 /* The notifier eventfd `fd` of a traced QEMU process, if it is one. Every
- * process's read() and write() pass here, QEMU's several per request: a bit
- * (notifier_bits), then on a set bit one lookup of the fd, and only on a hit the
- * check that the process is still a traced QEMU (an entry may outlive its
- * process, whose pid may be reused). */
+ * process's read() and write() pass here, QEMU's several per request: one
+ * lookup of the fd, and only on a hit the check that the process is still a
+ * traced QEMU (an entry may outlive its process, whose pid may be reused). */
 static __always_inline struct fd_val *notifier_of(__u32 tgid, __s32 fd)
 {
 	struct fd_key k = { .tgid = tgid, .fd = fd };
-	struct fd_val *v;
-
-	if (!notifier_maybe(tgid, fd))
-		return NULL;
-	v = bpf_map_lookup_elem(&notifier_fds, &k);
+	struct fd_val *v = bpf_map_lookup_elem(&notifier_fds, &k);
 
 	if (!v || !bpf_map_lookup_elem(&qemu_procs, &tgid))
 		return NULL;

@@ -489,17 +489,12 @@ mod tests {
         assert_eq!(entry_skip(&[]), 0);
     }
 
-    #[test]
-    fn reports_missing_and_uncalled_symbols() {
-        let all: HashMap<String, u64> = PROBE_SYMBOLS
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.0.to_string(), i as u64))
-            .collect();
-        let (layout, basis) = layout::select(Version::parse("7.2.22"));
-        let mut info = BinaryInfo {
-            version: Some("7.2.22".into()),
-            symbols: all,
+    /// A binary of `version` exporting `symbols`, with its release table's layout.
+    fn info_of(version: Option<&str>, symbols: HashMap<String, u64>) -> BinaryInfo {
+        let (layout, basis) = layout::select(version.and_then(Version::parse));
+        BinaryInfo {
+            version: version.map(String::from),
+            symbols,
             layout,
             basis,
             confirmed: vec![],
@@ -508,7 +503,17 @@ mod tests {
             never_called: HashSet::new(),
             usdt: HashSet::new(),
             entry_skips: HashMap::new(),
-        };
+        }
+    }
+
+    #[test]
+    fn reports_missing_and_uncalled_symbols() {
+        let all: HashMap<String, u64> = PROBE_SYMBOLS
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.0.to_string(), i as u64))
+            .collect();
+        let mut info = info_of(Some("7.2.22"), all);
         assert!(info.missing(true).is_empty());
         info.symbols.remove("blk_aio_flush");
         info.symbols.remove("virtqueue_pop");
@@ -533,23 +538,11 @@ mod tests {
     #[test]
     fn which_builds_may_notify_without_an_eventfd() {
         let info = |version: Option<&str>, irqfd: bool| {
-            let (layout, basis) = layout::select(version.and_then(Version::parse));
             let mut symbols = HashMap::new();
             if irqfd {
                 symbols.insert("virtio_notify_irqfd".to_string(), 1);
             }
-            BinaryInfo {
-                version: version.map(String::from),
-                symbols,
-                layout,
-                basis,
-                confirmed: vec![],
-                unconfirmed: vec![],
-                corrected: vec![],
-                never_called: HashSet::new(),
-                usdt: HashSet::new(),
-                entry_skips: HashMap::new(),
-            }
+            info_of(version, symbols)
         };
         assert!(!info(Some("7.2.22"), true).may_notify_without_eventfd());
         assert!(!info(Some("8.1.5"), true).may_notify_without_eventfd());

@@ -164,6 +164,27 @@ impl Lab {
 
     /// Boots a VM, runs `workload` (shell script text) inside it, and collects results into `out_dir`.
     pub fn run(&self, cfg: &VmConfig, workload: &str, out_dir: &Path) -> Result<RunResult> {
+        let kept = out_dir.join("serial.boot-panic.log");
+        let _ = fs::remove_file(&kept);
+        let res = self.run_once(cfg, workload, out_dir);
+        let serial = out_dir.join("serial.log");
+        if res.is_err() && panicked_while_booting(&fs::read_to_string(&serial).unwrap_or_default())
+        {
+            // Seen once in CI: guest 7.2 on two TCG vCPUs took an int3 Oops in boot-time
+            // code patching, 1.3 s in, before init ran. Nothing of ours had run in the
+            // guest, so the run is booted again once; the first boot's console is kept.
+            let _ = fs::rename(&serial, &kept);
+            eprintln!(
+                "viotrace-vm: the guest kernel panicked while booting, before init ran ({}); \
+                 booting it again once",
+                kept.display()
+            );
+            return self.run_once(cfg, workload, out_dir);
+        }
+        res
+    }
+
+    fn run_once(&self, cfg: &VmConfig, workload: &str, out_dir: &Path) -> Result<RunResult> {
         fs::create_dir_all(out_dir).with_context(|| format!("create {}", out_dir.display()))?;
         let out_dir = fs::canonicalize(out_dir)?;
         for f in [
@@ -196,6 +217,19 @@ impl Lab {
             let _ = fs::write(out_dir.join("summary.txt"), format!("FAILED: {e:#}\n"));
         }
         res
+    }
+}
+
+/// Whether a guest console shows a kernel panic before init printed anything of the
+/// lab's (every init line starts `VIOTRACE-`): the guest died before any of our code
+/// ran in it.
+fn panicked_while_booting(serial: &str) -> bool {
+    let panic = serial.find("Kernel panic");
+    let init = serial.find("VIOTRACE-");
+    match (panic, init) {
+        (Some(p), Some(i)) => p < i,
+        (Some(_), None) => true,
+        (None, _) => false,
     }
 }
 
@@ -289,6 +323,17 @@ impl Lab {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_boot_panic_is_one_before_init() {
+        use super::panicked_while_booting as p;
+        let oops = "[ 1.33] Oops: int3: 0000 [#2] SMP NOPTI\n[ 1.34] Kernel panic - not syncing: Fatal exception in interrupt\n";
+        assert!(p(oops));
+        assert!(!p(&format!("VIOTRACE-AGENT-START\n{oops}")));
+        assert!(p(&format!("{oops}VIOTRACE-ERROR late\n")));
+        assert!(!p("VIOTRACE-WORKLOAD-START\nVIOTRACE-DONE\n"));
+        assert!(!p(""));
+    }
+
     use super::*;
 
     #[test]

@@ -560,38 +560,37 @@ int BPF_KPROBE(push, void *vq, void *elem, unsigned int len)
 	if (r->merge_id)
 		io_release(tgid, r->merge_id, r);
 
-	if (!(l->flags & QL_HAVE_NOTIFIER)) {
-		emit(r);
-		if (stored)
-			bpf_map_delete_elem(&elems, &ek);
-		return 0;
-	}
-	/* notifier fds change when the guest resets the device: follow them */
-	__s32 kfd = read_fd((__u64)vq + l->vq_host_notifier_rfd);
-	if (kfd != st->kick_fd) {
-		st->kick_fd = kfd;
-		fd_register(tgid, kfd, (__u64)vq, FD_KICK);
-		fd_register(tgid, read_fd((__u64)vq + l->vq_guest_notifier_wfd), (__u64)vq, FD_IRQ);
-	}
-	if ((l->flags & QL_IRQ_LEARN) && !st->irq_by_fd) {
-		/* no eventfd notification seen on this queue: nothing would give h.irq */
-		stat_inc(ST_IRQ_UNTRACED);
-		emit(r);
-		if (stored)
-			bpf_map_delete_elem(&elems, &ek);
-		return 0;
+	/* The element waits in `pushed` for its queue's next guest notification
+	 * (h.irq), unless nothing would give one: no notifier fds, or a queue not yet
+	 * seen notifying through its eventfd (QL_IRQ_LEARN); then, or when `pushed`
+	 * is full, it is emitted now. */
+	int wait_irq = 0;
+	if (l->flags & QL_HAVE_NOTIFIER) {
+		/* notifier fds change when the guest resets the device: follow them */
+		__s32 kfd = read_fd((__u64)vq + l->vq_host_notifier_rfd);
+		if (kfd != st->kick_fd) {
+			st->kick_fd = kfd;
+			fd_register(tgid, kfd, (__u64)vq, FD_KICK);
+			fd_register(tgid, read_fd((__u64)vq + l->vq_guest_notifier_wfd), (__u64)vq,
+				    FD_IRQ);
+		}
+		wait_irq = !(l->flags & QL_IRQ_LEARN) || st->irq_by_fd;
+		if (!wait_irq)
+			stat_inc(ST_IRQ_UNTRACED);
 	}
 	struct pushed_key pk = { .tgid = tgid, .vq = (__u64)vq, .seq = st->push_seq };
-	if (bpf_map_update_elem(&pushed, &pk, r, BPF_ANY)) {
+	if (wait_irq && bpf_map_update_elem(&pushed, &pk, r, BPF_ANY)) {
 		stat_inc(ST_PUSHED_FULL);
-		emit(r);
-		if (stored)
-			bpf_map_delete_elem(&elems, &ek);
-		return 0;
+		wait_irq = 0;
 	}
-	st->push_seq++;
+	if (!wait_irq)
+		emit(r);
+	/* (r may be this entry: emitted or copied into `pushed` first) */
 	if (stored)
 		bpf_map_delete_elem(&elems, &ek);
+	if (!wait_irq)
+		return 0;
+	st->push_seq++;
 	if (st->push_seq - st->flush_seq > MAX_PENDING) {
 		/* notifications suppressed for too long: emit the oldest without h.irq */
 		pk.seq = st->flush_seq;

@@ -224,13 +224,9 @@ impl Lab {
 /// lab's (every init line starts `VIOTRACE-`): the guest died before any of our code
 /// ran in it.
 fn panicked_while_booting(serial: &str) -> bool {
-    let panic = serial.find("Kernel panic");
-    let init = serial.find("VIOTRACE-");
-    match (panic, init) {
-        (Some(p), Some(i)) => p < i,
-        (Some(_), None) => true,
-        (None, _) => false,
-    }
+    serial
+        .find("Kernel panic")
+        .is_some_and(|p| serial.find("VIOTRACE-").is_none_or(|i| p < i))
 }
 
 impl Lab {
@@ -323,17 +319,6 @@ impl Lab {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn a_boot_panic_is_one_before_init() {
-        use super::panicked_while_booting as p;
-        let oops = "[ 1.33] Oops: int3: 0000 [#2] SMP NOPTI\n[ 1.34] Kernel panic - not syncing: Fatal exception in interrupt\n";
-        assert!(p(oops));
-        assert!(!p(&format!("VIOTRACE-AGENT-START\n{oops}")));
-        assert!(p(&format!("{oops}VIOTRACE-ERROR late\n")));
-        assert!(!p("VIOTRACE-WORKLOAD-START\nVIOTRACE-DONE\n"));
-        assert!(!p(""));
-    }
-
     use super::*;
 
     #[test]
@@ -356,5 +341,16 @@ mod tests {
         // Without a dump: the plain tail.
         fs::write(&p, "a\nb\nc\n").unwrap();
         assert_eq!(serial_tail(&p, 2), "b\nc");
+    }
+
+    #[test]
+    fn a_boot_panic_is_one_before_init() {
+        let p = panicked_while_booting;
+        let oops = "[ 1.33] Oops: int3: 0000 [#2] SMP NOPTI\n[ 1.34] Kernel panic - not syncing: Fatal exception in interrupt\n";
+        assert!(p(oops));
+        assert!(!p(&format!("VIOTRACE-AGENT-START\n{oops}")));
+        assert!(p(&format!("{oops}VIOTRACE-ERROR late\n")));
+        assert!(!p("VIOTRACE-WORKLOAD-START\nVIOTRACE-DONE\n"));
+        assert!(!p(""));
     }
 }

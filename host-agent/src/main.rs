@@ -56,7 +56,10 @@ pub(crate) struct Cli {
     #[arg(long)]
     json: bool,
     /// Also probe virtqueue_pop for h.pop (and the element's sizes from its
-    /// scatter list): three more uprobe hits per request on QEMU's I/O thread.
+    /// scatter list), on QEMU's I/O thread: two uprobe hits per pop (entry and
+    /// return), the empty pop that ends each batch included, and one per batch
+    /// in virtio_blk_handle_vq; five more per request at queue depth 1. With
+    /// QEMU's USDT probe: one per element popped and one per batch.
     #[arg(long)]
     pop: bool,
     /// Also probe blk_aio_* for the exact h.submit (the backend submit of a

@@ -84,7 +84,7 @@ pub const PROBE_SYMBOLS: &[(&str, &str, bool)] = &[
     ("blk_aio_pwrite_zeroes", "h.submit of write-zeroes", false),
     (
         "virtio_notify",
-        "h.irq on the non-dataplane notification path",
+        "h.irq where QEMU notifies without the guest notifier eventfd (8.2+ main-loop queues; probed with --irq)",
         false,
     ),
     ("virtqueue_pop", "h.pop", true),

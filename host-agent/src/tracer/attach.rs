@@ -156,7 +156,7 @@ impl Tracer<'_> {
         // Per guest request only virtqueue_push traps (and blk_aio_* with
         // --submit, virtio_notify with --irq where QEMU notifies without an
         // eventfd); h.notify and h.irq come from kernel tracepoints. --pop adds
-        // three traps per request.
+        // two traps per pop and one per batch (five per request at queue depth 1).
         let mut attach_list: Vec<(&libbpf_rs::ProgramMut, &str, bool)> = vec![
             (&progs.submit_rw, "blk_aio_preadv", false),
             (&progs.submit_rw, "blk_aio_pwritev", false),

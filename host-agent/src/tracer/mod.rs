@@ -70,7 +70,9 @@ pub struct Tracer<'obj> {
     pub targets: FxHashMap<u32, Target>,
     /// Kernel-side stages that could not be attached, with the error.
     pub missing_kernel: Vec<(String, String)>,
-    /// Also probe virtqueue_pop (h.pop) at three more traps per request.
+    /// Also probe virtqueue_pop (h.pop): two traps per pop, the batch's closing
+    /// empty pop included, plus one per batch (five more per request at queue
+    /// depth 1); with USDT one per element popped plus one per batch.
     pub pop: bool,
     /// Also probe blk_aio_* (exact h.submit, merges) at one more trap per request.
     pub submit: bool,

@@ -598,6 +598,9 @@ fn kernel_7_two_queues_use_the_batched_submit_path() {
 
 /// On 5.10 (no module BTF) the descriptor head is read at an assumed vring_virtqueue offset;
 /// QEMU's own view of the same requests (host agent) proves it, with queue depth so heads vary.
+/// QEMU throttles the drive (400 IOPS) so that fio's queue stays full however fast this
+/// host completes a read: unthrottled, a slow TCG guest submits so slowly that QEMU has
+/// finished each request before the next arrives, and only heads 0-3 were ever used.
 #[test]
 fn kernel_5_10_descriptor_heads_equal_qemus() {
     let wl = "set -e\n\
@@ -613,6 +616,10 @@ fn kernel_5_10_descriptor_heads_equal_qemus() {
             guest_args: "--mode kprobe".into(),
             // Both agents write their own records; no link is needed for this comparison.
             vsock: VsockMode::None,
+            qemu_args: vec![
+                "-set".into(),
+                "drive.extra.throttling.iops-total=400".into(),
+            ],
             ..VmConfig::default()
         },
         wl,
@@ -640,8 +647,9 @@ fn kernel_5_10_descriptor_heads_equal_qemus() {
             .unwrap_or_else(|| panic!("QEMU never saw {v:?}"));
         assert!(seen.contains(&qh), "guest {qh:?}, QEMU {seen:?}: {v:?}");
     }
+    // The writes keep 16 requests queued in QEMU's throttle: 16 heads at least.
     assert!(
-        heads.len() >= 8,
+        heads.len() >= 16,
         "queue depth 8-16 spreads the heads: {heads:?}"
     );
 }

@@ -374,69 +374,67 @@ static __always_inline struct rq_state *rq_new(__u64 *key)
 	return sl ? &sl->st : map_insert(&rqs, key, &zero_rq, S_FULL_RQ);
 }
 
+/* chain_bio_g's answer for a bio that the `bios` map tracks. */
+#define CHAIN_TRACKED QBIOS
+
 /*
- * The state of a request, created on first sight (insert, issue or queue_rq).
- * Identity: the first tracked bio in its chain; for a request without tracked
- * bios (flush), the traced syscall running now, if any.
+ * What one bio of a request's chain is: its slot among the queued bios of
+ * thread `tid`'s running syscall, CHAIN_TRACKED when the `bios` map has it, else
+ * -1. Global, so verified once: inlined, the slot scan multiplied the paths of
+ * rq_track_g's chain walk by QBIOS at each of its CHAIN_MAX steps.
  */
-static __always_inline struct rq_state *rq_track(struct request *rq)
+__noinline int chain_bio_g(__u64 bio, __u32 tid)
 {
-	__u64 key = (__u64)rq;
+	struct sys_state *s = sys_get(&tid);
+	int qi = qbio_find(s, bio);
+
+	if (s && qi >= 0 && qi < QBIOS)
+		return qi;
+	return bpf_map_lookup_elem(&bios, &bio) ? CHAIN_TRACKED : -1;
+}
+
+/*
+ * The rest of rq_track_g, for request `rq` (not live) whose chain walk ended on
+ * `bio` with chain_bio_g's answer `r` (-1: no tracked bio); `q` is its queue.
+ * Identity: the first tracked bio in its chain; for a request without tracked
+ * bios (flush), the traced syscall running now, if any. Returns 1 when the
+ * request is tracked from now on.
+ */
+__noinline int rq_track_new_g(__u64 rq, __u64 bio, int r, __u64 rq_queue)
+{
+	__u64 key = rq;
 	struct rq_state *st = rq_find(&key);
-	struct rq_state *live = st && st->active ? st : NULL;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	/* the running syscall, whose queued bios are most requests' first ones */
+	struct sys_state *s = sys_get(&tid);
 	struct bio_state *first = NULL;
 	struct qbio *q = NULL;
-	struct sys_state *s;
 	struct gendisk *disk;
-	struct rq_head h;
-	struct bio *bio;
 	__u32 dev;
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 
-	if (live) {
-		if (!live->ev.ts[P_RQ_COMPLETE])
-			return live;
-		/* the tag was reused: the previous use completed unseen by the emitter */
-		stat_inc(S_RQ_LATE);
-		emit_rq(live);
-	}
-	if (!rq_head_read(rq, &h))
-		return NULL;
-	/* the running syscall, whose queued bios are most requests' first ones */
-	s = sys_get(&tid);
-	bio = h.bio;
-	for (int i = 0; i < CHAIN_MAX && bio; i++) {
-		__u64 bk = (__u64)bio;
-		int qi = qbio_find(s, bk);
-
-		if (s && qi >= 0 && qi < QBIOS) {
-			q = &s->qbios[qi];
-			break;
-		}
-		first = bpf_map_lookup_elem(&bios, &bk);
-		if (first)
-			break;
-		bio = BPF_CORE_READ(bio, bi_next);
-	}
+	if (s && r >= 0 && r < QBIOS)
+		q = &s->qbios[r];
+	else if (r == CHAIN_TRACKED)
+		first = bpf_map_lookup_elem(&bios, &bio);
 	/* a tracked bio names the disk (and passed its filter); else read it */
 	if (q) {
 		dev = q->dev;
 	} else if (first) {
 		dev = first->dev;
 	} else {
-		disk = rq_disk_of(rq, h.q);
+		disk = rq_disk_of((struct request *)rq, (void *)rq_queue);
 		if (!disk_ok(disk))
-			return NULL;
+			return 0;
 		dev = disk_dev(disk);
 	}
 	if (!first && !s && task_filter_on())
-		return NULL;
+		return 0;
 	if (st)
 		__builtin_memset(st, 0, sizeof(*st));
 	else
 		st = rq_new(&key);
 	if (!st)
-		return NULL;
+		return 0;
 	st->active = 1;
 	st->ev.kind = K_RQ;
 	st->ev.dev = dev;
@@ -457,7 +455,42 @@ static __always_inline struct rq_state *rq_track(struct request *rq)
 		rq_owner(st, &s->id, tid, s->enter_ts);
 		st->ev.inode = s->inode;
 	}
-	return st;
+	return 1;
+}
+
+/*
+ * Tracks request `rq` from its first sight (insert, issue or queue_rq): 1 when
+ * it is tracked. Global functions (this one, chain_bio_g, rq_track_new_g) are
+ * verified once each, on their own: inlined in four programs, the chain walk
+ * and what follows it were verified once per exit of the walk, and were most of
+ * the guest agent's start-up (seconds per program under TCG).
+ */
+__noinline int rq_track_g(__u64 rq)
+{
+	__u64 key = rq;
+	struct rq_state *live = rq_get(&key);
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct rq_head h;
+	struct bio *bio;
+	int r = -1;
+
+	if (live) {
+		if (!live->ev.ts[P_RQ_COMPLETE])
+			return 1;
+		/* the tag was reused: the previous use completed unseen by the emitter */
+		stat_inc(S_RQ_LATE);
+		emit_rq(live);
+	}
+	if (!rq_head_read((struct request *)rq, &h))
+		return 0;
+	bio = h.bio;
+	for (int i = 0; i < CHAIN_MAX && bio; i++) {
+		r = chain_bio_g((__u64)bio, tid);
+		if (r >= 0)
+			break;
+		bio = BPF_CORE_READ(bio, bi_next);
+	}
+	return rq_track_new_g(rq, r >= 0 ? (__u64)bio : 0, r, (__u64)h.q);
 }
 
 /* Adds a reference to this request to the syscall that caused it. */
@@ -483,6 +516,29 @@ static __always_inline void add_ref(__u32 owner_tid, __u64 owner_enter_ts, struc
 	s->nrefs = n + 1;
 }
 
+/* Request `rq` absorbs the state of `bio`, one of its chain (global: verified
+ * once, not at each of rq_absorb's CHAIN_MAX steps). */
+__noinline int absorb_bio_g(__u64 rq, __u64 bio)
+{
+	__u64 key = rq;
+	struct rq_state *st = rq_get(&key);
+	struct bio_state *b;
+
+	/* the one taken from the syscall's queued bios has no map entry */
+	if (!st || bio == st->first_bio)
+		return 0;
+	b = bpf_map_lookup_elem(&bios, &bio);
+	if (!b)
+		return 0;
+	if (!st->ev.ts[P_BIO_QUEUE] || b->queue_ts < st->ev.ts[P_BIO_QUEUE])
+		st->ev.ts[P_BIO_QUEUE] = b->queue_ts;
+	if (b->owner_tid &&
+	    (b->owner_tid != st->owner_tid || b->owner_enter_ts != st->owner_enter_ts))
+		add_ref(b->owner_tid, b->owner_enter_ts, st);
+	bpf_map_delete_elem(&bios, &bio);
+	return 1;
+}
+
 /* At issue: final geometry, and the request absorbs its bios' state. */
 static __always_inline void rq_absorb(struct request *rq, struct rq_state *st)
 {
@@ -500,19 +556,8 @@ static __always_inline void rq_absorb(struct request *rq, struct rq_state *st)
 	if (st->owner_tid)
 		add_ref(st->owner_tid, st->owner_enter_ts, st);
 	for (i = 0; i < CHAIN_MAX && bio; i++) {
-		__u64 bk = (__u64)bio;
-		/* the one taken from the syscall's queued bios has no map entry */
-		struct bio_state *b = bk == st->first_bio ? NULL : bpf_map_lookup_elem(&bios, &bk);
-
 		n++;
-		if (b) {
-			if (!st->ev.ts[P_BIO_QUEUE] || b->queue_ts < st->ev.ts[P_BIO_QUEUE])
-				st->ev.ts[P_BIO_QUEUE] = b->queue_ts;
-			if (b->owner_tid && (b->owner_tid != st->owner_tid ||
-					     b->owner_enter_ts != st->owner_enter_ts))
-				add_ref(b->owner_tid, b->owner_enter_ts, st);
-			bpf_map_delete_elem(&bios, &bk);
-		}
+		absorb_bio_g((__u64)rq, (__u64)bio);
 		bio = BPF_CORE_READ(bio, bi_next);
 	}
 	if (bio)
@@ -520,10 +565,30 @@ static __always_inline void rq_absorb(struct request *rq, struct rq_state *st)
 	st->ev.bios = n;
 }
 
+/* rq_absorb for request `rq`'s state (global: verified once, see rq_track_g). */
+__noinline int rq_absorb_g(__u64 rq)
+{
+	__u64 key = rq;
+	struct rq_state *st = rq_get(&key);
+
+	if (!st)
+		return 0;
+	rq_absorb((struct request *)rq, st);
+	return 1;
+}
+
+/* The state of request `rq`, tracked from now on if it was not (NULL: not traced). */
+static __always_inline struct rq_state *rq_tracked(struct request *rq)
+{
+	__u64 key = (__u64)rq;
+
+	return rq_track_g(key) ? rq_get(&key) : NULL;
+}
+
 SEC("raw_tp/block_rq_insert")
 int BPF_PROG(rq_insert, struct request *rq)
 {
-	struct rq_state *st = rq_track(rq);
+	struct rq_state *st = rq_tracked(rq);
 
 	if (st)
 		st->ev.ts[P_RQ_INSERT] = bpf_ktime_get_ns();
@@ -533,7 +598,7 @@ int BPF_PROG(rq_insert, struct request *rq)
 SEC("raw_tp/block_rq_issue")
 int BPF_PROG(rq_issue, struct request *rq)
 {
-	struct rq_state *st = rq_track(rq);
+	struct rq_state *st = rq_tracked(rq);
 	__u64 queued = cpu_stamp_get(&queue_rq_stamps, rq, true);
 
 	if (!st)
@@ -541,7 +606,7 @@ int BPF_PROG(rq_issue, struct request *rq)
 	st->ev.ts[P_RQ_ISSUE] = bpf_ktime_get_ns();
 	if (queued)
 		st->ev.ts[P_QUEUE_RQ] = queued;
-	rq_absorb(rq, st);
+	rq_absorb_g((__u64)rq);
 	return 0;
 }
 

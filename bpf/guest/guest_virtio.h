@@ -37,7 +37,7 @@ static long queue_rqs_one(__u64 i, void *data)
 
 	if (!rq)
 		return 1;
-	st = rq_track(rq);
+	st = rq_tracked(rq);
 	if (st)
 		st->ev.ts[P_QUEUE_RQ] = w->now;
 	w->rq = BPF_CORE_READ(rq, rq_next);
@@ -46,7 +46,7 @@ static long queue_rqs_one(__u64 i, void *data)
 
 /* virtio_queue_rqs(struct request **rqlist) (≤6.10) or (struct rq_list *): the
  * first word is the list head either way; requests are linked by rq_next.
- * bpf_loop (5.17+; virtio_queue_rqs is 5.19+): rq_track is verified once, not
+ * bpf_loop (5.17+; virtio_queue_rqs is 5.19+): the callback is verified once, not
  * once per list position. */
 static __always_inline void on_queue_rqs(void *list)
 {
@@ -91,11 +91,11 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 
 		if (!queued)
 			return;
-		st = rq_track((struct request *)key);
+		st = rq_tracked((struct request *)key);
 		if (!st)
 			return;
 		st->ev.ts[P_QUEUE_RQ] = queued;
-		rq_absorb((struct request *)key, st);
+		rq_absorb_g(key);
 	}
 	st->ev.ts[P_VQ_ADD] = bpf_ktime_get_ns();
 	st->ev.queue = BPF_CORE_READ(vq, index);

@@ -32,6 +32,18 @@ pub struct Running {
     pub report: Report,
     /// The off-CPU accounting of syscalls is attached.
     pub off_cpu: bool,
+    /// Where the start-up time went.
+    pub startup: Startup,
+}
+
+/// The start-up's phases: loading (open, CO-RE relocation against the kernel's BTF,
+/// the verifier, over every attempt) and attaching.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Startup {
+    pub load: std::time::Duration,
+    /// Load attempts (one more per optional program set the kernel refused).
+    pub attempts: u32,
+    pub attach: std::time::Duration,
 }
 
 impl Running {
@@ -217,7 +229,10 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
     plan.off_cpu = f.off_cpu;
     plan.exact_kick = f.exact_kick;
     let mut failed: BTreeMap<String, String> = BTreeMap::new();
+    let mut startup = Startup::default();
+    let t_load = std::time::Instant::now();
     let skel = loop {
+        startup.attempts += 1;
         LOAD_FAILED
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -246,6 +261,8 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
             }
         }
     };
+    startup.load = t_load.elapsed();
+    let t_attach = std::time::Instant::now();
     let mut links = Vec::new();
     let mut live = HashSet::new();
     for p in skel.object().progs_mut() {
@@ -306,6 +323,7 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
             }
         }
     }
+    startup.attach = t_attach.elapsed();
     let report = plan::report(&plan, facts, &live, &failed);
     let mut skel = skel;
     // io_submit's entry program leaves the iocbs to aio_prep_rw's once that is attached.
@@ -322,6 +340,7 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
         mode,
         report,
         off_cpu,
+        startup,
     })
 }
 
@@ -350,10 +369,16 @@ pub fn start_any(modes: &[Mode], facts: &Facts, f: &Filters) -> Result<Running> 
         let t0 = std::time::Instant::now();
         match start(m, facts, f) {
             Ok(r) => {
+                let s = r.startup;
                 eprintln!(
-                    "viotrace-guest: {m} mode on Linux {}, attached in {:.2}s",
+                    "viotrace-guest: {m} mode on Linux {}, attached in {:.2}s \
+                     (load {:.2}s in {} attempt(s), {} links attached in {:.2}s)",
                     facts.release,
-                    t0.elapsed().as_secs_f64()
+                    t0.elapsed().as_secs_f64(),
+                    s.load.as_secs_f64(),
+                    s.attempts,
+                    r.links.len(),
+                    s.attach.as_secs_f64()
                 );
                 return Ok(r);
             }

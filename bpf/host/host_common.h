@@ -74,7 +74,7 @@ struct io_state {
 	/* device load of other issuers (host_interfere.h) */
 	__u32 disk_dev;
 	__u32 nb_inflight;
-	__u64 nb_base; /* their requests issued before this I/O's first block request */
+	__u64 nb_base; /* their requests issued before this I/O entered the block layer */
 	__u64 nb_bytes_base; /* and their bytes */
 	__u64 nb_bytes;
 	__u32 nb_issued;

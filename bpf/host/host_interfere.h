@@ -117,6 +117,49 @@ static __always_inline __u32 rq_dev(struct request *rq)
 
 /* ---- device load ---- */
 
+/* Requests of issuers other than `tgid` on `dev`. */
+struct others {
+	__u64 issued;   /* so far */
+	__u64 bytes;    /* so far */
+	__u64 inflight; /* now */
+};
+
+static __always_inline struct others dev_others(__u32 dev, __u32 tgid)
+{
+	struct others r = {};
+	struct dev_load *l = bpf_map_lookup_elem(&dev_loads, &dev);
+	if (!l)
+		return r;
+	__u64 iss = l->issued, comp = l->completed, bytes = l->bytes;
+	struct rq_owner o = { .dev = dev, .tgid = tgid };
+	struct dev_user *u = bpf_map_lookup_elem(&dev_users, &o);
+	if (u) {
+		iss -= u->issued;
+		comp -= u->completed;
+		bytes -= u->bytes;
+	}
+	r.issued = iss;
+	r.bytes = bytes;
+	r.inflight = iss > comp ? iss - comp : 0;
+	return r;
+}
+
+/* The other issuers' load on `dev` as host I/O `io` of QEMU `tgid` enters its
+ * block layer: its first request's start (or insertion), else its first issue.
+ * Taken once; block_rq_complete counts their requests issued since. From the
+ * start, not the issue: a request that waits in the I/O scheduler behind a
+ * neighbour's (mq-deadline) waits for exactly that load. */
+static __always_inline void nb_snapshot(struct io_state *io, __u32 dev, __u32 tgid)
+{
+	if (io->disk_dev || !dev)
+		return;
+	struct others o = dev_others(dev, tgid);
+	io->disk_dev = dev;
+	io->nb_base = o.issued;
+	io->nb_bytes_base = o.bytes;
+	io->nb_inflight = o.inflight > 0xffffffff ? 0xffffffff : (__u32)o.inflight;
+}
+
 static __always_inline void note_origin(struct request *rq)
 {
 	__u64 id = bpf_get_current_pid_tgid();
@@ -126,6 +169,10 @@ static __always_inline void note_origin(struct request *rq)
 	if (t) {
 		o.qemu = t->tgid;
 		o.merge_id = t->merge_id;
+		struct tg_ptr ik = { .tgid = t->tgid, .ptr = t->merge_id };
+		struct io_state *io = bpf_map_lookup_elem(&ios, &ik);
+		if (io)
+			nb_snapshot(io, rq_dev(rq), t->tgid);
 	}
 	bpf_get_current_comm(o.comm, sizeof(o.comm));
 	__u64 k = (__u64)rq;
@@ -199,33 +246,6 @@ static __always_inline void dev_complete(struct request *rq)
 		__sync_fetch_and_add(&u->completed, 1);
 	bpf_map_delete_elem(&rq_owners, &k);
 	bpf_map_delete_elem(&rq_origins, &k);
-}
-
-/* Requests of issuers other than `tgid` on `dev`. */
-struct others {
-	__u64 issued;   /* so far */
-	__u64 bytes;    /* so far */
-	__u64 inflight; /* now */
-};
-
-static __always_inline struct others dev_others(__u32 dev, __u32 tgid)
-{
-	struct others r = {};
-	struct dev_load *l = bpf_map_lookup_elem(&dev_loads, &dev);
-	if (!l)
-		return r;
-	__u64 iss = l->issued, comp = l->completed, bytes = l->bytes;
-	struct rq_owner o = { .dev = dev, .tgid = tgid };
-	struct dev_user *u = bpf_map_lookup_elem(&dev_users, &o);
-	if (u) {
-		iss -= u->issued;
-		comp -= u->completed;
-		bytes -= u->bytes;
-	}
-	r.issued = iss;
-	r.bytes = bytes;
-	r.inflight = iss > comp ? iss - comp : 0;
-	return r;
 }
 
 /* ---- run-queue waits of traced QEMU threads ---- */

@@ -310,11 +310,7 @@ int BPF_PROG(disk_issue, struct request *rq)
 		return 0;
 	if (!io->ts[HP_DISK_ISSUE]) {
 		io->ts[HP_DISK_ISSUE] = bpf_ktime_get_ns();
-		struct others o = dev_others(dev, t->tgid);
-		io->disk_dev = dev;
-		io->nb_base = o.issued;
-		io->nb_bytes_base = o.bytes;
-		io->nb_inflight = o.inflight > 0xffffffff ? 0xffffffff : (__u32)o.inflight;
+		nb_snapshot(io, dev, t->tgid); /* unless its start took it */
 	}
 	bpf_map_update_elem(&rq_ios, &k, t, BPF_ANY);
 	stat_inc(ST_DISK_MATCHED);

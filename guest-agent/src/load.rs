@@ -12,6 +12,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
+use libbpf_rs::libbpf_sys::bpf_prog_info;
 use libbpf_rs::query::{LinkTypeInfo, PerfEventType};
 use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::Link;
@@ -44,6 +45,8 @@ pub struct Startup {
     /// Load attempts (one more per optional program set the kernel refused).
     pub attempts: u32,
     pub attach: std::time::Duration,
+    /// The verifier's processed instructions (Linux 5.16+).
+    pub verified_insns: Option<u64>,
 }
 
 impl Running {
@@ -78,7 +81,10 @@ impl Running {
     pub fn bpf_runs_missed_by_program(&self) -> Option<Vec<(String, u64)>> {
         let mut out = Some(Vec::new());
         self.each_attached(|name, fd| {
-            let missed = prog_info(fd).and_then(|(i, rec)| rec.then_some(i.recursion_misses));
+            let missed = prog_info(fd).and_then(|i| {
+                i.has(offset_of!(bpf_prog_info, recursion_misses) + size_of::<u64>())
+                    .then_some(i.info.recursion_misses)
+            });
             match (&mut out, missed) {
                 (Some(v), Some(n)) => v.push((name, n)),
                 _ => out = None,
@@ -92,9 +98,9 @@ impl Running {
     pub fn bpf_runs(&self) -> BpfRuns {
         let mut sum = BpfRuns::default();
         self.each_attached(|_, fd| {
-            if let Some((i, _)) = prog_info(fd) {
-                sum.ns += i.run_time_ns;
-                sum.runs += i.run_cnt;
+            if let Some(i) = prog_info(fd) {
+                sum.ns += i.info.run_time_ns;
+                sum.runs += i.info.run_cnt;
             }
         });
         sum
@@ -111,10 +117,21 @@ impl Running {
     }
 }
 
-/// A loaded program's info (run time and runs, Linux 5.1+), and whether it has
-/// `recursion_misses` (Linux 5.12+).
-fn prog_info(fd: BorrowedFd<'_>) -> Option<(libbpf_rs::libbpf_sys::bpf_prog_info, bool)> {
-    use libbpf_rs::libbpf_sys::bpf_prog_info;
+/// A loaded program's info and how much of it this kernel filled in.
+struct ProgInfo {
+    info: bpf_prog_info,
+    len: u32,
+}
+
+impl ProgInfo {
+    /// The kernel filled the info up to byte `end` (a field's offset + size).
+    fn has(&self, end: usize) -> bool {
+        self.len as usize >= end
+    }
+}
+
+/// A loaded program's info, when it has run time and runs (Linux 5.1+).
+fn prog_info(fd: BorrowedFd<'_>) -> Option<ProgInfo> {
     let mut info = bpf_prog_info::default();
     let mut len = size_of::<bpf_prog_info>() as u32;
     // SAFETY: `info` is a writable bpf_prog_info of `len` bytes, its pointer fields are
@@ -122,10 +139,26 @@ fn prog_info(fd: BorrowedFd<'_>) -> Option<(libbpf_rs::libbpf_sys::bpf_prog_info
     let r = unsafe {
         libbpf_rs::libbpf_sys::bpf_prog_get_info_by_fd(fd.as_raw_fd(), &mut info, &mut len)
     };
-    let has = |end: usize| len as usize >= end;
-    let runs = offset_of!(bpf_prog_info, run_cnt) + size_of::<u64>();
-    let recursion = offset_of!(bpf_prog_info, recursion_misses) + size_of::<u64>();
-    (r == 0 && has(runs)).then_some((info, has(recursion)))
+    let i = ProgInfo { info, len };
+    (r == 0 && i.has(offset_of!(bpf_prog_info, run_cnt) + size_of::<u64>())).then_some(i)
+}
+
+/// Instructions the verifier processed for the loaded programs of `skel`, summed
+/// (Linux 5.16+; None before): the start-up's main cost, and what grows when a
+/// program's paths multiply.
+fn verified_insns(skel: &ViotraceGuestSkel<'_>) -> Option<u64> {
+    let mut sum = 0u64;
+    for p in skel.object().progs() {
+        if !p.autoload() {
+            continue;
+        }
+        let i = prog_info(p.as_fd())?;
+        if !i.has(offset_of!(bpf_prog_info, verified_insns) + size_of::<u32>()) {
+            return None;
+        }
+        sum += u64::from(i.info.verified_insns);
+    }
+    Some(sum)
 }
 
 /// Programs libbpf reported as failing to load during the current attempt.
@@ -262,6 +295,7 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
         }
     };
     startup.load = t_load.elapsed();
+    startup.verified_insns = verified_insns(&skel);
     let t_attach = std::time::Instant::now();
     let mut links = Vec::new();
     let mut live = HashSet::new();
@@ -370,9 +404,13 @@ pub fn start_any(modes: &[Mode], facts: &Facts, f: &Filters) -> Result<Running> 
         match start(m, facts, f) {
             Ok(r) => {
                 let s = r.startup;
+                let insns = s
+                    .verified_insns
+                    .map(|n| format!(", verifier: {n} instructions"))
+                    .unwrap_or_default();
                 eprintln!(
                     "viotrace-guest: {m} mode on Linux {}, attached in {:.2}s \
-                     (load {:.2}s in {} attempt(s), {} links attached in {:.2}s)",
+                     (load {:.2}s in {} attempt(s){insns}; {} links attached in {:.2}s)",
                     facts.release,
                     t0.elapsed().as_secs_f64(),
                     s.load.as_secs_f64(),

@@ -428,6 +428,14 @@ fn main() -> Result<()> {
     s.close_capture(&mut stats);
     let cost = cost.report(Some(run.bpf_runs()), s.rqs);
     stats.extend(cost.counters());
+    let startup = run.startup.load + run.startup.attach;
+    stats.push((
+        "startup_ms",
+        startup.as_millis().min(u128::from(u64::MAX)) as u64,
+    ));
+    if let Some(n) = run.startup.verified_insns {
+        stats.push(("startup_verified_insns", n));
+    }
     let r = s.finish(started.elapsed(), &stats);
     s.say(&format!("viotrace-guest: {}\n", cost.line("request")));
     r

@@ -717,6 +717,15 @@ fn the_agent_reports_what_it_costs() {
         lab.cpu_secs
     );
     assert!(cpu_us > 0 && bpf_ns > 0, "{c:?}");
+    // The verifier's work is most of the start-up (under TCG, about a second per 30k
+    // instructions): a program whose paths multiply shows here first. With the chain
+    // walk inlined in four programs it was about 560k; since its global functions, 73k.
+    let insns = get("startup_verified_insns");
+    assert!(
+        (10_000..150_000).contains(&insns),
+        "the verifier processed {insns} instructions at start-up"
+    );
+    assert!(get("startup_ms") > 0, "{c:?}");
     // Its peak is the kernel's high-water mark, later than the lab's reading.
     assert!(
         peak_kib >= lab.peak_rss_kib && peak_kib < 64 * 1024,

@@ -160,7 +160,9 @@ static __always_inline void nb_snapshot(struct io_state *io, __u32 dev, __u32 tg
 	io->nb_inflight = o.inflight > 0xffffffff ? 0xffffffff : (__u32)o.inflight;
 }
 
-static __always_inline void note_origin(struct request *rq)
+/* `flags`: BPF_ANY where the request is new (its start), BPF_NOEXIST where it
+ * may already have one (an insertion: a requeued request keeps its submitter). */
+static __always_inline void note_origin(struct request *rq, __u64 flags)
 {
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)id;
@@ -176,20 +178,32 @@ static __always_inline void note_origin(struct request *rq)
 	}
 	bpf_get_current_comm(o.comm, sizeof(o.comm));
 	__u64 k = (__u64)rq;
-	bpf_map_update_elem(&rq_origins, &k, &o, BPF_NOEXIST); /* the first one is the submitter */
+	bpf_map_update_elem(&rq_origins, &k, &o, flags);
 }
 
 SEC("tp_btf/block_io_start")
 int BPF_PROG(rq_io_start, struct request *rq)
 {
-	note_origin(rq);
+	note_origin(rq, BPF_ANY);
 	return 0;
 }
 
 SEC("tp_btf/block_rq_insert")
 int BPF_PROG(rq_insert, struct request *rq)
 {
-	note_origin(rq);
+	note_origin(rq, BPF_NOEXIST);
+	return 0;
+}
+
+/* A request merged into another is freed without completing: its origin goes
+ * with it, or the next request at its address would inherit that submitter (a
+ * QEMU read dispatched from kblockd taken for fio's: counted as fio's load,
+ * and matched to no QEMU I/O). */
+SEC("tp_btf/block_rq_merge")
+int BPF_PROG(rq_merged, struct request *rq)
+{
+	__u64 k = (__u64)rq;
+	bpf_map_delete_elem(&rq_origins, &k);
 	return 0;
 }
 

@@ -124,6 +124,11 @@ impl<'obj> Tracer<'obj> {
         if !Path::new("/sys/kernel/tracing/events/block/block_io_start").exists() {
             open.progs.rq_io_start.set_autoload(false);
         }
+        // block_rq_merge (5.9+): without it a merged-away request's origin stays until
+        // the LRU evicts it (or its address is inserted again: NOEXIST keeps the old one).
+        if !Path::new("/sys/kernel/tracing/events/block/block_rq_merge").exists() {
+            open.progs.rq_merged.set_autoload(false);
+        }
         let mut skel = open.load().context("loading the BPF programs")?;
         trim_heap();
         let mut tp_links = Vec::new();

@@ -395,7 +395,7 @@ __noinline int chain_bio_g(__u64 bio, __u32 tid)
 
 /*
  * The rest of rq_track_g, for request `rq` (not live) whose chain walk ended on
- * `bio` with chain_bio_g's answer `r` (-1: no tracked bio); `q` is its queue.
+ * `bio` with chain_bio_g's answer `r` (-1: no tracked bio); `rq_queue`: its queue.
  * Identity: the first tracked bio in its chain; for a request without tracked
  * bios (flush), the traced syscall running now, if any. Returns 1 when the
  * request is tracked from now on.

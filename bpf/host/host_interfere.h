@@ -160,10 +160,15 @@ static __always_inline void nb_snapshot(struct io_state *io, __u32 dev, __u32 tg
 	io->nb_inflight = o.inflight > 0xffffffff ? 0xffffffff : (__u32)o.inflight;
 }
 
-/* `flags`: BPF_ANY where the request is new (its start), BPF_NOEXIST where it
- * may already have one (an insertion: a requeued request keeps its submitter). */
-static __always_inline void note_origin(struct request *rq, __u64 flags)
+/* `start`: the request is new (block_io_start): any origin at its address is a
+ * stale one's. Else an insertion, where the request may have one already (its
+ * start was seen, or it is requeued and keeps its submitter): then nothing is
+ * done, not even the QEMU I/O's lookup (its snapshot is taken). */
+static __always_inline void note_origin(struct request *rq, bool start)
 {
+	__u64 k = (__u64)rq;
+	if (!start && bpf_map_lookup_elem(&rq_origins, &k))
+		return;
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)id;
 	struct rq_origin o = { .tgid = id >> 32 };
@@ -177,21 +182,20 @@ static __always_inline void note_origin(struct request *rq, __u64 flags)
 			nb_snapshot(io, rq_dev(rq), t->tgid);
 	}
 	bpf_get_current_comm(o.comm, sizeof(o.comm));
-	__u64 k = (__u64)rq;
-	bpf_map_update_elem(&rq_origins, &k, &o, flags);
+	bpf_map_update_elem(&rq_origins, &k, &o, BPF_ANY);
 }
 
 SEC("tp_btf/block_io_start")
 int BPF_PROG(rq_io_start, struct request *rq)
 {
-	note_origin(rq, BPF_ANY);
+	note_origin(rq, true);
 	return 0;
 }
 
 SEC("tp_btf/block_rq_insert")
 int BPF_PROG(rq_insert, struct request *rq)
 {
-	note_origin(rq, BPF_NOEXIST);
+	note_origin(rq, false);
 	return 0;
 }
 

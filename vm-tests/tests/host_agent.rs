@@ -532,9 +532,11 @@ fn qemu_10_0_iothread_irq_from_the_eventfd() {
     let v = host::final_stats(&r.out_dir).values;
     assert_eq!(v["virtio_notify_calls"], 0, "{v:?}");
     assert!(v["guest_notifications"] >= 100, "{v:?}");
+    // One record per push: emitted by BPF at h.irq, or by the agent's sweep of
+    // pushed elements whose notification never came (a queue's first).
     assert_eq!(
         v["uprobe_hits"] - v["push_other_device"],
-        v["records_emitted"],
+        v["records_emitted"] + v["emitted_without_notification"],
         "{v:?}"
     );
 }

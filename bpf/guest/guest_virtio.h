@@ -94,8 +94,7 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 		st = rq_tracked((struct request *)key);
 		if (!st)
 			return;
-		st->ev.ts[P_QUEUE_RQ] = queued;
-		rq_absorb_g(key);
+		rq_issued_g(key, queued, 0);
 	}
 	st->ev.ts[P_VQ_ADD] = bpf_ktime_get_ns();
 	st->ev.queue = BPF_CORE_READ(vq, index);

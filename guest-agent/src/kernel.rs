@@ -4,11 +4,11 @@
 //! prototypes changed across kernels (from the vmlinux BTF `btf_trace_*`
 //! typedefs, which is what raw tracepoint programs receive).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use libbpf_rs::btf::types::{FuncProto, Ptr, Typedef};
+use libbpf_rs::btf::types::{Func, FuncProto, Ptr, Typedef};
 use libbpf_rs::btf::{BtfKind, BtfType, ReferencesType};
 use libbpf_rs::Btf;
 
@@ -44,6 +44,10 @@ pub struct Facts {
     pub btf: HashSet<String>,
     /// Raw tracepoints of [`TRACEPOINTS`] this kernel has, with their arguments.
     pub tracepoints: BTreeMap<String, Vec<TpArg>>,
+    /// Syscall wrappers whose `struct pt_regs *` argument this kernel's BTF
+    /// leaves untyped (a forward declaration, as for `__x64_sys_io_submit` on
+    /// Debian's 5.10): the verifier refuses an fentry program that reads it.
+    pub sys_untyped_regs: BTreeSet<String>,
 }
 
 impl Facts {
@@ -72,6 +76,11 @@ impl Facts {
             .iter()
             .filter_map(|tp| tp_args(&vmlinux, tp).map(|a| (tp.to_string(), a)))
             .collect();
+        let sys_untyped_regs = SYSCALLS
+            .iter()
+            .filter(|s| !first_arg_is_struct(&vmlinux, s.target))
+            .map(|s| s.target.to_string())
+            .collect();
         Ok(Facts {
             release,
             fentry: probe::fentry_available(),
@@ -79,6 +88,7 @@ impl Facts {
             syms,
             btf,
             tracepoints,
+            sys_untyped_regs,
         })
     }
 
@@ -123,6 +133,23 @@ fn tp_args(btf: &Btf<'_>, tp: &str) -> Option<Vec<TpArg>> {
         })
         .collect();
     Some(args)
+}
+
+/// Whether function `func` of `btf` takes a pointer to a defined struct first
+/// (true when the BTF has no such function: nothing to refuse it by).
+fn first_arg_is_struct(btf: &Btf<'_>, func: &str) -> bool {
+    let Some(f) = btf.type_by_name::<Func<'_>>(func) else {
+        return true;
+    };
+    let Ok(proto) = FuncProto::try_from(f.referenced_type()) else {
+        return true;
+    };
+    let Some(first) = proto.iter().next() else {
+        return false;
+    };
+    btf.type_by_id::<BtfType<'_>>(first.ty)
+        .and_then(|t| Ptr::try_from(t.skip_mods_and_typedefs()).ok())
+        .is_some_and(|p| p.referenced_type().skip_mods_and_typedefs().kind() == BtfKind::Struct)
 }
 
 /// Whether the running kernel's tracefs is mounted (tracepoint attach needs it on some kernels).

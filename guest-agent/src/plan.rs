@@ -275,6 +275,19 @@ fn plan_syscalls(mode: Mode, f: &Facts) -> (Vec<&'static SysHook>, Option<String
                    tracepoints";
         return (Vec::new(), Some(why.into()));
     }
+    // (One refused program would have the whole object loaded again, about a
+    // second under emulation, to end in the same fallback.)
+    if let Some(s) = present
+        .iter()
+        .find(|s| f.sys_untyped_regs.contains(s.target))
+    {
+        let why = format!(
+            "syscalls: {}'s struct pt_regs argument is untyped in this kernel's BTF (fentry on \
+             it is refused): the raw sys_enter/sys_exit tracepoints",
+            s.target
+        );
+        return (Vec::new(), Some(why));
+    }
     let mut note = format!(
         "syscalls: fentry/fexit on {} syscall wrappers (no program runs on other syscalls)",
         present.len()

@@ -74,6 +74,7 @@ fn kernel(
         syms,
         btf: btf.iter().map(|s| s.to_string()).collect(),
         tracepoints: tps.iter().map(|(n, a)| (n.to_string(), args(a))).collect(),
+        sys_untyped_regs: Default::default(),
     }
 }
 
@@ -425,6 +426,17 @@ fn syscall_programs_fall_back_to_the_raw_tracepoints_as_a_whole() {
         .notes
         .iter()
         .any(|n| n.starts_with("syscalls: no __x64_sys_* wrapper")));
+    // A wrapper whose argument the BTF leaves untyped (Debian 5.10's
+    // io_submit) is known to be refused: the tracepoints from the start.
+    let mut untyped = k7_2();
+    untyped
+        .sys_untyped_regs
+        .insert("__x64_sys_io_submit".into());
+    let p = plan(Mode::Fentry, &untyped);
+    assert!(p.sys_fentry.is_empty());
+    assert!(p.notes.iter().any(
+        |n| n.starts_with("syscalls: __x64_sys_io_submit's struct pt_regs argument is untyped")
+    ));
 }
 
 /// Bios: fentry mode with vmlinux BTF traces them on a typed bio (tp_btf); the

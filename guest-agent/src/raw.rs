@@ -450,9 +450,10 @@ mod tests {
     fn syscall_names() {
         assert_eq!(syscall_name(426), "io_uring_enter");
         assert_eq!(syscall_name(999), "syscall_999");
-        assert_eq!(STAT_NAMES.len(), 22);
+        assert_eq!(STAT_NAMES.len(), 23);
         assert_eq!(STAT_NAMES[0], "ringbuf_drop_rq");
         assert_eq!(STAT_NAMES[19], "bio_chain_truncated");
         assert_eq!(STAT_NAMES[21], "io_hist_full");
+        assert_eq!(STAT_NAMES[22], "driver_complete_unseen");
     }
 }

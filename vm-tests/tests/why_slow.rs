@@ -456,12 +456,12 @@ fn guest_hog_workload(hog: bool) -> String {
 }
 
 /// Which of `reads` (fio's `pread64`s in the order the agent judged them, its
-/// output's; the class of those up to 4 KiB, as fio's job reads) are slow by the syscall engine's own rule: above
-/// `threshold_ns` and [`SLOW_FACTOR`] × the median of the class's last
-/// [`WINDOW`](viotrace_shared::cause::WINDOW) reads before it. Replayed with the engine's own [`Window`], so the
-/// test asks only whether the verdicts name the right cause. With a fixed 5 ms
-/// alone, a slow host's ordinary scatter (5-7 ms reads beside a 2.2 ms median,
-/// no cause by that rule, rightly) failed one run in two (84 of 95 named).
+/// output's; the class of those up to 4 KiB, as fio's job reads) are slow by the
+/// syscall engine's own rule ([`Window::slow_baseline`]), replayed over the
+/// class's totals, so the test asks only whether the verdicts name the right
+/// cause. With a fixed 5 ms alone, a slow host's ordinary scatter (5-7 ms reads
+/// beside a 2.2 ms median, no cause by that rule, rightly) failed one run in two
+/// (84 of 95 named).
 fn slow_by_the_engines_rule(
     reads: &[viotrace_shared::record::GuestIo],
     threshold_ns: i64,
@@ -476,11 +476,7 @@ fn slow_by_the_engines_rule(
             }
             let total = io.ts.get(Point::SyscallExit).unwrap_or(0) as i64
                 - io.ts.get(Point::SyscallEnter).unwrap_or(0) as i64;
-            let slow = window.len() >= MIN_SAMPLES
-                && total >= threshold_ns
-                && window
-                    .median()
-                    .is_some_and(|m| total as f64 >= SLOW_FACTOR * m.max(1) as f64);
+            let slow = window.slow_baseline(total, threshold_ns).is_some();
             window.push(total);
             slow
         })

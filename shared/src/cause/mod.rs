@@ -295,13 +295,7 @@ impl ClassBaseline {
         total_ns: i64,
         threshold_ns: i64,
     ) -> Option<Cause> {
-        if self.total.len() < MIN_SAMPLES || total_ns < threshold_ns {
-            return None;
-        }
-        let base_total = self.total.median()?;
-        if (total_ns as f64) < SLOW_FACTOR * base_total.max(1) as f64 {
-            return None;
-        }
+        let base_total = self.total.slow_baseline(total_ns, threshold_ns)?;
         // The partition stage with the largest excess over its own baseline.
         let excess = |name: &str, v: i64| {
             let base = self.stages.get(name).and_then(|w| w.median()).unwrap_or(0);

@@ -1,5 +1,5 @@
 //! Verdicts on slow syscall-level I/Os in the guest (the guest agent with `-t`):
-//! a syscall above the threshold and [`SLOW_FACTOR`] × the median of its class
+//! a syscall above the threshold and [`super::SLOW_FACTOR`] × the median of its class
 //! (the same command, syscall and size class) is judged by where its excess
 //! went, from its off-CPU accounting ([`OffCpu`]): waiting for a CPU while
 //! runnable (`guest_preempted`, naming the task that held the CPU), sleeping
@@ -10,10 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::record::{GuestIo, OffCpu, Point};
 
-use super::{
-    fmt_ns, render_causes, size_class, size_class_kib, Cause, CauseKind, Window, MIN_SAMPLES,
-    SLOW_FACTOR,
-};
+use super::{fmt_ns, render_causes, size_class, size_class_kib, Cause, CauseKind, Window};
 
 /// Classes (command × syscall × size class) kept; requests of more are counted, not judged.
 pub const MAX_SYSCALL_CLASSES: usize = 4096;
@@ -84,13 +81,7 @@ impl SyscallVerdicts {
 }
 
 fn judge_one(c: &Class, io: &GuestIo, total: i64, off: &OffCpu, threshold: i64) -> Option<Cause> {
-    if c.total.len() < MIN_SAMPLES || total < threshold {
-        return None;
-    }
-    let base = c.total.median()?;
-    if (total as f64) < SLOW_FACTOR * base.max(1) as f64 {
-        return None;
-    }
+    let base = c.total.slow_baseline(total, threshold)?;
     let excess = total - base;
     let (runnable, blocked) = (off.runnable_ns as i64, off.blocked_ns as i64);
     let explains = |ns: i64| ns.saturating_mul(2) >= excess;

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use libbpf_rs::btf::types::{Func, FuncProto, Ptr, Typedef};
-use libbpf_rs::btf::{BtfKind, BtfType, ReferencesType};
+use libbpf_rs::btf::{BtfKind, BtfType, ReferencesType, TypeId};
 use libbpf_rs::Btf;
 
 use crate::probe::{self, Sym, HOOKS, SYSCALLS};
@@ -122,21 +122,27 @@ fn tp_args(btf: &Btf<'_>, tp: &str) -> Option<Vec<TpArg>> {
         .iter()
         .skip(1)
         .map(|p| {
-            let t: BtfType<'_> = btf.type_by_id(p.ty)?;
-            let pointee = Ptr::try_from(t.skip_mods_and_typedefs())
-                .ok()?
-                .referenced_type();
-            let pointee = pointee.skip_mods_and_typedefs();
-            matches!(pointee.kind(), BtfKind::Struct | BtfKind::Union)
-                .then(|| pointee.name().map(|n| n.to_string_lossy().into_owned()))
-                .flatten()
+            struct_pointee(btf, p.ty)
+                .and_then(|s| s.name().map(|n| n.to_string_lossy().into_owned()))
         })
         .collect();
     Some(args)
 }
 
+/// The struct or union type `ty` points to (through modifiers and typedefs), if
+/// it is such a pointer: what the verifier lets a tracing program read.
+fn struct_pointee<'b>(btf: &'b Btf<'_>, ty: TypeId) -> Option<BtfType<'b>> {
+    let t: BtfType<'b> = btf.type_by_id(ty)?;
+    let pointee = Ptr::try_from(t.skip_mods_and_typedefs())
+        .ok()?
+        .referenced_type()
+        .skip_mods_and_typedefs();
+    matches!(pointee.kind(), BtfKind::Struct | BtfKind::Union).then_some(pointee)
+}
+
 /// Whether function `func` of `btf` takes a pointer to a defined struct first
-/// (true when the BTF has no such function: nothing to refuse it by).
+/// (true when the BTF has no such function: nothing to refuse it by; a
+/// forward declaration is no struct).
 fn first_arg_is_struct(btf: &Btf<'_>, func: &str) -> bool {
     let Some(f) = btf.type_by_name::<Func<'_>>(func) else {
         return true;
@@ -147,9 +153,7 @@ fn first_arg_is_struct(btf: &Btf<'_>, func: &str) -> bool {
     let Some(first) = proto.iter().next() else {
         return false;
     };
-    btf.type_by_id::<BtfType<'_>>(first.ty)
-        .and_then(|t| Ptr::try_from(t.skip_mods_and_typedefs()).ok())
-        .is_some_and(|p| p.referenced_type().skip_mods_and_typedefs().kind() == BtfKind::Struct)
+    struct_pointee(btf, first.ty).is_some()
 }
 
 /// Whether the running kernel's tracefs is mounted (tracepoint attach needs it on some kernels).

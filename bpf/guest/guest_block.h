@@ -715,15 +715,15 @@ int BPF_PROG(rq_complete, struct request *rq, int error, unsigned int nr_bytes)
 	 * nested in another BPF kprobe are skipped by the kernel, so the later
 	 * blk_update_request return would likely be missed as well.
 	 */
-	if (emit_at_rq_complete || (have_driver_complete && !st->ev.ts[P_DRIVER_COMPLETE])) {
-		if (nr_bytes < BPF_CORE_READ(rq, __data_len))
-			return 0;
-		/* (kernels before 6.7 do not count the skipped run in the
-		 * program's misses, bpf_runs_lost: this counts what it cost) */
-		if (have_driver_complete && !st->ev.ts[P_DRIVER_COMPLETE] && st->ev.ts[P_VQ_ADD])
-			stat_inc(S_DRIVER_UNSEEN);
-		emit_rq(st);
-	}
+	bool unseen = have_driver_complete && !st->ev.ts[P_DRIVER_COMPLETE];
+
+	if (!(emit_at_rq_complete || unseen) || nr_bytes < BPF_CORE_READ(rq, __data_len))
+		return 0;
+	/* (kernels before 6.7 do not count the skipped run in the program's
+	 * misses, bpf_runs_lost: this counts what it cost) */
+	if (unseen && st->ev.ts[P_VQ_ADD])
+		stat_inc(S_DRIVER_UNSEEN);
+	emit_rq(st);
 	return 0;
 }
 

@@ -125,7 +125,7 @@ impl<'obj> Tracer<'obj> {
             open.progs.rq_io_start.set_autoload(false);
         }
         // block_rq_merge (5.9+): without it a merged-away request's origin stays until
-        // the LRU evicts it (or its address is inserted again: NOEXIST keeps the old one).
+        // the LRU evicts it or a request at its address starts (an insertion alone keeps it).
         if !Path::new("/sys/kernel/tracing/events/block/block_rq_merge").exists() {
             open.progs.rq_merged.set_autoload(false);
         }

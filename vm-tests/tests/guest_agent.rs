@@ -508,6 +508,13 @@ fn kernel_5_10_auto_mode_falls_back_to_kprobes_for_modules_and_sees_everything()
         log.contains("virtqueue_add_sgs: no BTF for virtio_ring"),
         "the kprobe fallback is reported: {log}"
     );
+    // io_submit's wrapper takes an untyped struct pt_regs in 5.10's BTF: known
+    // from the BTF, so the object loads once, with the syscall tracepoints.
+    assert!(
+        log.contains("__x64_sys_io_submit's struct pt_regs argument is untyped")
+            && log.contains("in 1 attempt(s)"),
+        "the untyped wrapper is planned around, not refused: {log}"
+    );
 }
 
 #[test]

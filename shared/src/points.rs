@@ -254,9 +254,16 @@ impl Points {
         n
     }
 
+    /// Appends [`Self::encode_wire`]'s form to `out`.
+    pub(crate) fn encode_wire_into(&self, out: &mut Vec<u8>) {
+        let mut buf = [0u8; WIRE_MAX];
+        let n = self.encode_wire(&mut buf);
+        out.extend_from_slice(&buf[..n]);
+    }
+
     /// Reads [`Self::encode_wire`]'s form; None when malformed (an unknown
     /// point id, a truncated or overlong number, trailing bytes).
-    fn decode_wire(mut b: &[u8]) -> Option<Points> {
+    pub(crate) fn decode_wire(mut b: &[u8]) -> Option<Points> {
         let ids = varint::take(&mut b)?;
         let mut p = Points::new();
         let (mut m, mut prev) = (ids, 0u64);

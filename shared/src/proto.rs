@@ -39,10 +39,13 @@ use serde::{Deserialize, Serialize};
 use crate::record::{GuestIo, GuestRq};
 use crate::varint;
 
+pub mod rq;
+
 /// Wire protocol version carried in [`Hello`]/[`HelloAck`]. Bumped on any
 /// incompatible change of [`Message`].
-/// (3: records carry their wall-clock `time`; 5: points as differences.)
-pub const PROTOCOL_VERSION: u16 = 6;
+/// (3: records carry their wall-clock `time`; 5: points as differences;
+/// 7: request records in their own compact form, [`rq`].)
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Hard maximum payload size of one frame (1 MiB).
 pub const MAX_FRAME: usize = 1 << 20;
 /// Size of the frame length prefix.
@@ -110,8 +113,9 @@ pub struct HelloAck {
     pub resume: Option<u64>,
 }
 
-/// One guest record on the wire.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// One guest record on the wire. In binary formats a request record is its
+/// own compact form ([`rq`]); serde sees it as one byte string.
+#[derive(Clone, Debug, PartialEq)]
 pub enum GuestRecord {
     Rq(GuestRq),
     Io(GuestIo),
@@ -119,7 +123,6 @@ pub enum GuestRecord {
 
 /// A [`GuestRecord`] by reference: the same encoding, without moving the
 /// record into one (the guest's uplink encodes what its statistics just read).
-#[derive(Serialize)]
 pub enum GuestRecordRef<'a> {
     Rq(&'a GuestRq),
     Io(&'a GuestIo),
@@ -523,7 +526,25 @@ pub fn encode_record_into(rec: &GuestRecordRef<'_>, buf: &mut Vec<u8>) -> Result
     // Room for a usual record from the start: growing the vector while
     // encoding reallocated it several times per record.
     buf.reserve(ENCODED_GUESS);
-    *buf = postcard::to_extend(rec, std::mem::take(buf)).map_err(ProtoError::Encode)?;
+    match rec {
+        // As postcard writes the variant: its tag, then the byte string
+        // (length, bytes), encoded in place.
+        GuestRecordRef::Rq(r) => {
+            buf.extend_from_slice(&[0, 0]);
+            rq::encode(r, buf);
+            let n = buf.len() - 2;
+            if n < 0x80 {
+                buf[1] = n as u8;
+            } else {
+                let mut len = [0u8; varint::MAX_LEN];
+                let k = varint::put(&mut len, 0, n as u64);
+                buf.splice(1..2, len[..k].iter().copied());
+            }
+        }
+        GuestRecordRef::Io(_) => {
+            *buf = postcard::to_extend(rec, std::mem::take(buf)).map_err(ProtoError::Encode)?;
+        }
+    }
     if buf.len() + BATCH_OVERHEAD > MAX_FRAME {
         return Err(ProtoError::Oversized {
             len: buf.len(),

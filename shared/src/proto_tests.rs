@@ -298,8 +298,16 @@ fn decoder_continues_after_a_bad_payload() {
 
 #[test]
 fn records_encode_the_same_by_reference() {
-    for rec in [GuestRecord::Rq(rq(3)), GuestRecord::Io(io())] {
+    // (a request record over 127 bytes has a two-byte length)
+    let mut long = rq(4);
+    long.comm = "c".repeat(150).into();
+    for rec in [
+        GuestRecord::Rq(rq(3)),
+        GuestRecord::Rq(long),
+        GuestRecord::Io(io()),
+    ] {
         let want = postcard::to_allocvec(&rec).unwrap();
+        assert_eq!(postcard::from_bytes::<GuestRecord>(&want).unwrap(), rec);
         assert_eq!(encode_record(&rec).unwrap(), want);
         // into a reused buffer that still holds an earlier record's bytes
         let mut buf = vec![0xff; 7];

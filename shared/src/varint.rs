@@ -18,10 +18,14 @@ pub(crate) fn put(buf: &mut [u8], mut at: usize, mut v: u64) -> usize {
 }
 
 /// Appends `v` to `out`.
-pub(crate) fn push(out: &mut Vec<u8>, v: u64) {
-    let mut b = [0u8; MAX_LEN];
-    let n = put(&mut b, 0, v);
-    out.extend_from_slice(&b[..n]);
+#[inline]
+pub(crate) fn push(out: &mut Vec<u8>, mut v: u64) {
+    // Byte by byte: a copy from a scratch array is a `memcpy` call per number.
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
 }
 
 /// Reads a varint at the front of `b` and moves `b` past it; None when it is

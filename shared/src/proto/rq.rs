@@ -1,0 +1,379 @@
+//! The binary form of a guest request record ([`GuestRq`]) on the wire and in
+//! capture files: written and read field by field, without serde's per-field
+//! calls (the one record every I/O sends: the guest encodes it, the host
+//! decodes it). Inside a postcard message it is one byte string, so every
+//! other message, and the syscall records, stay plain postcard.
+//!
+//! Layout (LEB128 varints; `z` = zigzag varint):
+//!
+//! | field | form |
+//! |---|---|
+//! | flags | 1 byte: which optional fields follow ([`F_TIME`] …) and `kicked` |
+//! | op | 1 byte: [`Op`]'s variant index |
+//! | disk, comm | length varint + UTF-8 bytes |
+//! | sector, bytes, pid, tid, cgroup_id, inode, bios | varint each |
+//! | time | z, if [`F_TIME`] |
+//! | queue, head | varint each, if [`F_QUEUE`] / [`F_HEAD`] |
+//! | file_offset | varint, if [`F_OFFSET`] |
+//! | error | z, if [`F_ERROR`] (0 otherwise) |
+//! | ts | the rest: [`Points`]' binary form |
+//!
+//! Decoding is strict: unknown flag bits, an unknown op, a value out of its
+//! field's range, invalid UTF-8, a truncated field or trailing bytes are errors.
+
+use std::fmt;
+
+use serde::de::{self, DeserializeSeed, EnumAccess, VariantAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::{GuestRecord, GuestRecordRef};
+use crate::points::Points;
+use crate::record::{GuestIo, GuestRq, Name, Op};
+use crate::varint;
+use crate::walltime::WallTime;
+
+const F_TIME: u8 = 1;
+const F_QUEUE: u8 = 1 << 1;
+const F_HEAD: u8 = 1 << 2;
+const F_OFFSET: u8 = 1 << 3;
+const F_KICKED: u8 = 1 << 4;
+/// `kicked` is `Some(true)` (with [`F_KICKED`]).
+const F_KICKED_TRUE: u8 = 1 << 5;
+const F_ERROR: u8 = 1 << 6;
+const F_KNOWN: u8 = (1 << 7) - 1;
+
+/// Op variants by index (their order in [`Op`], as postcard numbers them).
+const OPS: [Op; 8] = [
+    Op::Read,
+    Op::Write,
+    Op::Flush,
+    Op::Discard,
+    Op::WriteZeroes,
+    Op::SecureErase,
+    Op::GetId,
+    Op::Other,
+];
+
+/// Why a request record's bytes do not decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RqWireError {
+    #[error("truncated or overlong number in field {0}")]
+    Number(&'static str),
+    #[error("field {0} out of range")]
+    Range(&'static str),
+    #[error("unknown flags {0:#04x}")]
+    Flags(u8),
+    #[error("unknown op {0}")]
+    Op(u8),
+    #[error("name not UTF-8")]
+    Utf8,
+    #[error("malformed points")]
+    Points,
+}
+
+fn zigzag(v: i64) -> u64 {
+    ((v << 1) ^ (v >> 63)) as u64
+}
+
+fn unzigzag(z: u64) -> i64 {
+    (z >> 1) as i64 ^ -((z & 1) as i64)
+}
+
+fn push_str(out: &mut Vec<u8>, s: &str) {
+    varint::push(out, s.len() as u64);
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// Appends `rq`'s binary form to `out`.
+pub fn encode(rq: &GuestRq, out: &mut Vec<u8>) {
+    let mut flags = 0;
+    let mut set = |on: bool, f: u8| {
+        if on {
+            flags |= f;
+        }
+    };
+    set(rq.time.is_some(), F_TIME);
+    set(rq.queue.is_some(), F_QUEUE);
+    set(rq.head.is_some(), F_HEAD);
+    set(rq.file_offset.is_some(), F_OFFSET);
+    set(rq.kicked.is_some(), F_KICKED);
+    set(rq.kicked == Some(true), F_KICKED_TRUE);
+    set(rq.error != 0, F_ERROR);
+    out.push(flags);
+    out.push(rq.op as u8);
+    push_str(out, &rq.disk);
+    push_str(out, &rq.comm);
+    for v in [
+        rq.sector,
+        u64::from(rq.bytes),
+        u64::from(rq.pid),
+        u64::from(rq.tid),
+        rq.cgroup_id,
+        rq.inode,
+        u64::from(rq.bios),
+    ] {
+        varint::push(out, v);
+    }
+    if let Some(t) = rq.time {
+        varint::push(out, zigzag(t.0));
+    }
+    for v in [rq.queue, rq.head].into_iter().flatten() {
+        varint::push(out, u64::from(v));
+    }
+    if let Some(o) = rq.file_offset {
+        varint::push(out, o);
+    }
+    if rq.error != 0 {
+        varint::push(out, zigzag(i64::from(rq.error)));
+    }
+    rq.ts.encode_wire_into(out);
+}
+
+/// A reader over a record's bytes.
+struct Rd<'a>(&'a [u8]);
+
+impl<'a> Rd<'a> {
+    fn byte(&mut self, what: &'static str) -> Result<u8, RqWireError> {
+        let (&b, rest) = self.0.split_first().ok_or(RqWireError::Number(what))?;
+        self.0 = rest;
+        Ok(b)
+    }
+
+    fn u64(&mut self, what: &'static str) -> Result<u64, RqWireError> {
+        varint::take(&mut self.0).ok_or(RqWireError::Number(what))
+    }
+
+    fn num<T: TryFrom<u64>>(&mut self, what: &'static str) -> Result<T, RqWireError> {
+        T::try_from(self.u64(what)?).map_err(|_| RqWireError::Range(what))
+    }
+
+    fn name(&mut self, what: &'static str) -> Result<Name, RqWireError> {
+        let n: usize = self.num(what)?;
+        if n > self.0.len() {
+            return Err(RqWireError::Number(what));
+        }
+        let (s, rest) = self.0.split_at(n);
+        self.0 = rest;
+        let s = std::str::from_utf8(s).map_err(|_| RqWireError::Utf8)?;
+        Ok(Name::new(s))
+    }
+}
+
+/// Reads a record written by [`encode`] (all of `b`).
+pub fn decode(b: &[u8]) -> Result<GuestRq, RqWireError> {
+    let mut r = Rd(b);
+    let flags = r.byte("flags")?;
+    if flags & !F_KNOWN != 0 || (flags & F_KICKED == 0 && flags & F_KICKED_TRUE != 0) {
+        return Err(RqWireError::Flags(flags));
+    }
+    let op = r.byte("op")?;
+    let op = *OPS.get(usize::from(op)).ok_or(RqWireError::Op(op))?;
+    let disk = r.name("disk")?;
+    let comm = r.name("comm")?;
+    let sector = r.u64("sector")?;
+    let bytes = r.num("bytes")?;
+    let pid = r.num("pid")?;
+    let tid = r.num("tid")?;
+    let cgroup_id = r.u64("cgroup_id")?;
+    let inode = r.u64("inode")?;
+    let bios = r.num("bios")?;
+    let has = |f: u8| flags & f != 0;
+    let time = match has(F_TIME) {
+        true => Some(WallTime(unzigzag(r.u64("time")?))),
+        false => None,
+    };
+    let queue = has(F_QUEUE).then(|| r.num("queue")).transpose()?;
+    let head = has(F_HEAD).then(|| r.num("head")).transpose()?;
+    let file_offset = has(F_OFFSET).then(|| r.u64("file_offset")).transpose()?;
+    let kicked = has(F_KICKED).then_some(has(F_KICKED_TRUE));
+    let error = match has(F_ERROR) {
+        true => {
+            i32::try_from(unzigzag(r.u64("error")?)).map_err(|_| RqWireError::Range("error"))?
+        }
+        false => 0,
+    };
+    let ts = Points::decode_wire(r.0).ok_or(RqWireError::Points)?;
+    Ok(GuestRq {
+        disk,
+        time,
+        op,
+        sector,
+        bytes,
+        queue,
+        head,
+        pid,
+        tid,
+        comm,
+        cgroup_id,
+        inode,
+        file_offset,
+        kicked,
+        bios,
+        error,
+        ts,
+    })
+}
+
+/// A request record as serde sees it: its binary form as one byte string in
+/// binary formats, its fields in human-readable ones.
+struct Bin<'a>(&'a GuestRq);
+
+impl Serialize for Bin<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            return self.0.serialize(s);
+        }
+        let mut b = Vec::with_capacity(super::ENCODED_GUESS);
+        encode(self.0, &mut b);
+        s.serialize_bytes(&b)
+    }
+}
+
+impl Serialize for GuestRecordRef<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            GuestRecordRef::Rq(r) => s.serialize_newtype_variant(NAME, 0, VARIANTS[0], &Bin(r)),
+            GuestRecordRef::Io(r) => s.serialize_newtype_variant(NAME, 1, VARIANTS[1], r),
+        }
+    }
+}
+
+impl Serialize for GuestRecord {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.borrowed().serialize(s)
+    }
+}
+
+const NAME: &str = "GuestRecord";
+const VARIANTS: &[&str] = &["Rq", "Io"];
+
+/// The human-readable form: serde's usual one.
+#[derive(Deserialize)]
+#[serde(rename = "GuestRecord")]
+enum Readable {
+    Rq(GuestRq),
+    Io(GuestIo),
+}
+
+impl<'de> Deserialize<'de> for GuestRecord {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        if d.is_human_readable() {
+            return Ok(match Readable::deserialize(d)? {
+                Readable::Rq(r) => GuestRecord::Rq(r),
+                Readable::Io(r) => GuestRecord::Io(r),
+            });
+        }
+        d.deserialize_enum(NAME, VARIANTS, RecordVisitor)
+    }
+}
+
+struct RecordVisitor;
+
+impl<'de> Visitor<'de> for RecordVisitor {
+    type Value = GuestRecord;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a guest record")
+    }
+
+    fn visit_enum<A: EnumAccess<'de>>(self, a: A) -> Result<GuestRecord, A::Error> {
+        let (tag, v) = a.variant::<u32>()?;
+        match tag {
+            0 => v.newtype_variant_seed(BinSeed).map(GuestRecord::Rq),
+            1 => v.newtype_variant::<GuestIo>().map(GuestRecord::Io),
+            t => Err(de::Error::invalid_value(
+                de::Unexpected::Unsigned(u64::from(t)),
+                &"record tag 0 or 1",
+            )),
+        }
+    }
+}
+
+/// Reads a request record's byte string.
+struct BinSeed;
+
+impl<'de> DeserializeSeed<'de> for BinSeed {
+    type Value = GuestRq;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<GuestRq, D::Error> {
+        d.deserialize_bytes(self)
+    }
+}
+
+impl Visitor<'_> for BinSeed {
+    type Value = GuestRq;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a request record's binary form")
+    }
+
+    fn visit_bytes<E: de::Error>(self, b: &[u8]) -> Result<GuestRq, E> {
+        decode(b).map_err(E::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Point;
+
+    fn full(i: u64) -> GuestRq {
+        let mut r = crate::proto::sample_rq(i);
+        r.time = Some(WallTime(-5 + i as i64));
+        r.error = -5;
+        r.kicked = Some(false);
+        r.ts.set(Point::Irq, 1500 + i);
+        r
+    }
+
+    #[test]
+    fn round_trips_every_field_and_absence() {
+        let mut bare = crate::proto::sample_rq(3);
+        (bare.queue, bare.head, bare.file_offset, bare.kicked) = (None, None, None, None);
+        bare.ts = Points::new();
+        bare.comm = Name::new("a-task-name-longer-than-24-bytes");
+        for op in OPS {
+            for rq in [full(7), crate::proto::sample_rq(u64::MAX / 8), bare.clone()] {
+                let rq = GuestRq { op, ..rq };
+                let mut b = Vec::new();
+                encode(&rq, &mut b);
+                assert_eq!(decode(&b), Ok(rq));
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_what_it_did_not_write() {
+        let mut b = Vec::new();
+        encode(&full(1), &mut b);
+        // Every truncation fails (points last: a cut inside them too).
+        for n in 0..b.len() {
+            assert!(decode(&b[..n]).is_err(), "{n} of {} bytes", b.len());
+        }
+        let mut extra = b.clone();
+        extra.push(0);
+        assert_eq!(decode(&extra), Err(RqWireError::Points));
+        let mut bad = b.clone();
+        bad[0] |= 0x80;
+        assert!(matches!(decode(&bad), Err(RqWireError::Flags(_))));
+        let mut bad = b.clone();
+        bad[1] = 8;
+        assert_eq!(decode(&bad), Err(RqWireError::Op(8)));
+        let mut bad = b.clone();
+        bad[3] = 0xff; // inside the disk name "vda"
+        assert_eq!(decode(&bad), Err(RqWireError::Utf8));
+        // A head beyond u16.
+        let mut rq = crate::proto::sample_rq(1);
+        (rq.time, rq.queue, rq.file_offset, rq.kicked) = (None, None, None, None);
+        let mut b = Vec::new();
+        encode(&rq, &mut b);
+        let mut pts = Vec::new();
+        rq.ts.encode_wire_into(&mut pts);
+        let at = b.len() - pts.len() - 1;
+        assert_eq!(b[at], 1, "the head");
+        let mut big = b[..at].to_vec();
+        varint::push(&mut big, 1 << 16);
+        big.extend_from_slice(&b[at + 1..]);
+        assert_eq!(decode(&big), Err(RqWireError::Range("head")));
+    }
+}

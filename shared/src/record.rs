@@ -22,6 +22,19 @@ pub enum Op {
 }
 
 impl Op {
+    /// Every op, in declaration order: `Op::ALL[op as usize] == op` (postcard's
+    /// variant index, and the request record's wire byte).
+    pub const ALL: [Op; 8] = [
+        Op::Read,
+        Op::Write,
+        Op::Flush,
+        Op::Discard,
+        Op::WriteZeroes,
+        Op::SecureErase,
+        Op::GetId,
+        Op::Other,
+    ];
+
     pub const fn name(self) -> &'static str {
         match self {
             Op::Read => "read",

@@ -115,19 +115,12 @@ pub const MAX_SERIES: usize = 1024;
 pub const MAX_STAGES: usize = 64;
 /// Name of the whole-request duration in the stage histograms.
 pub const TOTAL: &str = "total";
-const OPS: [Op; 8] = [
-    Op::Read,
-    Op::Write,
-    Op::Flush,
-    Op::Discard,
-    Op::WriteZeroes,
-    Op::SecureErase,
-    Op::GetId,
-    Op::Other,
-];
 
 fn op_index(op: Op) -> usize {
-    OPS.iter().position(|o| *o == op).unwrap_or(OPS.len() - 1)
+    Op::ALL
+        .iter()
+        .position(|o| *o == op)
+        .unwrap_or(Op::ALL.len() - 1)
 }
 
 /// Identity of a series.
@@ -286,7 +279,7 @@ impl Metrics {
                         .map(|(i, n)| (n.clone(), s.stages[i].snapshot()))
                         .filter(|(_, h)| h.count() > 0)
                         .collect(),
-                    ops: OPS
+                    ops: Op::ALL
                         .iter()
                         .enumerate()
                         .map(|(i, op)| (*op, s.requests[i], s.bytes[i]))

@@ -42,18 +42,6 @@ const F_KICKED_TRUE: u8 = 1 << 5;
 const F_ERROR: u8 = 1 << 6;
 const F_KNOWN: u8 = (1 << 7) - 1;
 
-/// Op variants by index (their order in [`Op`], as postcard numbers them).
-const OPS: [Op; 8] = [
-    Op::Read,
-    Op::Write,
-    Op::Flush,
-    Op::Discard,
-    Op::WriteZeroes,
-    Op::SecureErase,
-    Op::GetId,
-    Op::Other,
-];
-
 /// Why a request record's bytes do not decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum RqWireError {
@@ -167,7 +155,7 @@ pub fn decode(b: &[u8]) -> Result<GuestRq, RqWireError> {
         return Err(RqWireError::Flags(flags));
     }
     let op = r.byte("op")?;
-    let op = *OPS.get(usize::from(op)).ok_or(RqWireError::Op(op))?;
+    let op = *Op::ALL.get(usize::from(op)).ok_or(RqWireError::Op(op))?;
     let disk = r.name("disk")?;
     let comm = r.name("comm")?;
     let sector = r.u64("sector")?;
@@ -327,12 +315,21 @@ mod tests {
     }
 
     #[test]
+    fn an_ops_wire_byte_is_its_index() {
+        for (i, op) in Op::ALL.into_iter().enumerate() {
+            assert_eq!(op as usize, i);
+            let b = postcard::to_stdvec(&op).unwrap();
+            assert_eq!(b, [i as u8], "{op}");
+        }
+    }
+
+    #[test]
     fn round_trips_every_field_and_absence() {
         let mut bare = crate::proto::sample_rq(3);
         (bare.queue, bare.head, bare.file_offset, bare.kicked) = (None, None, None, None);
         bare.ts = Points::new();
         bare.comm = Name::new("a-task-name-longer-than-24-bytes");
-        for op in OPS {
+        for op in Op::ALL {
             for rq in [full(7), crate::proto::sample_rq(u64::MAX / 8), bare.clone()] {
                 let rq = GuestRq { op, ..rq };
                 let mut b = Vec::new();

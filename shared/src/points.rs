@@ -248,7 +248,7 @@ impl Points {
         let mut prev = 0u64;
         for (_, t) in self.iter() {
             let d = t.wrapping_sub(prev) as i64;
-            n = varint::put(buf, n, ((d << 1) ^ (d >> 63)) as u64);
+            n = varint::put(buf, n, varint::zigzag(d));
             prev = t;
         }
         n
@@ -272,7 +272,7 @@ impl Points {
             m &= m - 1;
             let pt = Point::from_id(id)?;
             let z = varint::take(&mut b)?;
-            let d = (z >> 1) as i64 ^ -((z & 1) as i64);
+            let d = varint::unzigzag(z);
             prev = prev.wrapping_add(d as u64);
             p.set(pt, prev);
         }

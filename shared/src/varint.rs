@@ -28,6 +28,19 @@ pub(crate) fn push(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
+/// A signed number as an unsigned one that stays short when small either way
+/// (zigzag: 0, -1, 1, -2 … become 0, 1, 2, 3 …).
+#[inline]
+pub(crate) fn zigzag(v: i64) -> u64 {
+    ((v << 1) ^ (v >> 63)) as u64
+}
+
+/// The inverse of [`zigzag`].
+#[inline]
+pub(crate) fn unzigzag(z: u64) -> i64 {
+    (z >> 1) as i64 ^ -((z & 1) as i64)
+}
+
 /// Reads a varint at the front of `b` and moves `b` past it; None when it is
 /// truncated or longer than 64 bits.
 #[inline(always)]

@@ -29,7 +29,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::{GuestRecord, GuestRecordRef};
 use crate::points::Points;
 use crate::record::{GuestIo, GuestRq, Name, Op};
-use crate::varint;
+use crate::varint::{self, unzigzag, zigzag};
 use crate::walltime::WallTime;
 
 const F_TIME: u8 = 1;
@@ -57,14 +57,6 @@ pub enum RqWireError {
     Utf8,
     #[error("malformed points")]
     Points,
-}
-
-fn zigzag(v: i64) -> u64 {
-    ((v << 1) ^ (v >> 63)) as u64
-}
-
-fn unzigzag(z: u64) -> i64 {
-    (z >> 1) as i64 ^ -((z & 1) as i64)
 }
 
 fn push_str(out: &mut Vec<u8>, s: &str) {

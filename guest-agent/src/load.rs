@@ -261,6 +261,9 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
     let mut plan = plan::plan(mode, facts);
     plan.off_cpu = f.off_cpu;
     plan.exact_kick = f.exact_kick;
+    if f.sys_tracepoints {
+        plan.sys_fallback("--syscall-tracepoints");
+    }
     let mut failed: BTreeMap<String, String> = BTreeMap::new();
     let mut startup = Startup::default();
     let t_load = std::time::Instant::now();

@@ -83,6 +83,11 @@ struct Cli {
     /// Attach mode.
     #[arg(long, value_enum, default_value_t = Mode::Auto)]
     mode: Mode,
+    /// In fentry mode, trace the I/O syscalls with the raw `sys_enter`/`sys_exit`
+    /// tracepoints instead of fentry/fexit on each syscall's wrapper: a program
+    /// runs for every syscall, but no trampoline does (see docs/PERFORMANCE.md).
+    #[arg(long)]
+    syscall_tracepoints: bool,
     /// Create this file once every probe is attached.
     #[arg(long, value_name = "PATH")]
     ready_file: Option<PathBuf>,
@@ -162,6 +167,8 @@ pub(crate) struct Filters {
     off_cpu: bool,
     /// Trap virtqueue_notify too (`--exact-kick`).
     exact_kick: bool,
+    /// The raw syscall tracepoints even in fentry mode (`--syscall-tracepoints`).
+    sys_tracepoints: bool,
     /// Syscalls faster than this send no record, only their latency (0: all send one).
     io_detail_ns: u64,
 }
@@ -172,6 +179,7 @@ fn resolve_filters(cli: &Cli) -> Result<Filters> {
         tid: cli.tid.unwrap_or(0),
         off_cpu: cli.threshold.is_some(),
         exact_kick: cli.exact_kick,
+        sys_tracepoints: cli.syscall_tracepoints,
         // Always-on (no --json, --capture or -t): the syscall table needs only
         // each syscall's latency, and the kernel counts it (io_hist). JSON
         // lines, the capture and the verdicts of -t (their baselines) need

@@ -162,6 +162,8 @@ impl Plan {
     pub fn sys_fallback(&mut self, why: &str) {
         if !self.sys_fentry.is_empty() {
             self.sys_fentry.clear();
+            // (plan_syscalls's note on the wrappers no longer holds)
+            self.notes.retain(|n| !n.starts_with(SYS_FENTRY_NOTE));
             self.notes.push(format!(
                 "syscalls: {why}: the raw sys_enter/sys_exit tracepoints instead"
             ));
@@ -254,6 +256,9 @@ fn choose(mode: Mode, h: &'static Hook, f: &Facts) -> HookChoice {
     }
 }
 
+/// How the note on per-syscall fentry programs begins.
+const SYS_FENTRY_NOTE: &str = "syscalls: fentry/fexit on";
+
 /// The syscalls fentry mode traces on their wrappers, and a note on the choice.
 /// A wrapper missing from kallsyms is a syscall this kernel does not have (no
 /// io_uring or aio built in): nothing to trace. No wrapper at all (another
@@ -289,7 +294,7 @@ fn plan_syscalls(mode: Mode, f: &Facts) -> (Vec<&'static SysHook>, Option<String
         return (Vec::new(), Some(why));
     }
     let mut note = format!(
-        "syscalls: fentry/fexit on {} syscall wrappers (no program runs on other syscalls)",
+        "{SYS_FENTRY_NOTE} {} syscall wrappers (no program runs on other syscalls)",
         present.len()
     );
     if !absent.is_empty() {

@@ -170,7 +170,29 @@ fn check_io(r: &RunResult, with_virtio: bool, shape: &Shape) -> Vec<GuestRq> {
 #[test]
 fn fentry_mode_sees_every_request_down_to_the_virtqueue() {
     let r = run_known_io("guest-fentry", "--mode fentry");
-    let rqs = check_known_io(&r, true);
+    check_fentry_run(&r);
+    let log = guest_log(&r);
+    assert!(log.contains("syscalls: fentry/fexit on"), "{log}");
+}
+
+/// With `--syscall-tracepoints` the raw syscall tracepoints replace the
+/// per-syscall trampolines: the same requests, syscalls and points.
+#[test]
+fn syscall_tracepoints_see_the_same_requests_and_syscalls() {
+    let r = run_known_io("guest-sys-tp", "--mode fentry --syscall-tracepoints");
+    check_fentry_run(&r);
+    let log = guest_log(&r);
+    assert!(
+        log.contains("syscalls: --syscall-tracepoints: the raw sys_enter/sys_exit tracepoints"),
+        "{log}"
+    );
+    assert!(!log.contains("syscalls: fentry/fexit on"), "{log}");
+}
+
+/// KNOWN_IO seen down to the virtqueue, each direct syscall with its one
+/// request, and the log honest about the mode and the kick's source.
+fn check_fentry_run(r: &RunResult) {
+    let rqs = check_known_io(r, true);
     // Syscall-level records: each direct I/O syscall caused exactly one vdb request.
     let recs = r.records("guest.jsonl").unwrap();
     let ios: Vec<_> = recs
@@ -190,7 +212,7 @@ fn fentry_mode_sees_every_request_down_to_the_virtqueue() {
         );
     }
     // The agent is honest about what it sees, and says where g.kick comes from.
-    let log = guest_log(&r);
+    let log = guest_log(r);
     assert!(log.to_lowercase().contains("fentry"), "{log}");
     assert_btf_mapped(&log);
     assert!(

@@ -411,7 +411,10 @@ fn syscall_programs_fall_back_to_the_raw_tracepoints_as_a_whole() {
         == "syscalls: program fx_sys_pread64 refused by this kernel: the raw \
             sys_enter/sys_exit tracepoints instead"));
     // The note on the wrappers went with them (it no longer holds).
-    assert!(!p.notes.iter().any(|n| n.starts_with("syscalls: fentry/fexit on")));
+    assert!(!p
+        .notes
+        .iter()
+        .any(|n| n.starts_with("syscalls: fentry/fexit on")));
     // Only a syscall program's refusal does that.
     let mut p = plan(Mode::Fentry, &f);
     p.drop_program("fe_add_sgs");

@@ -215,7 +215,27 @@ impl<W: Write> Cpio<W> {
 
 /// Shared libraries a dynamically linked program needs (ldd closure), as (path in guest, host path).
 fn library_closure(bin: &Path) -> Result<Vec<(String, PathBuf)>> {
-    let out = run(Command::new("ldd").arg(bin))?;
+    let out = Command::new("ldd")
+        .arg(bin)
+        .output()
+        .context("cannot run ldd")?;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    // A static program (e.g. the guest agent built with `--profile guest`)
+    // needs nothing beside it.
+    if stdout.contains("statically linked") || stderr.contains("not a dynamic executable") {
+        return Ok(Vec::new());
+    }
+    ensure!(
+        out.status.success(),
+        "ldd {} failed ({}): {}",
+        bin.display(),
+        out.status,
+        stderr.trim()
+    );
+    let out = stdout;
     let mut libs = Vec::new();
     for line in out.lines() {
         // "libx.so.1 => /lib/x86_64-linux-gnu/libx.so.1 (0x...)" or "/lib64/ld-linux-x86-64.so.2 (0x...)"

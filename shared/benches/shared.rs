@@ -11,7 +11,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use criterion::{criterion_group, BatchSize, Criterion, Throughput};
 use viotrace_shared::clock::ClockEstimator;
 use viotrace_shared::join::synth::{generate, interleave, Event, SynthConfig};
 use viotrace_shared::join::{Emitted, JoinEngine, Output};
@@ -412,6 +412,9 @@ impl HostPath {
         }
     }
 
+    /// (Not inlined: `callgrind --toggle-collect` counts this function only,
+    /// see [`cold_pass_once`].)
+    #[inline(never)]
     fn input(&mut self, i: HostInput) {
         match i {
             HostInput::Elem(e) => {
@@ -528,6 +531,48 @@ fn bench_host_path_cold(c: &mut Criterion) {
     g.finish();
 }
 
+/// One cold pass of [`bench_host_path_cold`], outside criterion, for a
+/// deterministic count of instructions and cache misses per I/O:
+///
+/// ```sh
+/// VIOTRACE_COLD_PASS_EVICT=4194304 valgrind --tool=callgrind --cache-sim=yes \
+///     --LL=2097152,16,64 --toggle-collect='*HostPath*input*' \
+///     target/release/deps/shared-* --cold-pass
+/// ```
+///
+/// The eviction size comes from `VIOTRACE_COLD_PASS_EVICT` (bytes; default
+/// [`EVICT_BYTES`]): under a simulator it need only exceed the simulated
+/// last-level cache.
+fn cold_pass_once() {
+    let evict_bytes = std::env::var("VIOTRACE_COLD_PASS_EVICT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(EVICT_BYTES);
+    let (inputs, ios) = host_inputs(20_000, 500_000);
+    let mut evict = vec![0u8; evict_bytes];
+    let mut p = HostPath::new();
+    let mut cpu = 0;
+    let mut t0 = thread_cpu_ns();
+    for i in inputs {
+        if matches!(i, HostInput::Frame(_)) {
+            cpu += thread_cpu_ns() - t0;
+            for line in evict.chunks_mut(64) {
+                line[0] = line[0].wrapping_add(1);
+            }
+            black_box(&evict);
+            t0 = thread_cpu_ns();
+        }
+        p.input(black_box(i));
+    }
+    black_box(p.finish());
+    cpu += thread_cpu_ns() - t0;
+    assert_eq!(p.engine.stats().joined, ios as u64);
+    eprintln!(
+        "cold pass: {ios} I/Os, {:.0} ns CPU per I/O (evicting {evict_bytes} bytes per frame)",
+        cpu as f64 / ios as f64
+    );
+}
+
 criterion_group!(
     benches,
     bench_join,
@@ -537,4 +582,11 @@ criterion_group!(
     bench_clock,
     bench_transport
 );
-criterion_main!(benches);
+fn main() {
+    if std::env::args().any(|a| a == "--cold-pass") {
+        cold_pass_once();
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

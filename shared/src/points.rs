@@ -95,6 +95,17 @@ const SLOT_OF_ID: [u8; 64] = {
     t
 };
 
+/// The mask of every point id.
+const KNOWN_IDS: u64 = {
+    let mut m = 0u64;
+    let mut i = 0;
+    while i < SLOTS {
+        m |= 1 << (Point::ALL[i] as u64);
+        i += 1;
+    }
+    m
+};
+
 /// A set of timestamps (ns) keyed by [`Point`]. Unset points are absent.
 ///
 /// Inline (a presence mask and one slot per point): setting, reading and
@@ -265,16 +276,18 @@ impl Points {
     /// point id, a truncated or overlong number, trailing bytes).
     pub(crate) fn decode_wire(mut b: &[u8]) -> Option<Points> {
         let ids = varint::take(&mut b)?;
+        if ids & !KNOWN_IDS != 0 {
+            return None;
+        }
         let mut p = Points::new();
         let (mut m, mut prev) = (ids, 0u64);
         while m != 0 {
-            let id = m.trailing_zeros() as u8;
+            let i = usize::from(SLOT_OF_ID[m.trailing_zeros() as usize]);
             m &= m - 1;
-            let pt = Point::from_id(id)?;
-            let z = varint::take(&mut b)?;
-            let d = varint::unzigzag(z);
+            let d = varint::unzigzag(varint::take(&mut b)?);
             prev = prev.wrapping_add(d as u64);
-            p.set(pt, prev);
+            p.mask |= 1 << i;
+            p.vals[i] = prev;
         }
         b.is_empty().then_some(p)
     }

@@ -113,20 +113,24 @@ pub fn encode(rq: &GuestRq, out: &mut Vec<u8>) {
 struct Rd<'a>(&'a [u8]);
 
 impl<'a> Rd<'a> {
+    #[inline]
     fn byte(&mut self, what: &'static str) -> Result<u8, RqWireError> {
         let (&b, rest) = self.0.split_first().ok_or(RqWireError::Number(what))?;
         self.0 = rest;
         Ok(b)
     }
 
+    #[inline]
     fn u64(&mut self, what: &'static str) -> Result<u64, RqWireError> {
         varint::take(&mut self.0).ok_or(RqWireError::Number(what))
     }
 
+    #[inline]
     fn num<T: TryFrom<u64>>(&mut self, what: &'static str) -> Result<T, RqWireError> {
         T::try_from(self.u64(what)?).map_err(|_| RqWireError::Range(what))
     }
 
+    #[inline]
     fn name(&mut self, what: &'static str) -> Result<Name, RqWireError> {
         let n: usize = self.num(what)?;
         if n > self.0.len() {

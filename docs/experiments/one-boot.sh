@@ -1,0 +1,57 @@
+# A viotrace-vm run workload (see README.md here): tracing set-ups compared inside one boot,
+# randread 4k QD32 for 4 s each, ROUNDS rounds; each run prints `RESULT <set-up>-<round> <IOPS>`
+# (also appended to lab-out/results.txt). Edit the three lines below to choose.
+CONDITIONS="none def systp tp anchor"
+ROUNDS=4
+ROTATE=1 # 1: the order rotates every round; 0: the same order every round
+set -e
+fio --name=prep --filename=/data/bench.dat --size=128M --rw=write --bs=1M --direct=1 --output=/dev/null
+run() {
+  fio --name=$1 --filename=/data/bench.dat --size=128M --direct=1 --rw=randread --bs=4k \
+    --ioengine=libaio --iodepth=32 --runtime=4 --time_based --output-format=terse \
+    --output=/out/$1.terse >/dev/null
+  echo "RESULT $1 $(cut -d';' -f8 /out/$1.terse)" | tee -a /out/results.txt
+}
+waitfor() { i=0; until eval "$1"; do i=$((i+1)); [ $i -gt 2400 ] && { echo "timeout $2"; exit 1; }; sleep 0.1; done; }
+# The guest agent (needs --guest-tool .../viotrace-guest) with extra arguments.
+agent() {
+  n=$1; shift
+  rm -f /run/g.ready
+  viotrace-guest --ready-file /run/g.ready "$@" >/out/g-$n.out 2>/out/g-$n.log &
+  echo $! > /run/g.pid
+  waitfor "[ -e /run/g.ready ]" $n
+  run $n
+  kill -INT $(cat /run/g.pid); wait $(cat /run/g.pid) || true
+}
+# A bpftrace program (needs --guest-tool bpftrace).
+bt() {
+  n=$1; shift
+  bpftrace -e "$1" > /out/bt-$n.out 2>&1 &
+  echo $! > /run/bt.pid
+  waitfor "grep -q Attaching /out/bt-$n.out" $n
+  run $n
+  kill -INT $(cat /run/bt.pid); wait $(cat /run/bt.pid) || true
+}
+# The functions the guest agent hooks with trampolines, per I/O or per batch.
+F='virtio_queue_rq virtqueue_add_sgs virtqueue_kick_prepare vring_interrupt blk_mq_complete_request blk_update_request aio_prep_rw'
+ENTRY=""; EXIT=""
+for f in $F; do ENTRY="$ENTRY kfunc:$f {}"; EXIT="$EXIT kretfunc:$f {}"; done
+AS_AGENT='kfunc:virtio_queue_rq {} kfunc:virtqueue_add_sgs {} kretfunc:virtqueue_kick_prepare {} kfunc:vring_interrupt {} kfunc:blk_mq_complete_request {} kretfunc:blk_update_request {} kfunc:aio_prep_rw {}'
+PERF_TP='tracepoint:block:block_rq_issue {} tracepoint:block:block_rq_complete {} tracepoint:block:block_rq_insert {} tracepoint:block:block_bio_queue {} tracepoint:irq:irq_handler_entry {} tracepoint:irq:irq_handler_exit {} tracepoint:block:block_getrq {}'
+ANCHOR='tracepoint:block:block_rq_issue { @s[args->dev, args->sector] = nsecs; } tracepoint:block:block_rq_complete /@s[args->dev, args->sector]/ { @usecs = hist((nsecs - @s[args->dev, args->sector]) / 1000); delete(@s[args->dev, args->sector]); }'
+c_none() { run none-$1; }
+c_def() { agent def-$1; }
+c_systp() { agent systp-$1 --syscall-tracepoints; }
+c_tp() { agent tp-$1 --mode tracepoint; }
+c_anchor() { bt anchor-$1 "$ANCHOR"; }
+c_entry() { bt entry-$1 "$ENTRY"; }
+c_exit() { bt exit-$1 "$EXIT"; }
+c_fentry() { bt fentry-$1 "$AS_AGENT"; }
+c_perftp() { bt perftp-$1 "$PERF_TP"; }
+set -- $CONDITIONS
+r=1
+while [ $r -le $ROUNDS ]; do
+  for c in "$@"; do c_$c $r; done
+  if [ "$ROTATE" = 1 ]; then first=$1; shift; set -- "$@" $first; fi
+  r=$((r+1))
+done

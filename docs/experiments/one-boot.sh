@@ -13,6 +13,14 @@ run() {
   echo "RESULT $1 $(cut -d';' -f8 /out/$1.terse)" | tee -a /out/results.txt
 }
 waitfor() { i=0; until eval "$1"; do i=$((i+1)); [ $i -gt 2400 ] && { echo "timeout $2"; exit 1; }; sleep 0.1; done; }
+# Stops a tracer: SIGINT, then SIGKILL if it has not exited within 60 s.
+stop() {
+  kill -INT $1
+  (sleep 60; kill -KILL $1 2>/dev/null) &
+  w=$!
+  wait $1 || true
+  kill $w 2>/dev/null || true
+}
 # The guest agent (needs --guest-tool .../viotrace-guest) with extra arguments.
 agent() {
   n=$1; shift
@@ -21,7 +29,7 @@ agent() {
   echo $! > /run/g.pid
   waitfor "[ -e /run/g.ready ]" $n
   run $n
-  kill -INT $(cat /run/g.pid); wait $(cat /run/g.pid) || true
+  stop $(cat /run/g.pid)
 }
 # A bpftrace program (needs --guest-tool bpftrace).
 bt() {
@@ -30,7 +38,7 @@ bt() {
   echo $! > /run/bt.pid
   waitfor "grep -q Attaching /out/bt-$n.out" $n
   run $n
-  kill -INT $(cat /run/bt.pid); wait $(cat /run/bt.pid) || true
+  stop $(cat /run/bt.pid)
 }
 # The functions the guest agent hooks with trampolines, per I/O or per batch.
 F='virtio_queue_rq virtqueue_add_sgs virtqueue_kick_prepare vring_interrupt blk_mq_complete_request blk_update_request aio_prep_rw'

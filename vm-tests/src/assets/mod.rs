@@ -337,7 +337,12 @@ pub fn tools_overlay(cache: &Path, tools: &[String]) -> Result<PathBuf> {
     let mut key = String::new();
     let mut bins = Vec::new();
     for t in tools {
-        let bin = fs::canonicalize(which(t).with_context(|| {
+        // A path (with a `/`) names the program itself, else it is looked up in PATH.
+        let found = match t.contains('/') {
+            true => Some(PathBuf::from(t)).filter(|p| p.is_file()),
+            false => which(t),
+        };
+        let bin = fs::canonicalize(found.with_context(|| {
             format!("`{t}` is not installed on this host (it is copied into the guest)")
         })?)?;
         let md = fs::metadata(&bin)?;

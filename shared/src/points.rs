@@ -132,7 +132,12 @@ impl Points {
     /// Sets (or replaces) a point.
     #[inline]
     pub fn set(&mut self, p: Point, ns: u64) {
-        let i = slot(p);
+        self.set_slot(slot(p), ns);
+    }
+
+    /// Sets the point of slot `i` (< [`SLOTS`]).
+    #[inline]
+    fn set_slot(&mut self, i: usize, ns: u64) {
         self.mask |= 1 << i;
         self.vals[i] = ns;
     }
@@ -286,8 +291,7 @@ impl Points {
             m &= m - 1;
             let d = varint::unzigzag(varint::take(&mut b)?);
             prev = prev.wrapping_add(d as u64);
-            p.mask |= 1 << i;
-            p.vals[i] = prev;
+            p.set_slot(i, prev);
         }
         b.is_empty().then_some(p)
     }

@@ -279,7 +279,7 @@ pub struct Breakdown {
     pub start_ns: Option<u64>,
 }
 
-fn diff(a: u64, b: u64) -> i64 {
+pub(crate) fn diff(a: u64, b: u64) -> i64 {
     (b as i128 - a as i128).clamp(i64::MIN as i128, i64::MAX as i128) as i64
 }
 
@@ -340,6 +340,32 @@ pub fn visit_stages(
     }
     let total_ns = (anchors.len() > 1).then(|| diff(start, prev.1));
     (total_ns, Some(start))
+}
+
+/// At most this many stages in one set of points (one per pair of
+/// consecutive anchors).
+pub(crate) const MAX_SPANS: usize = ANCHORS.len() - 1;
+
+/// The stages of every point set whose presence mask is `mask` (see
+/// [`crate::points::Points::mask`]), as [`visit_stages`] finds them: each
+/// stage's id and the slots of its start and end point, handed to `stage` in
+/// path order. Returns the slots of the total's start and end (`None` with
+/// fewer than two anchors). For a caller that records many sets of one mask
+/// (the statistics resolve a mask once, then only subtract).
+pub(crate) fn stage_slots(mask: u32, mut stage: impl FnMut(StageId, u8, u8)) -> Option<(u8, u8)> {
+    let plan = Plan::resolve(mask);
+    let anchors = &plan.anchors[..plan.n as usize];
+    for w in anchors.windows(2) {
+        stage(
+            StageId::span(w[0].0 as usize, w[1].0 as usize),
+            w[0].1,
+            w[1].1,
+        );
+    }
+    match anchors {
+        [first, .., last] => Some((first.1, last.1)),
+        _ => None,
+    }
 }
 
 /// The anchors present in a set of points, in path order, as

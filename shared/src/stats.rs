@@ -94,6 +94,7 @@ impl StageHist {
         })
     }
 
+    #[inline]
     fn record(&mut self, ns: u64) {
         let i = hist_index(ns.max(1));
         let i = if i < HIST_LEN {
@@ -198,6 +199,8 @@ struct LabelStats {
     /// Position + 1 in `stages` of each [`StageId`] (0: not seen yet): a
     /// record's stage is found by its id, without comparing names.
     by_id: [u16; STAGE_IDS],
+    /// The stages of the masks recorded last (direct-mapped by mask).
+    plans: [Option<MaskPlan>; MASK_PLANS],
 }
 
 impl Default for LabelStats {
@@ -205,11 +208,67 @@ impl Default for LabelStats {
         LabelStats {
             stages: Vec::new(),
             by_id: [0; STAGE_IDS],
+            plans: [None; MASK_PLANS],
         }
     }
 }
 
+/// Plans kept per label: a stream's records have a few masks (joined,
+/// host-only, guest-only; a notification point dropped or not).
+const MASK_PLANS: usize = 4;
+
+/// A point mask's stages resolved against one label's histograms: each
+/// stage as `(start slot, end slot, position in stages)`, and the total
+/// the same way. Recording a set of points is then subtractions and
+/// increments.
+#[derive(Clone, Copy, Debug)]
+struct MaskPlan {
+    mask: u32,
+    n: u8,
+    steps: [(u8, u8, u16); crate::stages::MAX_SPANS],
+    total: Option<(u8, u8, u16)>,
+}
+
 impl LabelStats {
+    /// The plan of `mask` (resolved, and its stages added in path order,
+    /// the first time).
+    fn plan(&mut self, mask: u32) -> MaskPlan {
+        let k = (mask.wrapping_mul(0x9E37_79B9) >> 30) as usize % MASK_PLANS;
+        if let Some(p) = self.plans[k].filter(|p| p.mask == mask) {
+            return p;
+        }
+        let mut p = MaskPlan {
+            mask,
+            n: 0,
+            steps: [(0, 0, 0); crate::stages::MAX_SPANS],
+            total: None,
+        };
+        let total = crate::stages::stage_slots(mask, |id, a, b| {
+            p.steps[p.n as usize] = (a, b, self.index_of_id(id) as u16);
+            p.n += 1;
+        });
+        p.total = total.map(|(a, b)| (a, b, self.index_of_id(StageId::TOTAL) as u16));
+        self.plans[k] = Some(p);
+        p
+    }
+
+    /// Records the stages and total of a set of points; returns the total.
+    fn record_points(&mut self, ts: &Points) -> Option<i64> {
+        let p = self.plan(ts.mask());
+        let value = |(a, b, _): (u8, u8, u16)| {
+            crate::stages::diff(ts.at_slot(a as usize), ts.at_slot(b as usize))
+        };
+        for &step in &p.steps[..p.n as usize] {
+            self.stages[step.2 as usize]
+                .1
+                .record(value(step).max(0) as u64);
+        }
+        let t = p.total?;
+        let total = value(t);
+        self.stages[t.2 as usize].1.record(total.max(0) as u64);
+        Some(total)
+    }
+
     /// Index of stage `id` (added if new).
     fn index_of_id(&mut self, id: StageId) -> usize {
         match self.by_id[id.index()] {
@@ -301,12 +360,7 @@ impl Aggregator {
     /// Records the stages of a record's points (see [`crate::stages::derive`])
     /// and its total under `label`; returns the total.
     pub fn record_points(&mut self, label: &str, points: &Points) -> Option<i64> {
-        let ls = self.label_mut(label);
-        let (total, _) = crate::stages::visit_stages(points, |id, ns| ls.record_id(id, ns));
-        if let Some(t) = total {
-            ls.record_id(StageId::TOTAL, t);
-        }
-        total
+        self.label_mut(label).record_points(points)
     }
 
     /// Records a derived breakdown's stages (a negative cross-clock stage counts

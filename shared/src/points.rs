@@ -204,6 +204,29 @@ impl Points {
         })
     }
 
+    /// The earliest and the latest value (None for an empty set).
+    pub fn min_max(&self) -> Option<(u64, u64)> {
+        let mut m = self.mask;
+        let mut r: Option<(u64, u64)> = None;
+        while m != 0 {
+            let v = self.vals[m.trailing_zeros() as usize];
+            m &= m - 1;
+            r = Some(r.map_or((v, v), |(lo, hi)| (lo.min(v), hi.max(v))));
+        }
+        r
+    }
+
+    /// Sets every point of `other` here (replacing a point present in both).
+    pub fn overlay(&mut self, other: &Points) {
+        let mut m = other.mask;
+        while m != 0 {
+            let i = m.trailing_zeros() as usize;
+            m &= m - 1;
+            self.vals[i] = other.vals[i];
+        }
+        self.mask |= other.mask;
+    }
+
     /// Adds `delta` ns (possibly negative) to every point, saturating at 0.
     pub fn shift(&mut self, delta: i64) {
         let mut m = self.mask;
@@ -322,6 +345,42 @@ impl<'de> Deserialize<'de> for Points {
             d.deserialize_map(V)
         } else {
             d.deserialize_bytes(V)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A set of the points whose bit is set in `bits`, values from `seed`.
+    fn set_of(bits: u32, seed: u64) -> Points {
+        (Point::ALL.iter().enumerate())
+            .filter(|(k, _)| bits & (1 << k) != 0)
+            .map(|(k, p)| (*p, seed.wrapping_mul(k as u64 + 7) % 1_000_003))
+            .collect()
+    }
+
+    #[test]
+    fn min_max_and_overlay_agree_with_the_point_by_point_forms() {
+        for (a, b) in [
+            (0, 0),
+            (0b1011, 0),
+            (0, 0b110),
+            (0x5a5a5, 0x3c3c3),
+            (!0, 0x101),
+        ] {
+            let (x, y) = (set_of(a, 11), set_of(b, 29));
+            let lo = x.iter().map(|e| e.1).min();
+            let hi = x.iter().map(|e| e.1).max();
+            assert_eq!(x.min_max(), lo.zip(hi));
+            let mut want = x.clone();
+            for (p, t) in y.iter() {
+                want.set(p, t);
+            }
+            let mut got = x.clone();
+            got.overlay(&y);
+            assert_eq!(got, want);
         }
     }
 }

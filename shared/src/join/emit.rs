@@ -285,9 +285,7 @@ pub(super) fn make_joined(
         Some(m) => {
             let mut ts = rq.ts.clone();
             ts.shift(m.offset_ns);
-            for (p, t) in el.ts.iter() {
-                ts.set(p, t);
-            }
+            ts.overlay(&el.ts);
             drop_unrelated_notifications(&mut ts, m.uncertainty_ns.unwrap_or(0));
             ts
         }

@@ -35,11 +35,12 @@ pub(super) struct Times {
 impl Times {
     fn of<S: Side>(ts: &Points) -> Self {
         let first_of = |pts: &[Point]| pts.iter().find_map(|p| ts.get(*p));
+        let (first, last) = ts.min_max().unwrap_or((0, 0));
         Times {
             start: first_of(S::START),
             end: first_of(S::END),
-            first: ts.iter().map(|e| e.1).min().unwrap_or(0),
-            last: ts.iter().map(|e| e.1).max().unwrap_or(0),
+            first,
+            last,
         }
     }
 

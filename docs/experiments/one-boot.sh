@@ -13,10 +13,11 @@ run() {
   echo "RESULT $1 $(cut -d';' -f8 /out/$1.terse)" | tee -a /out/results.txt
 }
 waitfor() { i=0; until eval "$1"; do i=$((i+1)); [ $i -gt 2400 ] && { echo "timeout $2"; exit 1; }; sleep 0.1; done; }
-# Stops a tracer: SIGINT, then SIGKILL if it has not exited within 60 s.
+# Stops a tracer: SIGINT, then SIGKILL if it has not exited within 60 s. (The
+# watchdog holds none of the workload's output open: the lab waits for its end.)
 stop() {
   kill -INT $1
-  (sleep 60; kill -KILL $1 2>/dev/null) &
+  (sleep 60; kill -KILL $1 2>/dev/null) </dev/null >/dev/null 2>&1 &
   w=$!
   wait $1 || true
   kill $w 2>/dev/null || true

@@ -536,14 +536,10 @@ mod tests {
         );
     }
 
-    #[test]
-    fn cpio_roundtrip() {
-        let mut c = Cpio::new(Vec::new(), 0);
-        c.file("a/b/c.txt", 0o644, b"hello").unwrap();
-        c.symlink("a/l", "b/c.txt").unwrap();
-        let bytes = c.finish().unwrap();
+    /// The `(name, mode)` of every entry of a cpio archive.
+    fn cpio_entries(bytes: &[u8]) -> Vec<(String, u32)> {
         let mut names = Vec::new();
-        let mut rest: &[u8] = &bytes;
+        let mut rest = bytes;
         loop {
             let r = cpio::NewcReader::new(rest).unwrap();
             if r.entry().is_trailer() {
@@ -552,6 +548,46 @@ mod tests {
             names.push((r.entry().name().to_string(), r.entry().mode()));
             rest = r.finish().unwrap();
         }
+        names
+    }
+
+    #[test]
+    fn tools_overlay_takes_names_paths_and_static_programs() {
+        let cache = tempfile::tempdir().unwrap();
+        // `sh` from PATH (dynamic: its libraries come along); ldconfig by
+        // path (glibc's is static-pie, as the guest agent built with
+        // `--profile guest` is: nothing else comes along).
+        let tools = ["sh".to_string(), "/sbin/ldconfig".to_string()];
+        let overlay = tools_overlay(cache.path(), &tools).unwrap();
+        let names: Vec<String> = cpio_entries(&fs::read(&overlay).unwrap())
+            .into_iter()
+            .map(|e| e.0)
+            .collect();
+        assert!(names.iter().any(|n| n == "usr/bin/sh"), "{names:?}");
+        assert!(names.iter().any(|n| n == "usr/bin/ldconfig"), "{names:?}");
+        assert!(
+            names.iter().any(|n| n.contains("libc.so")),
+            "sh's libraries: {names:?}"
+        );
+        let alone = tools_overlay(cache.path(), &tools[1..]).unwrap();
+        let files: Vec<String> = cpio_entries(&fs::read(&alone).unwrap())
+            .into_iter()
+            .filter(|e| e.1 & 0o170000 != 0o040000)
+            .map(|e| e.0)
+            .collect();
+        assert_eq!(files, ["usr/bin/ldconfig"]);
+        // A path that names no file is refused, not looked up in PATH.
+        let err = tools_overlay(cache.path(), &["./no/such/tool".into()]).unwrap_err();
+        assert!(err.to_string().contains("is not installed"), "{err:#}");
+    }
+
+    #[test]
+    fn cpio_roundtrip() {
+        let mut c = Cpio::new(Vec::new(), 0);
+        c.file("a/b/c.txt", 0o644, b"hello").unwrap();
+        c.symlink("a/l", "b/c.txt").unwrap();
+        let bytes = c.finish().unwrap();
+        let names = cpio_entries(&bytes);
         assert_eq!(
             names,
             vec![

@@ -130,7 +130,7 @@ impl OffsetSample {
         let lo_at_t4 = sub_i64(t3, t4);
         let half = (t4 - t1) / 2;
         let g = t1 + half;
-        let widen = (half as f64 * max_drift).ceil() as i64;
+        let widen = ceil_i64(half as f64 * max_drift);
         Ok(OffsetSample {
             guest_ns: g,
             lo: lo_at_t4.saturating_sub(widen),
@@ -163,7 +163,7 @@ impl OffsetSample {
         let half = (g3 - g2) / 2;
         let g = g2 + half;
         // The drift over the guest's hold time, plus over the host round trip.
-        let widen = ((h4 - h1) as f64 * max_drift).ceil() as i64;
+        let widen = ceil_i64((h4 - h1) as f64 * max_drift);
         Ok(OffsetSample {
             guest_ns: g,
             lo: lo_at_g2.saturating_sub(widen),
@@ -200,9 +200,47 @@ impl OffsetEstimate {
     fn from_interval(lo: f64, hi: f64) -> Self {
         let c = lo + (hi - lo) / 2.0;
         OffsetEstimate {
-            offset_ns: c.round() as i64,
-            uncertainty_ns: ((hi - lo) / 2.0 + 0.5).ceil().max(0.0) as u64,
+            offset_ns: round_i64(c),
+            uncertainty_ns: ceil_u64((hi - lo) / 2.0 + 0.5),
         }
+    }
+}
+
+// Rounding without a libm call (x86-64's baseline has no rounding
+// instruction, and these run for every joined request). Each equals the
+// `f64` method followed by the saturating `as` cast, NaN giving 0.
+
+/// `x.ceil() as i64`.
+pub(crate) fn ceil_i64(x: f64) -> i64 {
+    let t = x as i64;
+    if (t as f64) < x {
+        t.saturating_add(1)
+    } else {
+        t
+    }
+}
+
+/// `x.ceil() as u64` (0 for a negative `x`).
+pub(crate) fn ceil_u64(x: f64) -> u64 {
+    let t = x as u64;
+    if (t as f64) < x {
+        t.saturating_add(1)
+    } else {
+        t
+    }
+}
+
+/// `x.round() as i64` (halves away from zero). `x - t` is exact: `t` is
+/// `x` truncated, within a factor of two of `x` (or 0).
+pub(crate) fn round_i64(x: f64) -> i64 {
+    let t = x as i64;
+    let frac = x - t as f64;
+    if frac >= 0.5 {
+        t.saturating_add(1)
+    } else if frac <= -0.5 {
+        t.saturating_sub(1)
+    } else {
+        t
     }
 }
 

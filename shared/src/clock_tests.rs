@@ -279,3 +279,50 @@ proptest! {
         prop_assert_eq!(median(&mut v), want);
     }
 }
+
+fn rounding_agrees(x: f64) {
+    assert_eq!(ceil_i64(x), x.ceil() as i64, "ceil_i64({x:e})");
+    assert_eq!(ceil_u64(x), x.ceil() as u64, "ceil_u64({x:e})");
+    assert_eq!(round_i64(x), x.round() as i64, "round_i64({x:e})");
+}
+
+#[test]
+fn rounding_helpers_equal_the_f64_methods_at_the_edges() {
+    let edges = [
+        0.0,
+        -0.0,
+        0.5,
+        -0.5,
+        0.49999999999999994,
+        -0.49999999999999994,
+        1.5,
+        -2.5,
+        4503599627370495.5, // 2^52 - 0.5
+        4503599627370496.0,
+        9007199254740993.0,
+        9.223372036854775e18,
+        -9.223372036854775e18,
+        1.8446744073709552e19,
+        1e30,
+        -1e30,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        f64::NAN,
+        f64::MIN_POSITIVE,
+        -f64::MIN_POSITIVE,
+    ];
+    for x in edges {
+        rounding_agrees(x);
+        rounding_agrees(x.next_up());
+        rounding_agrees(x.next_down());
+    }
+}
+
+proptest! {
+    #[test]
+    fn rounding_helpers_equal_the_f64_methods(bits in any::<u64>(), small in -1e7f64..1e7) {
+        rounding_agrees(f64::from_bits(bits));
+        rounding_agrees(small);
+        rounding_agrees(small.trunc() + 0.5);
+    }
+}

@@ -245,7 +245,7 @@ pub(super) fn make_joined(
         (Some(s), Some(d)) => d.saturating_sub(s),
         _ => 0,
     };
-    let allow = (span as f64 * max_drift).ceil() as u64 + 1;
+    let allow = crate::clock::ceil_u64(span as f64 * max_drift).saturating_add(1);
     let (mapping, consistent) = match est {
         Some(e) => match narrow(e, b, allow) {
             Some(n) => (Some(Mapping::from(n)), true),

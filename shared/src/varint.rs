@@ -45,6 +45,23 @@ pub(crate) fn unzigzag(z: u64) -> i64 {
 /// truncated or longer than 64 bits.
 #[inline(always)]
 pub(crate) fn take(b: &mut &[u8]) -> Option<u64> {
+    // Most numbers of a record (point differences, ids, lengths) take one
+    // to three bytes.
+    match **b {
+        [x, ref rest @ ..] if x < 0x80 => {
+            *b = rest;
+            return Some(u64::from(x));
+        }
+        [x, y, ref rest @ ..] if y < 0x80 => {
+            *b = rest;
+            return Some(u64::from(x & 0x7f) | u64::from(y) << 7);
+        }
+        [x, y, z, ref rest @ ..] if z < 0x80 => {
+            *b = rest;
+            return Some(u64::from(x & 0x7f) | u64::from(y & 0x7f) << 7 | u64::from(z) << 14);
+        }
+        _ => {}
+    }
     let mut v = 0u64;
     for (i, &byte) in b.iter().enumerate().take(MAX_LEN) {
         let bits = u64::from(byte & 0x7f);
@@ -75,7 +92,28 @@ mod tests {
             assert!(b.is_empty());
         }
         assert_eq!(take(&mut &[0x80][..]), None, "truncated");
+        assert_eq!(take(&mut &[0x80, 0x80][..]), None, "truncated");
+        assert_eq!(take(&mut &[0x81, 0x80, 0x80][..]), None, "truncated");
         let over = [0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02];
         assert_eq!(take(&mut &over[..]), None, "65 bits");
+    }
+
+    proptest::proptest! {
+        /// Every value and every shorter prefix of its bytes, followed by
+        /// anything: the value and the rest, or None for a prefix.
+        #[test]
+        fn takes_what_push_writes(v in proptest::num::u64::ANY, shift in 0u32..64, tail in proptest::collection::vec(0u8.., 0..4)) {
+            let v = v >> shift;
+            let mut bytes = Vec::new();
+            push(&mut bytes, v);
+            let n = bytes.len();
+            bytes.extend_from_slice(&tail);
+            let mut b = &bytes[..];
+            proptest::prop_assert_eq!(take(&mut b), Some(v));
+            proptest::prop_assert_eq!(b, &tail[..]);
+            for k in 0..n {
+                proptest::prop_assert_eq!(take(&mut &bytes[..k]), None);
+            }
+        }
     }
 }

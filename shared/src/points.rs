@@ -193,35 +193,19 @@ impl Points {
 
     /// Iterates over the present points in path order.
     pub fn iter(&self) -> impl Iterator<Item = (Point, u64)> + '_ {
-        let mut m = self.mask;
-        std::iter::from_fn(move || {
-            if m == 0 {
-                return None;
-            }
-            let i = m.trailing_zeros() as usize;
-            m &= m - 1;
-            Some((Point::ALL[i], self.vals[i]))
-        })
+        present(self.mask).map(|i| (Point::ALL[i], self.vals[i]))
     }
 
     /// The earliest and the latest value (None for an empty set).
     pub fn min_max(&self) -> Option<(u64, u64)> {
-        let mut m = self.mask;
-        let mut r: Option<(u64, u64)> = None;
-        while m != 0 {
-            let v = self.vals[m.trailing_zeros() as usize];
-            m &= m - 1;
-            r = Some(r.map_or((v, v), |(lo, hi)| (lo.min(v), hi.max(v))));
-        }
-        r
+        present(self.mask).map(|i| self.vals[i]).fold(None, |r, v| {
+            Some(r.map_or((v, v), |(lo, hi): (u64, u64)| (lo.min(v), hi.max(v))))
+        })
     }
 
     /// Sets every point of `other` here (replacing a point present in both).
     pub fn overlay(&mut self, other: &Points) {
-        let mut m = other.mask;
-        while m != 0 {
-            let i = m.trailing_zeros() as usize;
-            m &= m - 1;
+        for i in present(other.mask) {
             self.vals[i] = other.vals[i];
         }
         self.mask |= other.mask;
@@ -229,13 +213,20 @@ impl Points {
 
     /// Adds `delta` ns (possibly negative) to every point, saturating at 0.
     pub fn shift(&mut self, delta: i64) {
-        let mut m = self.mask;
-        while m != 0 {
-            let i = m.trailing_zeros() as usize;
-            m &= m - 1;
+        for i in present(self.mask) {
             self.vals[i] = self.vals[i].saturating_add_signed(delta);
         }
     }
+}
+
+/// The slots whose bit is set in a presence mask, lowest first.
+#[inline]
+fn present(mut mask: u32) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        let i = (mask != 0).then(|| mask.trailing_zeros() as usize)?;
+        mask &= mask - 1;
+        Some(i)
+    })
 }
 
 impl fmt::Debug for Points {

@@ -320,40 +320,39 @@ pub fn derive_into(
 }
 
 /// The stages of [`derive`], handed to `stage` by id in path order as they
-/// are found (nothing is built: the statistics' per-record path). Returns
-/// the total and the time of the first anchor.
+/// are found (nothing is built). Returns the total and the time of the
+/// first anchor.
 pub fn visit_stages(
     ts: &Points,
     mut stage: impl FnMut(StageId, i64),
 ) -> (Option<i64>, Option<u64>) {
-    let plan = Plan::of(ts.mask());
-    let anchors = &plan.anchors[..plan.n as usize];
-    let Some(&(_, first)) = anchors.first() else {
+    let at = |slot: u8| ts.at_slot(slot as usize);
+    let Some(ends) = stage_slots(ts.mask(), |id, a, b| stage(id, diff(at(a), at(b)))) else {
         return (None, None);
     };
-    let start = ts.at_slot(first as usize);
-    let mut prev = (plan.anchors[0].0, start);
-    for &(j, slot) in &anchors[1..] {
-        let t = ts.at_slot(slot as usize);
-        stage(StageId::span(prev.0 as usize, j as usize), diff(prev.1, t));
-        prev = (j, t);
-    }
-    let total_ns = (anchors.len() > 1).then(|| diff(start, prev.1));
-    (total_ns, Some(start))
+    let total_ns = ends.total.map(|(a, b)| diff(at(a), at(b)));
+    (total_ns, Some(at(ends.first)))
 }
 
 /// At most this many stages in one set of points (one per pair of
 /// consecutive anchors).
 pub(crate) const MAX_SPANS: usize = ANCHORS.len() - 1;
 
+/// Where a set of points starts, and what its total spans, as slots.
+pub(crate) struct Ends {
+    /// The first anchor's slot.
+    pub first: u8,
+    /// The first and the last anchor's slots (`None` with one anchor).
+    pub total: Option<(u8, u8)>,
+}
+
 /// The stages of every point set whose presence mask is `mask` (see
-/// [`crate::points::Points::mask`]), as [`visit_stages`] finds them: each
-/// stage's id and the slots of its start and end point, handed to `stage` in
-/// path order. Returns the slots of the total's start and end (`None` with
-/// fewer than two anchors). For a caller that records many sets of one mask
-/// (the statistics resolve a mask once, then only subtract).
-pub(crate) fn stage_slots(mask: u32, mut stage: impl FnMut(StageId, u8, u8)) -> Option<(u8, u8)> {
-    let plan = Plan::resolve(mask);
+/// [`crate::points::Points::mask`]): each stage's id and the slots of its
+/// start and end point, handed to `stage` in path order; `None` without an
+/// anchor. [`visit_stages`] subtracts as it goes; the statistics keep the
+/// slots per mask and then only subtract.
+pub(crate) fn stage_slots(mask: u32, mut stage: impl FnMut(StageId, u8, u8)) -> Option<Ends> {
+    let plan = Plan::of(mask);
     let anchors = &plan.anchors[..plan.n as usize];
     for w in anchors.windows(2) {
         stage(
@@ -363,8 +362,15 @@ pub(crate) fn stage_slots(mask: u32, mut stage: impl FnMut(StageId, u8, u8)) -> 
         );
     }
     match anchors {
-        [first, .., last] => Some((first.1, last.1)),
-        _ => None,
+        [] => None,
+        [only] => Some(Ends {
+            first: only.1,
+            total: None,
+        }),
+        [first, .., last] => Some(Ends {
+            first: first.1,
+            total: Some((first.1, last.1)),
+        }),
     }
 }
 

@@ -243,11 +243,12 @@ impl LabelStats {
             steps: [(0, 0, 0); crate::stages::MAX_SPANS],
             total: None,
         };
-        let total = crate::stages::stage_slots(mask, |id, a, b| {
+        let ends = crate::stages::stage_slots(mask, |id, a, b| {
             p.steps[p.n as usize] = (a, b, self.index_of_id(id) as u16);
             p.n += 1;
         });
-        p.total = total.map(|(a, b)| (a, b, self.index_of_id(StageId::TOTAL) as u16));
+        p.total = (ends.and_then(|e| e.total))
+            .map(|(a, b)| (a, b, self.index_of_id(StageId::TOTAL) as u16));
         self.plans[k] = Some(p);
         p
     }

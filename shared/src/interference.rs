@@ -49,6 +49,37 @@ pub struct Interference {
     pub queue_overlap: Option<u32>,
 }
 
+/// The device load a host element carries from its BPF record: the part of
+/// [`Interference`] known when the element is made, kept small because every
+/// pending element holds one (the rest is filled on the joined record).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceLoad {
+    /// [`Interference::host_disk`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_disk: Option<crate::record::Name>,
+    /// [`Interference::neighbour_inflight`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub neighbour_inflight: Option<u32>,
+    /// [`Interference::neighbour_issued`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub neighbour_issued: Option<u32>,
+    /// [`Interference::neighbour_bytes`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub neighbour_bytes: Option<u64>,
+}
+
+impl From<&DeviceLoad> for Interference {
+    fn from(d: &DeviceLoad) -> Self {
+        Interference {
+            host_disk: d.host_disk.clone(),
+            neighbour_inflight: d.neighbour_inflight,
+            neighbour_issued: d.neighbour_issued,
+            neighbour_bytes: d.neighbour_bytes,
+            ..Default::default()
+        }
+    }
+}
+
 impl Interference {
     /// Other issuers' requests seen around this one (in flight at issue + issued meanwhile).
     pub fn neighbour_load(&self) -> u32 {

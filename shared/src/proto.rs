@@ -39,6 +39,7 @@ use serde::{Deserialize, Serialize};
 use crate::record::{GuestIo, GuestRq};
 use crate::varint;
 
+mod batch;
 pub mod rq;
 
 /// Wire protocol version carried in [`Hello`]/[`HelloAck`]. Bumped on any
@@ -66,6 +67,12 @@ pub enum ProtoError {
     UnknownMessage(u64),
     #[error("malformed message: {0}")]
     Malformed(#[source] postcard::Error),
+    #[error("record {index} of the batch: {source}")]
+    BadRecord {
+        index: usize,
+        #[source]
+        source: rq::RqWireError,
+    },
     #[error("{0} trailing bytes after the message")]
     TrailingBytes(usize),
     #[error("stream ended inside a frame ({have} of {need} bytes)")]
@@ -283,6 +290,9 @@ pub fn decode_payload(payload: &[u8]) -> Result<Message, ProtoError> {
         if tag >= MESSAGE_TAGS {
             return Err(ProtoError::UnknownMessage(tag));
         }
+    }
+    if payload[0] == BATCH_TAG {
+        return batch::decode(&payload[1..]);
     }
     let (msg, rest) =
         postcard::take_from_bytes::<Message>(payload).map_err(ProtoError::Malformed)?;

@@ -209,9 +209,10 @@ pub struct HostElem {
     /// virtio-blk status byte written back to the guest (0 = OK).
     pub status: Option<u8>,
     pub ts: Points,
-    /// What else used the request's host device meanwhile (see `interference`).
+    /// What else used the request's host device meanwhile (see `interference`;
+    /// the joined record's `interference` starts from it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub interference: Option<crate::interference::Interference>,
+    pub interference: Option<crate::interference::DeviceLoad>,
 }
 
 /// Why a record could not be joined with the other side.

@@ -8,7 +8,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, OpenObject};
-use viotrace_shared::interference::Interference;
+use viotrace_shared::interference::DeviceLoad;
 use viotrace_shared::record::{Backend, HostElem, Name, Op, Point, Points};
 use viotrace_shared::selfcost::BpfRuns;
 
@@ -483,13 +483,12 @@ fn make_elem(
 }
 
 /// The host device load of a record's backend I/O.
-fn device_load(r: &host_rec, host_disk: Name) -> Interference {
-    Interference {
+fn device_load(r: &host_rec, host_disk: Name) -> DeviceLoad {
+    DeviceLoad {
         host_disk: Some(host_disk),
         neighbour_inflight: Some(r.nb_inflight),
         neighbour_issued: Some(r.nb_issued),
         neighbour_bytes: Some(r.nb_bytes),
-        ..Default::default()
     }
 }
 

@@ -201,7 +201,7 @@ impl Emitted<'_> {
                 io.backend = Some(h.backend);
                 io.merge_id = Some(h.merge_id);
                 io.status = h.status;
-                io.interference = h.interference.clone().map(Box::new);
+                io.interference = h.interference.as_ref().map(|d| Box::new(d.into()));
             }
             None => io.vm = self.vm.into(),
         }

@@ -57,6 +57,8 @@ pub enum RqWireError {
     Utf8,
     #[error("malformed points")]
     Points,
+    #[error("unknown record tag {0}")]
+    Tag(u32),
 }
 
 fn push_str(out: &mut Vec<u8>, s: &str) {

@@ -146,6 +146,7 @@ impl<'a> Rd<'a> {
 }
 
 /// Reads a record written by [`encode`] (all of `b`).
+#[inline(always)]
 pub fn decode(b: &[u8]) -> Result<GuestRq, RqWireError> {
     let mut r = Rd(b);
     let flags = r.byte("flags")?;

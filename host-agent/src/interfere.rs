@@ -189,7 +189,7 @@ impl Interfere {
     pub fn fill(&mut self, j: &mut JoinedIo) {
         let Some(tgid) = j.qemu_pid else { return };
         let mut ev = j.interference.take().map(|b| *b).unwrap_or_default();
-        if let Some(dev) = ev.host_disk.as_deref().and_then(dev_of_label) {
+        if let Some(dev) = ev.device.host_disk.as_deref().and_then(dev_of_label) {
             ev.neighbours = self.neighbours(dev, tgid);
         }
         let at = |p: Point| j.ts.get(p);
@@ -280,7 +280,7 @@ impl Interfere {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use viotrace_shared::interference::Interference;
+    use viotrace_shared::interference::{DeviceLoad, Interference};
 
     fn comm(s: &str) -> [i8; 16] {
         let mut c = [0i8; 16];
@@ -413,14 +413,17 @@ mod tests {
         );
         let mut j = joined(&[("h.submit", 1), ("h.push", 2)]);
         j.interference = Some(Box::new(Interference {
-            host_disk: Some("vdb (254:16)".into()),
-            neighbour_issued: Some(5),
+            device: DeviceLoad {
+                host_disk: Some("vdb (254:16)".into()),
+                neighbour_issued: Some(5),
+                ..Default::default()
+            },
             ..Default::default()
         }));
         f.fill(&mut j);
         let i = j.interference.unwrap();
         assert_eq!(i.neighbours.len(), 2);
-        assert_eq!(i.neighbour_issued, Some(5));
+        assert_eq!(i.device.neighbour_issued, Some(5));
         assert_eq!(i.qemu_wait_ns, Some(0));
     }
 }

@@ -12,20 +12,10 @@ use serde::{Deserialize, Serialize};
 /// Evidence of interference with one request (JSON: the record's `interference`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Interference {
-    /// The host block device of the backend I/O: `vda (254:0)`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub host_disk: Option<crate::record::Name>,
-    /// Block requests of other issuers (host processes, other VMs) in flight on
-    /// that device when this request's first block request was issued.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub neighbour_inflight: Option<u32>,
-    /// Block requests of other issuers issued on that device while this
-    /// request's were on it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub neighbour_issued: Option<u32>,
-    /// Their bytes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub neighbour_bytes: Option<u64>,
+    /// The request's host device and its other issuers (JSON: these fields
+    /// inline).
+    #[serde(flatten)]
+    pub device: DeviceLoad,
     /// The heaviest other issuers on that device over the last second, with
     /// their share of its other requests: `pid 4242 fio 91 %`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -49,43 +39,35 @@ pub struct Interference {
     pub queue_overlap: Option<u32>,
 }
 
-/// The device load a host element carries from its BPF record: the part of
-/// [`Interference`] known when the element is made, kept small because every
-/// pending element holds one (the rest is filled on the joined record).
+/// The load on a request's host device: what a host element carries from its
+/// BPF record (the part of [`Interference`] known when the element is made,
+/// kept small because every pending element holds one; the rest is filled
+/// on the joined record).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceLoad {
-    /// [`Interference::host_disk`].
+    /// The host block device of the backend I/O: `vda (254:0)`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_disk: Option<crate::record::Name>,
-    /// [`Interference::neighbour_inflight`].
+    /// Block requests of other issuers (host processes, other VMs) in flight on
+    /// that device when this request's first block request was issued.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub neighbour_inflight: Option<u32>,
-    /// [`Interference::neighbour_issued`].
+    /// Block requests of other issuers issued on that device while this
+    /// request's were on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub neighbour_issued: Option<u32>,
-    /// [`Interference::neighbour_bytes`].
+    /// Their bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub neighbour_bytes: Option<u64>,
-}
-
-impl From<&DeviceLoad> for Interference {
-    fn from(d: &DeviceLoad) -> Self {
-        Interference {
-            host_disk: d.host_disk.clone(),
-            neighbour_inflight: d.neighbour_inflight,
-            neighbour_issued: d.neighbour_issued,
-            neighbour_bytes: d.neighbour_bytes,
-            ..Default::default()
-        }
-    }
 }
 
 impl Interference {
     /// Other issuers' requests seen around this one (in flight at issue + issued meanwhile).
     pub fn neighbour_load(&self) -> u32 {
-        self.neighbour_inflight
+        let d = &self.device;
+        d.neighbour_inflight
             .unwrap_or(0)
-            .saturating_add(self.neighbour_issued.unwrap_or(0))
+            .saturating_add(d.neighbour_issued.unwrap_or(0))
     }
 }
 
@@ -130,11 +112,41 @@ mod tests {
     #[test]
     fn neighbour_load_adds_and_saturates() {
         let i = Interference {
-            neighbour_inflight: Some(3),
-            neighbour_issued: Some(u32::MAX),
+            device: DeviceLoad {
+                neighbour_inflight: Some(3),
+                neighbour_issued: Some(u32::MAX),
+                ..Default::default()
+            },
             ..Default::default()
         };
         assert_eq!(i.neighbour_load(), u32::MAX);
+    }
+
+    /// The device load's fields stand inline in the record's `interference`
+    /// (as before it had a type of its own), and read back the same.
+    #[test]
+    fn device_load_is_inline_in_json() {
+        let i = Interference {
+            device: DeviceLoad {
+                host_disk: Some("vda (254:0)".into()),
+                neighbour_inflight: Some(2),
+                neighbour_issued: None,
+                neighbour_bytes: Some(4096),
+            },
+            qemu_wait_ns: Some(7),
+            ..Default::default()
+        };
+        let j = serde_json::to_string(&i).unwrap();
+        assert_eq!(
+            j,
+            r#"{"host_disk":"vda (254:0)","neighbour_inflight":2,"neighbour_bytes":4096,"qemu_wait_ns":7}"#
+        );
+        assert_eq!(serde_json::from_str::<Interference>(&j).unwrap(), i);
+        assert_eq!(
+            serde_json::from_str::<DeviceLoad>(&j).unwrap(),
+            i.device,
+            "a host element reads the device part of a joined record's evidence"
+        );
         assert_eq!(Interference::default().neighbour_load(), 0);
     }
 }

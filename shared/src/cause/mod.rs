@@ -372,16 +372,16 @@ pub fn refine(mut c: Cause, ev: Option<&Interference>) -> Cause {
         ),
         HostDevice
             if ev.neighbour_load() >= MIN_NEIGHBOUR_LOAD
-                || ev.neighbour_bytes.unwrap_or(0) >= MIN_NEIGHBOUR_BYTES =>
+                || ev.device.neighbour_bytes.unwrap_or(0) >= MIN_NEIGHBOUR_BYTES =>
         {
             (
                 NoisyNeighbour,
                 format!(
                     "{} other requests ({}) on {} during it ({} in flight at its issue){}",
-                    ev.neighbour_issued.unwrap_or(0),
-                    fmt_bytes(ev.neighbour_bytes.unwrap_or(0)),
-                    ev.host_disk.as_deref().unwrap_or("its host device"),
-                    ev.neighbour_inflight.unwrap_or(0),
+                    ev.device.neighbour_issued.unwrap_or(0),
+                    fmt_bytes(ev.device.neighbour_bytes.unwrap_or(0)),
+                    ev.device.host_disk.as_deref().unwrap_or("its host device"),
+                    ev.device.neighbour_inflight.unwrap_or(0),
                     if ev.neighbours.is_empty() {
                         String::new()
                     } else {

@@ -263,7 +263,7 @@ fn cause(kind: CauseKind, stage: &str, stage_ns: i64, baseline_ns: i64) -> Cause
 
 #[test]
 fn interference_names_who_when_it_explains_the_excess() {
-    use crate::interference::Interference;
+    use crate::interference::{DeviceLoad, Interference};
     let starved = Interference {
         qemu_wait_ns: Some(6 * MS as u64),
         cpu_holder: Some("pid 7 hog".into()),
@@ -314,10 +314,12 @@ fn interference_names_who_when_it_explains_the_excess() {
     assert_eq!(c.kind, CauseKind::VcpuPreempted);
 
     let noisy = Interference {
-        host_disk: Some("vda (254:0)".into()),
-        neighbour_inflight: Some(30),
-        neighbour_issued: Some(41),
-        neighbour_bytes: Some(41 << 20),
+        device: DeviceLoad {
+            host_disk: Some("vda (254:0)".into()),
+            neighbour_inflight: Some(30),
+            neighbour_issued: Some(41),
+            neighbour_bytes: Some(41 << 20),
+        },
         neighbours: vec!["pid 42 fio 100 %".into()],
         qemu_wait_ns: Some(0),
         ..Default::default()
@@ -345,9 +347,12 @@ fn interference_names_who_when_it_explains_the_excess() {
     assert_eq!(c.kind, CauseKind::NoisyNeighbour);
     // One large request of a neighbour is enough …
     let big = Interference {
-        neighbour_inflight: Some(0),
-        neighbour_issued: Some(1),
-        neighbour_bytes: Some(1 << 20),
+        device: DeviceLoad {
+            neighbour_inflight: Some(0),
+            neighbour_issued: Some(1),
+            neighbour_bytes: Some(1 << 20),
+            ..noisy.device.clone()
+        },
         ..noisy.clone()
     };
     let c = refine(
@@ -357,9 +362,12 @@ fn interference_names_who_when_it_explains_the_excess() {
     assert_eq!(c.kind, CauseKind::NoisyNeighbour);
     // … a quiet device is the disk itself.
     let quiet = Interference {
-        neighbour_inflight: Some(0),
-        neighbour_issued: Some(1),
-        neighbour_bytes: Some(4096),
+        device: DeviceLoad {
+            neighbour_inflight: Some(0),
+            neighbour_issued: Some(1),
+            neighbour_bytes: Some(4096),
+            ..noisy.device.clone()
+        },
         ..noisy
     };
     let c = refine(

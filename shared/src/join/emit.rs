@@ -201,7 +201,12 @@ impl Emitted<'_> {
                 io.backend = Some(h.backend);
                 io.merge_id = Some(h.merge_id);
                 io.status = h.status;
-                io.interference = h.interference.as_ref().map(|d| Box::new(d.into()));
+                io.interference = h.interference.as_ref().map(|d| {
+                    Box::new(crate::interference::Interference {
+                        device: d.clone(),
+                        ..Default::default()
+                    })
+                });
             }
             None => io.vm = self.vm.into(),
         }

@@ -120,6 +120,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(i.neighbour_load(), u32::MAX);
+        assert_eq!(Interference::default().neighbour_load(), 0);
     }
 
     /// The device load's fields stand inline in the record's `interference`
@@ -147,6 +148,5 @@ mod tests {
             i.device,
             "a host element reads the device part of a joined record's evidence"
         );
-        assert_eq!(Interference::default().neighbour_load(), 0);
     }
 }

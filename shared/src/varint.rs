@@ -77,9 +77,50 @@ pub(crate) fn take(b: &mut &[u8]) -> Option<u64> {
     None
 }
 
+/// A `u32` varint as postcard reads one (an enum's tag): at most five bytes,
+/// the value within 32 bits; `b` is left as it was when there is none.
+#[inline]
+pub(crate) fn take_u32(b: &mut &[u8]) -> Option<u32> {
+    let mut rest = *b;
+    let v = u32::try_from(take(&mut rest)?).ok()?;
+    if b.len() - rest.len() > 5 {
+        return None;
+    }
+    *b = rest;
+    Some(v)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn takes_a_u32_as_postcard_reads_it() {
+        for v in [0u32, 1, 127, 128, u32::MAX] {
+            let bytes = postcard::to_stdvec(&v).unwrap();
+            let mut b = &bytes[..];
+            assert_eq!(take_u32(&mut b), Some(v));
+            assert!(b.is_empty());
+        }
+        // Five bytes for 0 are a u32; six are not (a u64 reader takes them).
+        let five = [0x80, 0x80, 0x80, 0x80, 0x00];
+        assert_eq!(postcard::from_bytes::<u32>(&five).ok(), Some(0));
+        assert_eq!(take_u32(&mut &five[..]), Some(0));
+        let six = [0x80, 0x80, 0x80, 0x80, 0x80, 0x00];
+        assert!(postcard::from_bytes::<u32>(&six).is_err());
+        assert_eq!(take_u32(&mut &six[..]), None);
+        // 2^32 does not fit, nor does a fifth byte with a continuation bit.
+        let over = [0xff, 0xff, 0xff, 0xff, 0x10];
+        assert!(postcard::from_bytes::<u32>(&over).is_err());
+        assert_eq!(take_u32(&mut &over[..]), None);
+        assert_eq!(
+            take_u32(&mut &[0xff, 0xff, 0xff, 0xff, 0x8f, 0x00][..]),
+            None
+        );
+        let mut cut = &[0x80][..];
+        assert_eq!(take_u32(&mut cut), None);
+        assert_eq!(cut, [0x80], "left as it was");
+    }
 
     #[test]
     fn agrees_with_postcard_and_refuses_what_is_not_a_u64() {

@@ -24,7 +24,7 @@ pub(super) fn decode(mut b: &[u8]) -> Result<Message, ProtoError> {
             index: index as usize,
             source,
         };
-        match take_u32(&mut b).ok_or_else(|| bad_varint(b))? {
+        match varint::take_u32(&mut b).ok_or_else(|| bad_varint(b))? {
             0 => {
                 let len = varint::take(&mut b).ok_or_else(|| bad_varint(b))?;
                 let len = usize::try_from(len).map_err(|_| end())?;
@@ -60,23 +60,6 @@ fn end() -> ProtoError {
     ProtoError::Malformed(postcard::Error::DeserializeUnexpectedEnd)
 }
 
-/// A `u32` varint as postcard reads an enum's tag: at most five bytes, the
-/// fifth holding the top four bits.
-fn take_u32(b: &mut &[u8]) -> Option<u32> {
-    let mut v = 0u32;
-    for (i, &byte) in b.iter().enumerate().take(5) {
-        if i == 4 && byte > 0x0f {
-            return None;
-        }
-        v |= u32::from(byte & 0x7f) << (7 * i);
-        if byte & 0x80 == 0 {
-            *b = &b[i + 1..];
-            return Some(v);
-        }
-    }
-    None
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,21 +86,6 @@ mod tests {
         })
         .unwrap();
         f[crate::proto::FRAME_HEADER..].to_vec()
-    }
-
-    #[test]
-    fn tags_as_postcard_reads_them() {
-        for v in [0u32, 1, 127, 128, u32::MAX] {
-            let bytes = postcard::to_stdvec(&v).unwrap();
-            let mut b = &bytes[..];
-            assert_eq!(take_u32(&mut b), Some(v));
-            assert!(b.is_empty());
-        }
-        // Six bytes for 0: a u64 reader takes it, postcard's u32 does not.
-        let long = [0x80, 0x80, 0x80, 0x80, 0x80, 0x00];
-        assert_eq!(take_u32(&mut &long[..]), None);
-        assert_eq!(take_u32(&mut &[0xff, 0xff, 0xff, 0xff, 0x10][..]), None);
-        assert_eq!(take_u32(&mut &[0x80][..]), None);
     }
 
     #[test]

@@ -643,21 +643,6 @@ int BPF_PROG(rq_merge, struct request *rq)
 	return 0;
 }
 
-/* The kick `seq` from the vq's watch list (flushes), into the record. */
-static __always_inline bool kick_watched(struct vq_state *v, struct rq_state *st, __u64 seq)
-{
-	for (int i = 0; i < KICK_WATCH; i++) {
-		struct kick_slot *w = &v->watch[i];
-
-		if (w->seq == seq && w->ts) {
-			st->ev.ts[P_KICK] = w->ts;
-			st->ev.kicked = w->notified ? KICK_NOTIFIED : KICK_SUPPRESSED;
-			return true;
-		}
-	}
-	return false;
-}
-
 static __always_inline void emit_rq(struct rq_state *st)
 {
 	struct vt_rq_event *e;
@@ -674,8 +659,9 @@ static __always_inline void emit_rq(struct rq_state *st)
 				st->ev.ts[P_KICK] = k->ts;
 				st->ev.kicked = k->notified ? KICK_NOTIFIED : KICK_SUPPRESSED;
 			} else if (k->seq > seq) {
-				/* a later kick took the slot: kept apart if awaited by a flush */
-				if (!kick_watched(v, st, seq))
+				/* a later kick took the slot: the stamp of its own kick,
+				 * unless the request was not listed for it */
+				if (!st->ev.ts[P_KICK])
 					stat_inc(S_KICK_LOST);
 			} else {
 				/* done before its batch's kick was recorded */

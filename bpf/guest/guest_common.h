@@ -140,13 +140,19 @@ struct kick_slot {
 	__u64 notified;
 };
 
-/* Kicks awaited by long requests (flushes): the ring may wrap under them. */
-#define KICK_WATCH 4
+/*
+ * The requests added since a queue's last kick, at most KICK_PEND (the others
+ * take their kick from the ring alone): the kick stamps itself into each, so
+ * that a request outliving KICK_SLOTS later kicks (a flush, a read the host
+ * holds for seconds) still has its own.
+ */
+#define KICK_PEND 64
 
 struct vq_state {
 	__u64 kick_seq;
-	__u64 watch_next;
-	struct kick_slot watch[KICK_WATCH];
+	__u64 pend_seq;		/* the kick the listed requests wait for */
+	__u64 npend;		/* requests added for it (those past KICK_PEND unlisted) */
+	__u64 pend[KICK_PEND];	/* struct request * */
 	struct kick_slot slots[KICK_SLOTS];
 };
 

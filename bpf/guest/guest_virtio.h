@@ -12,8 +12,11 @@
  *   blk_mq_complete_request             g.driver_complete (+ g.irq: this CPU's stamp)
  *
  * Kicks are per virtqueue (many adds, one kick): each vq keeps a kick sequence
- * number and a small ring of recent kicks; a request remembers the sequence at
- * add time and takes the next kick when it is emitted.
+ * number and a ring of recent kicks; a request remembers the sequence at add
+ * time and takes the next kick from the ring when it is emitted (with
+ * --exact-kick, the ring has virtqueue_notify's time). The kick also stamps
+ * itself into the requests added for it (kick_pend_add, kick_pend_stamp_g): a
+ * long request whose slot a later kick took keeps that stamp.
  */
 #ifndef VIOTRACE_GUEST_VIRTIO_H
 #define VIOTRACE_GUEST_VIRTIO_H
@@ -71,6 +74,54 @@ static __always_inline struct vq_state *vq_get_or_create(__u64 *key)
 	return sl ? &sl->v : map_create(&vqs, key, &zero_vq, S_FULL_VQ);
 }
 
+/* Request `rq`, just added to queue `v`, waits for the queue's next kick. The
+ * driver adds and prepares the kick under the queue's lock: no other CPU
+ * changes the list meanwhile. */
+static __always_inline void kick_pend_add(struct vq_state *v, __u64 rq)
+{
+	__u64 want = v->kick_seq + 1;
+	__u64 n = v->npend;
+
+	if (v->pend_seq != want) {	/* kicked since the list was filled: a new list */
+		v->pend_seq = want;
+		n = 0;
+	}
+	if (n < KICK_PEND)
+		v->pend[n & (KICK_PEND - 1)] = rq;
+	v->npend = n + 1;
+}
+
+/*
+ * Kick `seq` of queue `vk` (at `ts`) into the requests listed for it that are
+ * still in flight (those emitted already took it from the ring, or were done
+ * before it). Global, so that its loop is verified once, not in each of the
+ * four programs that kick or notify; it looks the queue up itself (a global
+ * function takes no map value on 5.10).
+ */
+__noinline int kick_pend_stamp_g(__u64 vk, __u64 seq, __u64 ts, __u32 notified)
+{
+	struct vq_state *v = vq_find(&vk);
+	__u64 n;
+
+	if (!v || v->pend_seq != seq)
+		return 0;
+	n = v->npend;
+	for (int i = 0; i < KICK_PEND; i++) {
+		__u64 key;
+		struct rq_state *st;
+
+		if (i >= n)
+			break;
+		key = v->pend[i];
+		st = rq_get(&key);
+		if (st && (__u64)st->vq == vk && st->kick_seq + 1 == seq) {
+			st->ev.ts[P_KICK] = ts;
+			st->ev.kicked = notified ? KICK_NOTIFIED : KICK_SUPPRESSED;
+		}
+	}
+	return 0;
+}
+
 static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *data)
 {
 	/* virtblk_req is the request's pdu: it directly follows struct request */
@@ -107,14 +158,8 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 	st->vq = vq;
 	v = vq_get_or_create(&vk);
 	st->kick_seq = v ? v->kick_seq : 0;
-	/* A flush lasts as long as the host's sync: its kick is kept apart
-	 * (REQ_OP_FLUSH = 2 since 4.10; the low 8 bits of cmd_flags are the op). */
-	if (v && (st->ev.cmd_flags & 0xff) == 2) {
-		struct kick_slot *w = &v->watch[v->watch_next++ & (KICK_WATCH - 1)];
-
-		w->seq = v->kick_seq + 1;
-		w->ts = 0;
-	}
+	if (v)
+		kick_pend_add(v, key);
 }
 
 static __always_inline void on_kick_prepare(__u64 vk, bool notify)
@@ -135,14 +180,8 @@ static __always_inline void on_kick_prepare(__u64 vk, bool notify)
 	k->ts = bpf_ktime_get_ns();
 	k->notified = notify;
 	k->seq = seq;
-	for (int i = 0; i < KICK_WATCH; i++) {
-		struct kick_slot *w = &v->watch[i];
-
-		if (w->seq == seq && !w->ts) {
-			w->notified = notify;
-			w->ts = k->ts;
-		}
-	}
+	if (v->pend_seq == seq)
+		kick_pend_stamp_g(vk, seq, k->ts, notify);
 	asm volatile("" ::: "memory");
 	v->kick_seq = seq;
 }
@@ -158,12 +197,10 @@ static __always_inline void on_notify(__u64 vk)
 	if (k->seq != v->kick_seq || !k->notified)
 		return;
 	k->ts = bpf_ktime_get_ns();
-	for (int i = 0; i < KICK_WATCH; i++) {
-		struct kick_slot *w = &v->watch[i];
-
-		if (w->seq == k->seq)
-			w->ts = k->ts;
-	}
+	/* (outside the queue's lock: another CPU's add may be starting a new
+	 * list; kick_pend_stamp_g takes only requests of this kick) */
+	if (v->pend_seq == k->seq)
+		kick_pend_stamp_g(vk, k->seq, k->ts, 1);
 }
 
 static __always_inline void on_interrupt(void *vq)

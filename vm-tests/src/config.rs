@@ -119,6 +119,10 @@ pub struct VmConfig {
     /// Serve the virtio-blk disks from an IOThread (`-object iothread` and the device's
     /// `iothread=`, as libvirt's `<driver iothread=…>`) instead of QEMU's main loop.
     pub iothread: bool,
+    /// The data disk behind QEMU's blkdebug driver, so that the workload can hold one of
+    /// its requests in QEMU: console lines `VIOTRACE-QEMU-IO <qemu-io command>` run
+    /// qemu-io's `break <event> <tag>` / `resume <tag>` on it (see `run.rs`).
+    pub blkdebug: bool,
     pub agents: Agents,
     /// The guest agent writes JSON records to guest.jsonl (default). Off: it keeps only its
     /// periodic per-stage tables (guest.log) — the always-on configuration the bench measures.
@@ -181,6 +185,7 @@ impl Default for VmConfig {
             aio: Aio::Threads,
             cache: "writeback".into(),
             format: DiskFormat::Raw,
+            blkdebug: false,
             agents: Agents::None,
             guest_json: true,
             guest_capture: false,
@@ -227,10 +232,16 @@ impl VmConfig {
         if self.iothread {
             device += &format!(",iothread={}", Self::IOTHREAD_ID);
         }
+        // (blkdebug's legacy filename syntax: no rules file, the image)
+        let debug = if self.blkdebug && id == "data" {
+            "blkdebug::"
+        } else {
+            ""
+        };
         [
             "-drive".into(),
             format!(
-                "file={},if=none,id={id},format={},aio={},cache={cache}",
+                "file={debug}{},if=none,id={id},format={},aio={},cache={cache}",
                 file.display(),
                 self.format.name(),
                 self.aio
@@ -327,6 +338,25 @@ mod tests {
         };
         let conf = none.guest_config_sh(false);
         assert!(conf.contains("VIOTRACE_GUEST_AGENT=0\n"), "{conf}");
+    }
+
+    #[test]
+    fn blkdebug_wraps_the_data_disk_only() {
+        let cfg = super::VmConfig {
+            blkdebug: true,
+            ..super::VmConfig::default()
+        };
+        let p = std::path::Path::new("/run/d.raw");
+        let data = cfg.disk_args(p, "data", "vdata");
+        assert!(
+            data[1].starts_with("file=blkdebug::/run/d.raw,"),
+            "{data:?}"
+        );
+        assert!(data[1].contains(",format=raw,"), "{data:?}");
+        let extra = cfg.disk_args(p, "extra", "vextra");
+        assert!(extra[1].starts_with("file=/run/d.raw,"), "{extra:?}");
+        let plain = super::VmConfig::default().disk_args(p, "data", "vdata");
+        assert!(plain[1].starts_with("file=/run/d.raw,"), "{plain:?}");
     }
 
     use super::smp_arg;

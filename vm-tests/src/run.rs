@@ -26,7 +26,8 @@ use crate::qmp::Qmp;
 use crate::result::{write_summary, RunResult};
 use crate::vm::{
     kernel_cid, kernel_vhost_vsock_usable, kvm_usable, mono_at, tail, Lab, MARK_AGENT_EXIT,
-    MARK_AGENT_FAILED, MARK_DONE, MARK_END, MARK_ERROR, MARK_HOST_RESTART, MARK_START,
+    MARK_AGENT_FAILED, MARK_DONE, MARK_END, MARK_ERROR, MARK_HOST_RESTART, MARK_QEMU_IO,
+    MARK_START,
 };
 
 enum Event {
@@ -68,6 +69,8 @@ struct Console {
     host_agent_rcs: Vec<Option<i32>>,
     /// The host's BPF accounting, on between the guest's two sample lines.
     host_bpf_stats: Option<StatsOn>,
+    /// The workload's qemu-io commands, each with its outcome (`qemu-io.txt`).
+    qemu_io: Vec<String>,
 }
 
 /// How the console loop ended.
@@ -187,6 +190,9 @@ impl Run<'_> {
             let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
         }
         self.unpack_results()?;
+        if !con.qemu_io.is_empty() {
+            fs::write(out.join("qemu-io.txt"), con.qemu_io.join("\n") + "\n")?;
+        }
         self.check_completed(&con, qemu_status)?;
         let t_start = con.t_start.unwrap_or(t_resume);
         let t_end = con.t_end.unwrap_or(t_start);
@@ -533,6 +539,8 @@ impl Run<'_> {
                 con.host_agent_pid = Some(h.pid());
                 con.host_agent = Some(h);
             }
+        } else if let Some((_, cmd)) = line.split_once(MARK_QEMU_IO) {
+            con.qemu_io.push(self.qemu_io(cmd.trim()));
         } else if let Some((_, label)) = line.split_once(MARK_HOST_BPF) {
             let (pid, on) = (con.host_agent_pid, &mut con.host_bpf_stats);
             host_bpf::on_marker(label.trim(), pid, on, self.out);
@@ -544,6 +552,26 @@ impl Run<'_> {
             con.guest_agent_rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
         }
         Ok(())
+    }
+
+    /// A qemu-io command on the data disk (`VIOTRACE-QEMU-IO`, with `blkdebug`), through
+    /// QMP's human monitor: what it printed, or why it could not run.
+    fn qemu_io(&self, cmd: &str) -> String {
+        let run = || -> Result<String> {
+            anyhow::ensure!(self.cfg.blkdebug, "the data disk is not behind blkdebug");
+            anyhow::ensure!(!cmd.contains('"'), "a qemu-io command without quotes");
+            let mut q = Qmp::connect(&self.rd.join("qmp.sock"), Duration::from_secs(5))?;
+            let line = format!("qemu-io data \"{cmd}\"");
+            let r = q.execute_with(
+                "human-monitor-command",
+                serde_json::json!({ "command-line": line }),
+            )?;
+            Ok(r.as_str().unwrap_or_default().trim().to_string())
+        };
+        match run() {
+            Ok(out) => format!("{cmd}: ok {out}"),
+            Err(e) => format!("{cmd}: FAILED {e:#}"),
+        }
     }
 
     /// A hung run's virtio-blk queues as QEMU sees them, into `virtio-state.json`; one

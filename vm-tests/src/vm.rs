@@ -24,6 +24,10 @@ pub(crate) const MARK_AGENT_EXIT: &str = "VIOTRACE-AGENT-EXIT";
 /// A workload that prints this line gets its host agent restarted (outputs of the
 /// earlier incarnations are kept as host.N.jsonl / joined.N.jsonl / host.N.log).
 pub const MARK_HOST_RESTART: &str = "VIOTRACE-HOST-AGENT-RESTART";
+/// `VIOTRACE-QEMU-IO <command>`: a qemu-io command on the data disk of a run with
+/// `blkdebug` (e.g. `break read_aio t1`, later `resume t1`: QEMU holds the next read
+/// until then); each command and its outcome go to `qemu-io.txt`.
+pub const MARK_QEMU_IO: &str = "VIOTRACE-QEMU-IO";
 
 /// The hybrid-vsock port the host agent listens on for guest agents.
 pub const AGENT_VSOCK_PORT: u32 = 5515;

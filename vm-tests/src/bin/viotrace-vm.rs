@@ -129,6 +129,10 @@ struct VmArgs {
     /// Serve the virtio-blk disks from an IOThread instead of QEMU's main loop.
     #[arg(long)]
     iothread: bool,
+    /// The data disk behind QEMU's blkdebug driver: the workload's `VIOTRACE-QEMU-IO <cmd>`
+    /// console lines run qemu-io commands on it (`break read_aio t1`, `resume t1`).
+    #[arg(long)]
+    blkdebug: bool,
     /// Agents to run.
     #[arg(long, value_enum)]
     agents: Option<Agents>,
@@ -210,6 +214,7 @@ impl VmArgs {
             cache: self.cache.clone(),
             format: self.format,
             iothread: self.iothread,
+            blkdebug: self.blkdebug,
             agents: self.agents.unwrap_or(default_agents),
             guest_json: !self.guest_tables_only,
             guest_capture: self.guest_capture,

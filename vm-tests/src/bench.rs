@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::assets;
 use crate::vm::{Agents, Lab, RunResult, VmConfig};
 
 #[path = "bench_accounting.rs"]
@@ -349,6 +350,26 @@ fn median(v: &[f64]) -> f64 {
 }
 
 /// Runs the bench; writes `bench.json` and `bench.txt` into `out`.
+/// `vm` with both agents built now and copied into `<out>/bin`: every round runs that build,
+/// whatever happens to the tree meanwhile (the lab otherwise builds the agents for each
+/// boot, and a source edit during a bench changed the guest agent from its seventh round on),
+/// and the run keeps the binaries it measured. Binaries given in `vm` are copied as they are.
+fn with_agents_built(vm: &VmConfig, out: &Path) -> Result<VmConfig> {
+    let dir = out.join("bin");
+    fs::create_dir_all(&dir)?;
+    let keep = |given: &Option<PathBuf>, build: fn() -> Result<PathBuf>, name: &str| {
+        let src = given.clone().map_or_else(build, Ok)?;
+        let dst = dir.join(name);
+        fs::copy(&src, &dst).with_context(|| format!("copy {} into the bench", src.display()))?;
+        Ok::<_, anyhow::Error>(Some(dst))
+    };
+    Ok(VmConfig {
+        guest_bin: keep(&vm.guest_bin, assets::guest_agent_binary, "viotrace-guest")?,
+        host_bin: keep(&vm.host_bin, assets::host_agent_binary, "viotrace-host")?,
+        ..vm.clone()
+    })
+}
+
 pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
     fs::create_dir_all(out)?;
     if let Some(bad) = cfg
@@ -361,6 +382,10 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
             CONDITIONS.join(", ")
         );
     }
+    let cfg = &BenchConfig {
+        vm: with_agents_built(&cfg.vm, out)?,
+        ..cfg.clone()
+    };
     let mut res = BenchResult {
         config: Some(cfg.clone()),
         ..Default::default()

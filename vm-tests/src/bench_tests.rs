@@ -344,3 +344,34 @@ fn host_threads_give_the_vcpu_wait_and_the_busiest_other_threads() {
     // Without host thread samples there is no table.
     assert!(accounting::render_host_threads(&BenchResult::default()).is_empty());
 }
+
+#[test]
+fn the_bench_runs_one_copy_of_each_agent() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (g, h) = (tmp.path().join("g"), tmp.path().join("h"));
+    fs::write(&g, b"guest build").unwrap();
+    fs::write(&h, b"host build").unwrap();
+    let out = tmp.path().join("bench");
+    let vm = VmConfig {
+        guest_bin: Some(g.clone()),
+        host_bin: Some(h),
+        ..VmConfig::default()
+    };
+    let built = with_agents_built(&vm, &out).unwrap();
+    let gb = built.guest_bin.clone().unwrap();
+    assert_eq!(gb, out.join("bin/viotrace-guest"));
+    assert_eq!(fs::read(&gb).unwrap(), b"guest build");
+    let hb = built.host_bin.clone().unwrap();
+    assert_eq!(fs::read(&hb).unwrap(), b"host build");
+    // The copies, not the sources, are what the rounds run: a later build changes nothing.
+    fs::write(&g, b"edited").unwrap();
+    assert_eq!(fs::read(&gb).unwrap(), b"guest build");
+    let cond = condition_vm("guest", &built, false, 4);
+    assert_eq!(cond.guest_bin, Some(gb));
+    // A source that does not exist is an error, not a silent rebuild.
+    let bad = VmConfig {
+        guest_bin: Some(tmp.path().join("missing")),
+        ..vm
+    };
+    assert!(with_agents_built(&bad, &out).is_err());
+}

@@ -173,6 +173,10 @@ pub struct VmConfig {
     /// Each vCPU thread on a host CPU of its own, everything else the run starts on the
     /// others (see `pin.rs`); the run's `pin.txt` says where. Needs more host CPUs than vCPUs.
     pub pin_vcpus: bool,
+    /// The guest and host agent binaries to run; `None`: built from the workspace for the
+    /// run (the bench builds them once and passes them, see `bench::run`).
+    pub guest_bin: Option<PathBuf>,
+    pub host_bin: Option<PathBuf>,
 }
 
 impl Default for VmConfig {
@@ -210,6 +214,8 @@ impl Default for VmConfig {
             guest_kernel: GuestKernel::default(),
             qemu: QemuBuild::default(),
             pin_vcpus: false,
+            guest_bin: None,
+            host_bin: None,
         }
     }
 }

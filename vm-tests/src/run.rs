@@ -96,12 +96,20 @@ impl Run<'_> {
         let guest_bin = cfg
             .agents
             .guest()
-            .then(assets::guest_agent_binary)
+            .then(|| {
+                cfg.guest_bin
+                    .clone()
+                    .map_or_else(assets::guest_agent_binary, Ok)
+            })
             .transpose()?;
         let host_bin = cfg
             .agents
             .host()
-            .then(assets::host_agent_binary)
+            .then(|| {
+                cfg.host_bin
+                    .clone()
+                    .map_or_else(assets::host_agent_binary, Ok)
+            })
             .transpose()?;
         let guest = self.lab.guest(&cfg.guest_kernel)?;
         let initrd = self.initrd(workload, &guest, guest_bin.as_deref())?;

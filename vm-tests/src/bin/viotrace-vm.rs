@@ -238,6 +238,8 @@ impl VmArgs {
             guest_kernel: self.guest_kernel.clone(),
             qemu: self.qemu.clone(),
             pin_vcpus: self.pin_vcpus,
+            guest_bin: None,
+            host_bin: None,
         })
     }
 }

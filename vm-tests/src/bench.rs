@@ -349,7 +349,6 @@ fn median(v: &[f64]) -> f64 {
     s[s.len() / 2]
 }
 
-/// Runs the bench; writes `bench.json` and `bench.txt` into `out`.
 /// `vm` with both agents built now and copied into `<out>/bin`: every round runs that build,
 /// whatever happens to the tree meanwhile (the lab otherwise builds the agents for each
 /// boot, and a source edit during a bench changed the guest agent from its seventh round on),
@@ -370,6 +369,7 @@ fn with_agents_built(vm: &VmConfig, out: &Path) -> Result<VmConfig> {
     })
 }
 
+/// Runs the bench; writes `bench.json` and `bench.txt` into `out`.
 pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
     fs::create_dir_all(out)?;
     if let Some(bad) = cfg

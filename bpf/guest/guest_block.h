@@ -656,8 +656,7 @@ static __always_inline void emit_rq(struct rq_state *st)
 			struct kick_slot *k = &v->slots[seq & (KICK_SLOTS - 1)];
 
 			if (k->seq == seq) {
-				st->ev.ts[P_KICK] = k->ts;
-				st->ev.kicked = k->notified ? KICK_NOTIFIED : KICK_SUPPRESSED;
+				rq_set_kick(st, k->ts, k->notified);
 			} else if (k->seq > seq) {
 				/* a later kick took the slot: the stamp of its own kick,
 				 * unless the request was not listed for it */

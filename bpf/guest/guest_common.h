@@ -505,6 +505,13 @@ static __always_inline struct rq_state *rq_get(__u64 *key)
 	return st && st->active ? st : NULL;
 }
 
+/* Kick time `ts` and its outcome into a request's record. */
+static __always_inline void rq_set_kick(struct rq_state *st, __u64 ts, bool notified)
+{
+	st->ev.ts[P_KICK] = ts;
+	st->ev.kicked = notified ? KICK_NOTIFIED : KICK_SUPPRESSED;
+}
+
 static __always_inline void stat_inc(__u32 id)
 {
 	__u64 *v = bpf_map_lookup_elem(&stats, &id);

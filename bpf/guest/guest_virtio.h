@@ -114,10 +114,8 @@ __noinline int kick_pend_stamp_g(__u64 vk, __u64 seq, __u64 ts, __u32 notified)
 			break;
 		key = v->pend[i];
 		st = rq_get(&key);
-		if (st && (__u64)st->vq == vk && st->kick_seq + 1 == seq) {
-			st->ev.ts[P_KICK] = ts;
-			st->ev.kicked = notified ? KICK_NOTIFIED : KICK_SUPPRESSED;
-		}
+		if (st && (__u64)st->vq == vk && st->kick_seq + 1 == seq)
+			rq_set_kick(st, ts, notified);
 	}
 	return 0;
 }

@@ -156,7 +156,9 @@ impl Joined {
             accounts,
             engine: JoinEngine::new(JoinConfig::default()),
             out: Outputs {
-                vms: FxHashMap::default(),
+                vms: Vec::new(),
+                vm_index: FxHashMap::default(),
+                last_vm: 0,
                 max_vm_rate,
                 capture: opts.capture,
                 sample_every: opts.sample_every,
@@ -314,7 +316,7 @@ impl Joined {
             .accounts()
             .into_iter()
             .map(|transport| {
-                let o = self.out.vms.get(&transport.vm);
+                let o = self.out.vm(&transport.vm);
                 VmReport {
                     written: o.map_or(0, |o| o.written),
                     output_rate_limited: o.map_or(0, |o| o.rate_limited),

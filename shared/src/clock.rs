@@ -267,10 +267,12 @@ struct Fit {
     /// Index of the minimum E in pts[..=i] and in pts[i..].
     pmin: Vec<usize>,
     smin: Vec<usize>,
+    /// Extrapolation after the last point and before the first: each end
+    /// sample `b` with its two partner samples (see [`Fit::bound`]), chosen
+    /// once per fit rather than per query.
+    after: [[usize; 3]; 2],
+    before: [[usize; 3]; 2],
 }
-
-/// Picks the partner samples used to bound extrapolation beyond sample `b`.
-type PartnerFn = fn(&Fit, usize) -> [usize; 2];
 
 impl Fit {
     /// Bound on |θ(g) − L(g)| at relative guest time x.
@@ -296,26 +298,13 @@ impl Fit {
         }
         // Extrapolation: a linear error bounded by E_a at g_a and E_b at g_b
         // grows by at most (E_a + E_b)/|g_b − g_a| per ns beyond g_b.
-        let (ends, other): ([usize; 2], PartnerFn) = if x > gn {
-            ([n - 1, self.smin[0]], |f, b| {
-                let half = f.pts[b].0 - (f.pts[b].0 - f.pts[0].0) / 2.0;
-                let k = f.pts.partition_point(|q| q.0 <= half).max(1) - 1;
-                [0, f.pmin[k]]
-            })
-        } else {
-            ([0, self.pmin[n - 1]], |f, b| {
-                let n = f.pts.len();
-                let half = f.pts[b].0 + (f.pts[n - 1].0 - f.pts[b].0) / 2.0;
-                let k = f.pts.partition_point(|q| q.0 < half).min(n - 1);
-                [n - 1, f.smin[k]]
-            })
-        };
+        let ends = if x > gn { &self.after } else { &self.before };
         let mut best = f64::INFINITY;
-        for b in ends {
+        for &[b, a0, a1] in ends {
             let (gb, eb) = p[b];
             let d = (x - gb).abs();
             best = best.min(eb + d * self.prior_slope);
-            for a in other(self, b) {
+            for a in [a0, a1] {
                 let (ga, ea) = p[a];
                 if (gb - ga).abs() > 0.0 {
                     best = best.min(eb + d * (ea + eb) / (gb - ga).abs());
@@ -463,9 +452,14 @@ impl ClockEstimator {
             Some(p) if self.buckets[p].idx == idx => {
                 let b = &mut self.buckets[p];
                 b.count += 1;
-                if s.hi - s.lo < b.best.hi - b.best.lo {
+                let (w, best_w) = (s.hi - s.lo, b.best.hi - b.best.lo);
+                if w < best_w {
+                    // A fit is rebuilt from every bucket: a narrower sample in
+                    // the newest bucket, which most requests bring, forces it
+                    // only when a quarter narrower (the fit stays valid with
+                    // the older one, a little wider; the next refit takes it).
+                    self.dirty |= (w as i128) * 4 < (best_w as i128) * 3;
                     b.best = s;
-                    self.dirty = true;
                 }
             }
             _ => {
@@ -626,19 +620,48 @@ fn compute_fit(buckets: &VecDeque<Bucket>, cfg: &ClockConfig) -> Option<Fit> {
         };
     }
     let e = fp[smin[0]].1;
-    Some(Fit {
-        g_ref,
-        a,
-        b,
-        base,
-        e,
-        used: sel.len(),
-        best_half_rtt: best,
-        prior_slope: max_drift + b.abs(),
-        pts: fp,
-        pmin,
-        smin,
-    })
+    Some(
+        Fit {
+            g_ref,
+            a,
+            b,
+            base,
+            e,
+            used: sel.len(),
+            best_half_rtt: best,
+            prior_slope: max_drift + b.abs(),
+            after: [[0; 3]; 2],
+            before: [[0; 3]; 2],
+            pts: fp,
+            pmin,
+            smin,
+        }
+        .with_extrapolation(),
+    )
+}
+
+impl Fit {
+    /// Chooses the samples that bound extrapolation: after the last point,
+    /// the last sample and the one of least error, each with the first
+    /// sample and the least-error one of its first half; before the first,
+    /// symmetrically.
+    fn with_extrapolation(mut self) -> Fit {
+        let (p, n) = (&self.pts, self.pts.len());
+        let after_partners = |b: usize| {
+            let half = p[b].0 - (p[b].0 - p[0].0) / 2.0;
+            let k = p.partition_point(|q| q.0 <= half).max(1) - 1;
+            [b, 0, self.pmin[k]]
+        };
+        let before_partners = |b: usize| {
+            let half = p[b].0 + (p[n - 1].0 - p[b].0) / 2.0;
+            let k = p.partition_point(|q| q.0 < half).min(n - 1);
+            [b, n - 1, self.smin[k]]
+        };
+        let after = [n - 1, self.smin[0]].map(after_partners);
+        let before = [0, self.pmin[n - 1]].map(before_partners);
+        (self.after, self.before) = (after, before);
+        self
+    }
 }
 
 /// One record's own causal bounds on the offset: `lo ≤ θ ≤ hi` (either may be absent).

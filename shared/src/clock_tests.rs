@@ -326,3 +326,85 @@ proptest! {
         rounding_agrees(small.trunc() + 0.5);
     }
 }
+
+/// A narrower sample in the newest bucket refits only when it is a quarter
+/// narrower; the fit then takes every bucket's narrowest (a smaller gain
+/// waits for the next refit).
+#[test]
+fn a_slightly_narrower_sample_waits_for_the_next_refit() {
+    let s = |g: u64, half: i64| OffsetSample {
+        guest_ns: g,
+        lo: 5_000 - half,
+        hi: 5_000 + half,
+        source: SampleSource::Request,
+    };
+    let mut est = ClockEstimator::default();
+    est.add_sample(s(1_000_000, 1_000));
+    assert_eq!(est.summary().best_half_rtt_ns, 1_000.0);
+    // 10 % narrower: kept as the bucket's best, no refit.
+    est.add_sample(s(2_000_000, 900));
+    assert_eq!(est.summary().best_half_rtt_ns, 1_000.0);
+    // A quarter narrower than the bucket's best (900): refit, with it.
+    est.add_sample(s(3_000_000, 600));
+    assert_eq!(est.summary().best_half_rtt_ns, 600.0);
+    // A new bucket always refits, and takes the narrowest of each.
+    est.add_sample(s(1_500_000_000, 580));
+    assert_eq!(est.summary().best_half_rtt_ns, 580.0);
+    assert_eq!(est.summary().buckets, 2);
+}
+
+/// The bound as it was computed per query before the partners were chosen
+/// once per fit (the reference for the test below).
+fn bound_per_query(f: &Fit, x: f64) -> f64 {
+    let p = &f.pts;
+    let n = p.len();
+    let ends = if x > p[n - 1].0 {
+        [n - 1, f.smin[0]].map(|b| {
+            let half = p[b].0 - (p[b].0 - p[0].0) / 2.0;
+            let k = p.partition_point(|q| q.0 <= half).max(1) - 1;
+            [b, 0, f.pmin[k]]
+        })
+    } else {
+        [0, f.pmin[n - 1]].map(|b| {
+            let half = p[b].0 + (p[n - 1].0 - p[b].0) / 2.0;
+            let k = p.partition_point(|q| q.0 < half).min(n - 1);
+            [b, n - 1, f.smin[k]]
+        })
+    };
+    let mut best = f64::INFINITY;
+    for [b, a0, a1] in ends {
+        let (gb, eb) = p[b];
+        let d = (x - gb).abs();
+        best = best.min(eb + d * f.prior_slope);
+        for a in [a0, a1] {
+            let (ga, ea) = p[a];
+            if (gb - ga).abs() > 0.0 {
+                best = best.min(eb + d * (ea + eb) / (gb - ga).abs());
+            }
+        }
+    }
+    best
+}
+
+/// Extrapolation uses partners chosen once per fit: beyond both ends the
+/// bound is exactly the per-query choice's.
+#[test]
+fn extrapolation_partners_chosen_once_give_the_same_bounds() {
+    for seed in 1..20 {
+        let sim = Sim {
+            theta0: 1e9,
+            s: (seed as f64 - 10.0) * 5e-6,
+            g0: 0.0,
+        };
+        let (mut est, _) = run(sim, 200 + 20 * seed as usize, seed, 1e9, 50e6);
+        est.refit();
+        let fit = est.fit.clone().unwrap();
+        let (g0, gn) = (fit.pts[0].0, fit.pts[fit.pts.len() - 1].0);
+        for k in 1..40 {
+            let d = k as f64 * k as f64 * 1e6;
+            for x in [gn + d, g0 - d] {
+                assert_eq!(fit.bound(x), bound_per_query(&fit, x), "seed {seed} x {x}");
+            }
+        }
+    }
+}

@@ -373,3 +373,41 @@ proptest::proptest! {
         let _ = decode_payload(&data);
     }
 }
+
+/// A batch's records reuse the previous record's names only when the bytes
+/// are the same: changing, returning, long (heap) and empty names all
+/// come back as sent, and a bad name after a good one is still refused.
+#[test]
+fn batch_names_change_and_repeat_as_sent() {
+    let names = [
+        ("vda", "fio"),
+        ("vda", "kworker/0:1H"),
+        ("vdb", "fio"),
+        ("vdb", "fio"),
+        ("", ""),
+        (
+            "a-disk-name-longer-than-24-bytes",
+            "a-task-name-longer-than-24-bytes",
+        ),
+        ("a-disk-name-longer-than-24-bytes", "fio"),
+        ("vda", "fio"),
+    ];
+    let records: Vec<GuestRecord> = (0..names.len())
+        .map(|i| {
+            let mut r = rq(i as u64);
+            (r.disk, r.comm) = (names[i].0.into(), names[i].1.into());
+            GuestRecord::Rq(r)
+        })
+        .collect();
+    let m = Message::Batch {
+        first_seq: 3,
+        records,
+    };
+    let f = encode_frame(&m).unwrap();
+    assert_eq!(decode_payload(&f[4..]).unwrap(), m);
+    // The same length as "fio", not UTF-8, right after a "fio".
+    let mut bad = f[4..].to_vec();
+    let last = bad.windows(3).rposition(|w| w == b"fio").unwrap();
+    bad[last] = 0xff;
+    assert!(decode_payload(&bad).is_err());
+}

@@ -38,7 +38,11 @@ pub(super) struct VmOut {
 
 /// The joined records' destinations and statistics.
 pub struct Outputs {
-    pub(super) vms: FxHashMap<String, VmOut>,
+    /// Each VM's output, in first-seen order, found by name through
+    /// `vm_index` (`last_vm`: the one of the previous record).
+    pub(super) vms: Vec<(String, VmOut)>,
+    pub(super) vm_index: FxHashMap<String, usize>,
+    pub(super) last_vm: usize,
     pub(super) max_vm_rate: f64,
     /// See [`super::JoinOpts::capture`].
     pub(super) capture: bool,
@@ -72,21 +76,38 @@ pub struct Outputs {
 
 impl Outputs {
     pub(super) fn vm_out(&mut self, vm: &str) -> &mut VmOut {
-        // (no key allocation per record: the entry exists after the first)
-        if self.vms.contains_key(vm) {
-            return self.vms.get_mut(vm).expect("checked above");
-        }
-        let rate = self.max_vm_rate;
-        self.vms.entry(vm.to_string()).or_insert_with(|| VmOut {
-            bucket: TokenBucket::new(rate, rate.min(1e12)),
-            written: 0,
-            rate_limited: 0,
-            summarized: 0,
-            offered: 0,
-            io_records: 0,
-            conns: 0,
-            stalled_since: None,
-        })
+        // Records come in runs of one VM: its name is compared, not hashed.
+        let i = match self.vms.get(self.last_vm) {
+            Some((name, _)) if name == vm => self.last_vm,
+            _ => match self.vm_index.get(vm) {
+                Some(&i) => i,
+                None => {
+                    let rate = self.max_vm_rate;
+                    self.vms.push((
+                        vm.to_string(),
+                        VmOut {
+                            bucket: TokenBucket::new(rate, rate.min(1e12)),
+                            written: 0,
+                            rate_limited: 0,
+                            summarized: 0,
+                            offered: 0,
+                            io_records: 0,
+                            conns: 0,
+                            stalled_since: None,
+                        },
+                    ));
+                    self.vm_index.insert(vm.to_string(), self.vms.len() - 1);
+                    self.vms.len() - 1
+                }
+            },
+        };
+        self.last_vm = i;
+        &mut self.vms[i].1
+    }
+
+    /// The output of VM `vm`, if it has one.
+    pub(super) fn vm(&self, vm: &str) -> Option<&VmOut> {
+        self.vm_index.get(vm).map(|&i| &self.vms[i].1)
     }
 
     /// The fleet metrics of one record (and its VM's clock uncertainty).
@@ -236,7 +257,9 @@ mod tests {
 
     fn outputs(file: Shared, threshold_ns: u64, sample_every: u64) -> Outputs {
         Outputs {
-            vms: FxHashMap::default(),
+            vms: Vec::new(),
+            vm_index: FxHashMap::default(),
+            last_vm: 0,
             max_vm_rate: f64::INFINITY,
             capture: false,
             sample_every,
@@ -328,7 +351,7 @@ mod tests {
             assert_eq!(o.interval.summaries(), want.summaries());
             assert_eq!(o.human, human);
             assert!(!human.is_empty() && human.len() < all.len() / 2);
-            let vm = &o.vms["vm0"];
+            let vm = o.vm("vm0").unwrap();
             assert_eq!(vm.written + vm.summarized, all.len() as u64);
             assert!(all.iter().any(|j| !j.joined));
             assert_eq!(*file.0.lock().unwrap(), *want_file.0.lock().unwrap());

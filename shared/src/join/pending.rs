@@ -405,6 +405,16 @@ impl<S: Side> PendingSet<S> {
         }
     }
 
+    /// Whether the earliest expiry entry of a VM (live or not) is due on this
+    /// side's own clock: when it is not, no live entry is either.
+    pub fn due(&self, vm: u32) -> bool {
+        let v = &self.vms[vm as usize];
+        match (v.deadlines.peek(), v.now) {
+            (Some((deadline, _, _)), Some(now)) => now >= deadline,
+            _ => false,
+        }
+    }
+
     /// The earliest expiry entry of a VM that is still live `(deadline, id)`
     /// (stale entries are dropped on the way).
     pub fn next_deadline(&mut self, vm: u32) -> Option<(u64, u32)> {

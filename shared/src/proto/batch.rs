@@ -19,6 +19,7 @@ pub(super) fn decode(mut b: &[u8]) -> Result<Message, ProtoError> {
     let count = varint::take(&mut b).ok_or_else(|| bad_varint(b))?;
     let most = PREALLOC_BYTES / std::mem::size_of::<GuestRecord>();
     let mut records = Vec::with_capacity((count as usize).min(most));
+    let mut names = rq::LastNames::default();
     for index in 0..count {
         let bad = |source| ProtoError::BadRecord {
             index: index as usize,
@@ -30,7 +31,9 @@ pub(super) fn decode(mut b: &[u8]) -> Result<Message, ProtoError> {
                 let len = usize::try_from(len).map_err(|_| end())?;
                 let (rec, rest) = b.split_at_checked(len).ok_or_else(end)?;
                 b = rest;
-                records.push(GuestRecord::Rq(rq::decode(rec).map_err(bad)?));
+                records.push(GuestRecord::Rq(
+                    rq::decode_after(rec, &mut names).map_err(bad)?,
+                ));
             }
             1 => {
                 let (io, rest) =

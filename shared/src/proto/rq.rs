@@ -132,22 +132,38 @@ impl<'a> Rd<'a> {
         T::try_from(self.u64(what)?).map_err(|_| RqWireError::Range(what))
     }
 
+    /// A name; the same bytes as the `last` one read for this field reuse it.
     #[inline]
-    fn name(&mut self, what: &'static str) -> Result<Name, RqWireError> {
+    fn name(&mut self, what: &'static str, last: &mut Name) -> Result<Name, RqWireError> {
         let n: usize = self.num(what)?;
         if n > self.0.len() {
             return Err(RqWireError::Number(what));
         }
         let (s, rest) = self.0.split_at(n);
         self.0 = rest;
-        let s = std::str::from_utf8(s).map_err(|_| RqWireError::Utf8)?;
-        Ok(Name::new(s))
+        if s != last.as_bytes() {
+            *last = Name::new(std::str::from_utf8(s).map_err(|_| RqWireError::Utf8)?);
+        }
+        Ok(last.clone())
     }
 }
 
+/// The names of the previous record read: a batch's records mostly repeat
+/// their disk and task, which are then checked and copied once.
+#[derive(Default)]
+pub struct LastNames {
+    disk: Name,
+    comm: Name,
+}
+
 /// Reads a record written by [`encode`] (all of `b`).
-#[inline(always)]
 pub fn decode(b: &[u8]) -> Result<GuestRq, RqWireError> {
+    decode_after(b, &mut LastNames::default())
+}
+
+/// [`decode`], reusing the names of the previous record of the same batch.
+#[inline(always)]
+pub fn decode_after(b: &[u8], last: &mut LastNames) -> Result<GuestRq, RqWireError> {
     let mut r = Rd(b);
     let flags = r.byte("flags")?;
     if flags & !F_KNOWN != 0 || (flags & F_KICKED == 0 && flags & F_KICKED_TRUE != 0) {
@@ -155,8 +171,8 @@ pub fn decode(b: &[u8]) -> Result<GuestRq, RqWireError> {
     }
     let op = r.byte("op")?;
     let op = *Op::ALL.get(usize::from(op)).ok_or(RqWireError::Op(op))?;
-    let disk = r.name("disk")?;
-    let comm = r.name("comm")?;
+    let disk = r.name("disk", &mut last.disk)?;
+    let comm = r.name("comm", &mut last.comm)?;
     let sector = r.u64("sector")?;
     let bytes = r.num("bytes")?;
     let pid = r.num("pid")?;

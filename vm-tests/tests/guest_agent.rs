@@ -92,19 +92,27 @@ fn check_io(r: &RunResult, with_virtio: bool, shape: &Shape) -> Vec<GuestRq> {
             .entry((v.op.name().to_string(), u64::from(v.bytes)))
             .or_default() += 1;
     }
-    assert_eq!(
-        &by_shape,
-        shape,
-        "vdb requests by (op, bytes); log:\n{}",
-        guest_log(r)
-    );
     // Program runs the kernel skipped (one would have nested in another on the same
     // CPU; 7.x counts them): a request whose block_rq_issue run was skipped is
-    // tracked from its virtqueue add instead, without g.rq_issue.
+    // tracked from its virtqueue add instead, without g.rq_issue; in tracepoint
+    // mode, which has no virtqueue hook, it is lost, and counted there.
     let runs_lost = final_stats(r)
         .counters
         .and_then(|c| c.get("bpf_runs_lost").copied())
         .unwrap_or(0) as usize;
+    let missing: usize = shape
+        .iter()
+        .map(|(k, &n)| n.saturating_sub(by_shape.get(k).copied().unwrap_or(0)))
+        .sum();
+    let extra = by_shape
+        .iter()
+        .any(|(k, &n)| n > shape.get(k).copied().unwrap_or(0));
+    assert!(
+        !extra && missing <= runs_lost,
+        "vdb requests by (op, bytes): {by_shape:?}, want {shape:?} \
+         ({runs_lost} skipped program runs); log:\n{}",
+        guest_log(r)
+    );
     // Driver completions the kernel skipped (a kprobe run nested in another
     // BPF program's: before 6.7 not in bpf_runs_lost), which the agent counts:
     // such a request has neither g.driver_complete nor g.irq.
@@ -498,7 +506,13 @@ fn check_kernel_mode(
         .into_iter()
         .filter(|v| v.syscall == "io_uring_enter")
         .collect();
-    assert_eq!(uring.len(), 20, "io_uring_enter records with requests");
+    // (a skipped program run, counted, may cost one)
+    let runs_lost = c.get("bpf_runs_lost").copied().unwrap_or(0) as usize;
+    assert!(
+        uring.len() <= 20 && uring.len() + runs_lost >= 20,
+        "io_uring_enter records with requests: {} ({runs_lost} skipped runs)",
+        uring.len()
+    );
     for v in uring {
         assert_eq!(v.bytes, 4096, "{v:?}");
         assert_eq!(

@@ -349,14 +349,26 @@ fn median(v: &[f64]) -> f64 {
     s[s.len() / 2]
 }
 
-/// `vm` with both agents built now and copied into `<out>/bin`: every round runs that build,
-/// whatever happens to the tree meanwhile (the lab otherwise builds the agents for each
-/// boot, and a source edit during a bench changed the guest agent from its seventh round on),
-/// and the run keeps the binaries it measured. Binaries given in `vm` are copied as they are.
-fn with_agents_built(vm: &VmConfig, out: &Path) -> Result<VmConfig> {
+/// `vm` with the agents the conditions run built now and copied into `<out>/bin`: every
+/// round runs that build, whatever happens to the tree meanwhile (the lab otherwise builds
+/// the agents for each boot, and a source edit during a bench changed the guest agent from
+/// its seventh round on), and the run keeps the binaries it measured. Binaries given in `vm`
+/// are copied as they are; an agent no condition runs is neither built nor copied.
+fn with_agents_built(vm: &VmConfig, conditions: &[String], out: &Path) -> Result<VmConfig> {
     let dir = out.join("bin");
     fs::create_dir_all(&dir)?;
+    let runs = |side: fn(Agents) -> bool| {
+        (conditions.iter()).any(|c| side(condition_vm(c, vm, false, 1).agents))
+    };
+    let (guest, host) = (runs(Agents::guest), runs(Agents::host));
     let keep = |given: &Option<PathBuf>, build: fn() -> Result<PathBuf>, name: &str| {
+        if !(if name == "viotrace-guest" {
+            guest
+        } else {
+            host
+        }) {
+            return Ok(given.clone());
+        }
         let src = given.clone().map_or_else(build, Ok)?;
         let dst = dir.join(name);
         fs::copy(&src, &dst).with_context(|| format!("copy {} into the bench", src.display()))?;
@@ -383,7 +395,7 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
         );
     }
     let cfg = &BenchConfig {
-        vm: with_agents_built(&cfg.vm, out)?,
+        vm: with_agents_built(&cfg.vm, &cfg.conditions, out)?,
         ..cfg.clone()
     };
     let mut res = BenchResult {

@@ -357,7 +357,8 @@ fn the_bench_runs_one_copy_of_each_agent() {
         host_bin: Some(h),
         ..VmConfig::default()
     };
-    let built = with_agents_built(&vm, &out).unwrap();
+    let all: Vec<String> = CONDITIONS.iter().map(|c| c.to_string()).collect();
+    let built = with_agents_built(&vm, &all, &out).unwrap();
     let gb = built.guest_bin.clone().unwrap();
     assert_eq!(gb, out.join("bin/viotrace-guest"));
     assert_eq!(fs::read(&gb).unwrap(), b"guest build");
@@ -373,5 +374,11 @@ fn the_bench_runs_one_copy_of_each_agent() {
         guest_bin: Some(tmp.path().join("missing")),
         ..vm
     };
-    assert!(with_agents_built(&bad, &out).is_err());
+    assert!(with_agents_built(&bad, &all, &out).is_err());
+    // Only the agents the conditions run: `host` copies the host agent, not the guest's.
+    let out2 = tmp.path().join("bench2");
+    let host_only = with_agents_built(&bad, &["none".into(), "host".into()], &out2).unwrap();
+    assert_eq!(host_only.guest_bin, bad.guest_bin);
+    assert_eq!(host_only.host_bin, Some(out2.join("bin/viotrace-host")));
+    assert!(!out2.join("bin/viotrace-guest").exists());
 }

@@ -37,15 +37,18 @@ impl JoinEngine {
         let timeout = self.cfg.timeout_ns;
         loop {
             let (own, other) = S::split(&mut self.sides);
-            // No entry is due before the earliest one, live or stale: most
-            // calls end here without reading a pending record.
+            // Nothing is due before the earliest entry, live or not (records
+            // leaving drop the stale ones at the front): most calls end here.
             if !own.due(vid) {
                 break;
             }
             let Some((deadline, id)) = own.next_deadline(vid) else {
                 break;
             };
-            let own_done = own.vm(vid).now.is_some_and(|n| n >= deadline);
+            // (the earliest live entry may be later than the stale one seen)
+            if own.vm(vid).now.is_none_or(|n| n < deadline) {
+                break;
+            }
             let o = other.vm(vid);
             let other_done = match o.now {
                 None => true,
@@ -58,7 +61,7 @@ impl JoinEngine {
                     now >= at.saturating_add(timeout)
                 }
             };
-            if !(own_done && other_done) {
+            if !other_done {
                 break;
             }
             if !self.vms[vid as usize].deferred.is_empty() {

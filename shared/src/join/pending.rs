@@ -358,18 +358,49 @@ impl<S: Side> PendingSet<S> {
 
     /// Removes a live record from the set and its indexes.
     pub fn remove(&mut self, id: u32, headless: bool) -> Option<Pending<S::Rec>> {
-        self.unindex(id, headless)?;
-        self.slab.remove(id)
+        let vm = self.unindex(id, headless)?;
+        let p = self.slab.remove(id);
+        self.drop_stale_deadlines(vm);
+        p
     }
 
     /// Removes a live record and drops it in place (its output was built
     /// from it where it was); whether it was live.
     pub fn discard(&mut self, id: u32, headless: bool) -> bool {
-        self.unindex(id, headless).is_some() && self.slab.discard(id)
+        let Some(vm) = self.unindex(id, headless) else {
+            return false;
+        };
+        let done = self.slab.discard(id);
+        self.drop_stale_deadlines(vm);
+        done
     }
 
-    /// Takes a live record out of its VM's count and its indexes.
-    fn unindex(&mut self, id: u32, headless: bool) -> Option<()> {
+    /// Drops the expiry entries at the front of a VM's order whose records
+    /// have left (the slab's generations tell, not the records): records
+    /// mostly leave in the order they came, so the order stays about as long
+    /// as the VM's pending set, and its front is live when expiry looks.
+    fn drop_stale_deadlines(&mut self, vm: u32) {
+        let v = &mut self.vms[vm as usize];
+        while let Some((_, id, gen)) = v.deadlines.peek() {
+            if self.slab.live(id, gen) {
+                break;
+            }
+            v.deadlines.pop();
+        }
+    }
+
+    /// Whether the earliest expiry entry of a VM (live or not) is due on this
+    /// side's own clock: when it is not, no live entry is either.
+    pub fn due(&self, vm: u32) -> bool {
+        let v = &self.vms[vm as usize];
+        match (v.deadlines.peek(), v.now) {
+            (Some((deadline, _, _)), Some(now)) => now >= deadline,
+            _ => false,
+        }
+    }
+
+    /// Takes a live record out of its VM's count and its indexes; its VM.
+    fn unindex(&mut self, id: u32, headless: bool) -> Option<u32> {
         let p = self.slab.get(id)?;
         let (vm, sector) = (p.vm, S::sector(&p.rec));
         let key = S::queue_head(&p.rec).map(|qh| head_key(vm, qh));
@@ -387,14 +418,14 @@ impl<S: Side> PendingSet<S> {
                 }
             }
         }
-        Some(())
+        Some(vm)
     }
 
     /// Indexes every pending record of `vm` by sector (the VM turned out to
     /// have guest records without a head).
     pub fn index_by_sector(&mut self, vm: u32) {
         for (id, s) in self.slab.items.iter().enumerate() {
-            if let Some(p) = s.val.as_ref().filter(|p| p.vm == vm) {
+            if let Some(p) = s.as_ref().filter(|p| p.vm == vm) {
                 let slab = &self.slab;
                 insert_sorted(
                     self.by_sector.entry((vm, S::sector(&p.rec))).or_default(),
@@ -402,16 +433,6 @@ impl<S: Side> PendingSet<S> {
                     |x| slab.get(x).map(|p| S::sort_key(&p.t)),
                 );
             }
-        }
-    }
-
-    /// Whether the earliest expiry entry of a VM (live or not) is due on this
-    /// side's own clock: when it is not, no live entry is either.
-    pub fn due(&self, vm: u32) -> bool {
-        let v = &self.vms[vm as usize];
-        match (v.deadlines.peek(), v.now) {
-            (Some((deadline, _, _)), Some(now)) => now >= deadline,
-            _ => false,
         }
     }
 
@@ -470,14 +491,13 @@ fn insert_sorted(l: &mut VecDeque<u32>, id: u32, key_of: impl Fn(u32) -> Option<
     l.insert(pos, id);
 }
 
-struct Slot<T> {
-    gen: u32,
-    val: Option<T>,
-}
-
-/// A slab with generations: `(id, gen)` names one record even after its id is reused.
+/// A slab with generations: `(id, gen)` names one record even after its id is
+/// reused. The generations are kept apart from the records, odd while the slot
+/// holds one: whether an expiry entry is still live is read from this compact
+/// array, not from the record (most entries are of records already joined).
 struct Slab<T> {
-    items: Vec<Slot<T>>,
+    items: Vec<Option<T>>,
+    gens: Vec<u32>,
     free: Vec<u32>,
     len: usize,
 }
@@ -486,6 +506,7 @@ impl<T> Slab<T> {
     fn new() -> Self {
         Slab {
             items: Vec::new(),
+            gens: Vec::new(),
             free: Vec::new(),
             len: 0,
         }
@@ -493,43 +514,44 @@ impl<T> Slab<T> {
     fn insert(&mut self, v: T) -> (u32, u32) {
         self.len += 1;
         if let Some(id) = self.free.pop() {
-            let s = &mut self.items[id as usize];
-            s.gen = s.gen.wrapping_add(1);
-            s.val = Some(v);
-            (id, s.gen)
+            let g = &mut self.gens[id as usize];
+            *g = g.wrapping_add(1);
+            self.items[id as usize] = Some(v);
+            (id, *g)
         } else {
-            self.items.push(Slot {
-                gen: 0,
-                val: Some(v),
-            });
-            ((self.items.len() - 1) as u32, 0)
+            self.items.push(Some(v));
+            self.gens.push(1);
+            ((self.items.len() - 1) as u32, 1)
         }
     }
     fn get(&self, id: u32) -> Option<&T> {
-        self.items.get(id as usize).and_then(|s| s.val.as_ref())
+        self.items.get(id as usize).and_then(Option::as_ref)
     }
     fn get_mut(&mut self, id: u32) -> Option<&mut T> {
-        self.items.get_mut(id as usize).and_then(|s| s.val.as_mut())
+        self.items.get_mut(id as usize).and_then(Option::as_mut)
     }
+    /// Whether `id` still holds the record given `gen` (odd) when inserted.
     fn live(&self, id: u32, gen: u32) -> bool {
-        self.items
-            .get(id as usize)
-            .is_some_and(|s| s.gen == gen && s.val.is_some())
+        self.gens.get(id as usize) == Some(&gen)
     }
     fn remove(&mut self, id: u32) -> Option<T> {
-        let v = self.items.get_mut(id as usize)?.val.take()?;
-        self.free.push(id);
-        self.len -= 1;
+        let v = self.items.get_mut(id as usize)?.take()?;
+        self.freed(id);
         Some(v)
     }
     /// [`remove`](Self::remove) without moving the value out.
     fn discard(&mut self, id: u32) -> bool {
-        let Some(s) = self.items.get_mut(id as usize).filter(|s| s.val.is_some()) else {
+        let Some(s) = self.items.get_mut(id as usize).filter(|s| s.is_some()) else {
             return false;
         };
-        s.val = None;
+        *s = None;
+        self.freed(id);
+        true
+    }
+    fn freed(&mut self, id: u32) {
+        let g = &mut self.gens[id as usize];
+        *g = g.wrapping_add(1);
         self.free.push(id);
         self.len -= 1;
-        true
     }
 }

@@ -481,3 +481,34 @@ fn emitted_views_agree_with_their_records() {
     assert!(plain.iter().any(|j| !j.joined && j.disk.is_some()));
     assert!(plain.iter().any(|j| !j.joined && j.disk.is_none()));
 }
+
+/// Records joined in the order they came drop their stale expiry entries as
+/// they leave: a VM's expiry order stays about as long as its pending set
+/// (not every record of the last `timeout_ns`), on both sides.
+#[test]
+fn expiry_orders_stay_about_as_long_as_the_pending_sets() {
+    let s = generate(&SynthConfig {
+        requests: 20_000,
+        ..SynthConfig::default()
+    });
+    let mut e = JoinEngine::default();
+    let mut out = Vec::new();
+    let (mut longest, mut most_pending) = (0, 0);
+    for ev in interleave(&s, 20_000_000, 0, 1) {
+        match ev {
+            Event::Guest(g) => e.push_guest("vm0", g, &mut out),
+            Event::Host(h) => e.push_host(h, &mut out),
+            Event::Probe(t1, t2, t3, t4) => {
+                e.clock("vm0").add_guest_probe(t1, t2, t3, t4).unwrap();
+            }
+        }
+        let (g, h) = (e.sides.guest.vm(0), e.sides.host.vm(0));
+        longest = longest.max(g.deadlines.len()).max(h.deadlines.len());
+        most_pending = most_pending.max(g.pending).max(h.pending);
+    }
+    assert_eq!(e.stats().joined, 20_000);
+    assert!(
+        longest <= 2 * most_pending + 64,
+        "an expiry order reached {longest} entries, the pending sets {most_pending}"
+    );
+}

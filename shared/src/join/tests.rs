@@ -6,16 +6,21 @@ use std::collections::HashMap;
 pub(super) fn run(engine: &mut JoinEngine, vm: &str, events: Vec<Event>) -> Vec<JoinedIo> {
     let mut out = Vec::new();
     for e in events {
-        match e {
-            Event::Guest(g) => engine.push_guest(vm, g, &mut out),
-            Event::Host(h) => engine.push_host(h, &mut out),
-            Event::Probe(t1, t2, t3, t4) => {
-                engine.clock(vm).add_guest_probe(t1, t2, t3, t4).unwrap();
-            }
-        }
+        push_event(engine, vm, e, &mut out);
     }
     engine.flush(&mut out);
     out
+}
+
+/// Hands one synthetic event to the engine.
+fn push_event(engine: &mut JoinEngine, vm: &str, e: Event, out: &mut Vec<JoinedIo>) {
+    match e {
+        Event::Guest(g) => engine.push_guest(vm, g, out),
+        Event::Host(h) => engine.push_host(h, out),
+        Event::Probe(t1, t2, t3, t4) => {
+            engine.clock(vm).add_guest_probe(t1, t2, t3, t4).unwrap();
+        }
+    }
 }
 
 /// Every guest request joined with its own host element; timestamps mapped
@@ -495,13 +500,7 @@ fn expiry_orders_stay_about_as_long_as_the_pending_sets() {
     let mut out = Vec::new();
     let (mut longest, mut most_pending) = (0, 0);
     for ev in interleave(&s, 20_000_000, 0, 1) {
-        match ev {
-            Event::Guest(g) => e.push_guest("vm0", g, &mut out),
-            Event::Host(h) => e.push_host(h, &mut out),
-            Event::Probe(t1, t2, t3, t4) => {
-                e.clock("vm0").add_guest_probe(t1, t2, t3, t4).unwrap();
-            }
-        }
+        push_event(&mut e, "vm0", ev, &mut out);
         let (g, h) = (e.sides.guest.vm(0), e.sides.host.vm(0));
         longest = longest.max(g.deadlines.len()).max(h.deadlines.len());
         most_pending = most_pending.max(g.pending).max(h.pending);

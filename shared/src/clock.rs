@@ -620,48 +620,45 @@ fn compute_fit(buckets: &VecDeque<Bucket>, cfg: &ClockConfig) -> Option<Fit> {
         };
     }
     let e = fp[smin[0]].1;
-    Some(
-        Fit {
-            g_ref,
-            a,
-            b,
-            base,
-            e,
-            used: sel.len(),
-            best_half_rtt: best,
-            prior_slope: max_drift + b.abs(),
-            after: [[0; 3]; 2],
-            before: [[0; 3]; 2],
-            pts: fp,
-            pmin,
-            smin,
-        }
-        .with_extrapolation(),
-    )
+    let (after, before) = extrapolation_partners(&fp, &pmin, &smin);
+    Some(Fit {
+        g_ref,
+        a,
+        b,
+        base,
+        e,
+        used: sel.len(),
+        best_half_rtt: best,
+        prior_slope: max_drift + b.abs(),
+        after,
+        before,
+        pts: fp,
+        pmin,
+        smin,
+    })
 }
 
-impl Fit {
-    /// Chooses the samples that bound extrapolation: after the last point,
-    /// the last sample and the one of least error, each with the first
-    /// sample and the least-error one of its first half; before the first,
-    /// symmetrically.
-    fn with_extrapolation(mut self) -> Fit {
-        let (p, n) = (&self.pts, self.pts.len());
-        let after_partners = |b: usize| {
-            let half = p[b].0 - (p[b].0 - p[0].0) / 2.0;
-            let k = p.partition_point(|q| q.0 <= half).max(1) - 1;
-            [b, 0, self.pmin[k]]
-        };
-        let before_partners = |b: usize| {
-            let half = p[b].0 + (p[n - 1].0 - p[b].0) / 2.0;
-            let k = p.partition_point(|q| q.0 < half).min(n - 1);
-            [b, n - 1, self.smin[k]]
-        };
-        let after = [n - 1, self.smin[0]].map(after_partners);
-        let before = [0, self.pmin[n - 1]].map(before_partners);
-        (self.after, self.before) = (after, before);
-        self
-    }
+/// The samples that bound extrapolation (see [`Fit::bound`]): after the last
+/// point, the last sample and the one of least error, each with the first
+/// sample and the least-error one of its first half; before the first,
+/// symmetrically. Each entry is `[end, partner, partner]`.
+fn extrapolation_partners(
+    p: &[(f64, f64)],
+    pmin: &[usize],
+    smin: &[usize],
+) -> ([[usize; 3]; 2], [[usize; 3]; 2]) {
+    let n = p.len();
+    let after = |b: usize| {
+        let half = p[b].0 - (p[b].0 - p[0].0) / 2.0;
+        let k = p.partition_point(|q| q.0 <= half).max(1) - 1;
+        [b, 0, pmin[k]]
+    };
+    let before = |b: usize| {
+        let half = p[b].0 + (p[n - 1].0 - p[b].0) / 2.0;
+        let k = p.partition_point(|q| q.0 < half).min(n - 1);
+        [b, n - 1, smin[k]]
+    };
+    ([n - 1, smin[0]].map(after), [0, pmin[n - 1]].map(before))
 }
 
 /// One record's own causal bounds on the offset: `lo ≤ θ ≤ hi` (either may be absent).

@@ -360,13 +360,8 @@ fn with_agents_built(vm: &VmConfig, conditions: &[String], out: &Path) -> Result
     let runs = |side: fn(Agents) -> bool| {
         (conditions.iter()).any(|c| side(condition_vm(c, vm, false, 1).agents))
     };
-    let (guest, host) = (runs(Agents::guest), runs(Agents::host));
-    let keep = |given: &Option<PathBuf>, build: fn() -> Result<PathBuf>, name: &str| {
-        if !(if name == "viotrace-guest" {
-            guest
-        } else {
-            host
-        }) {
+    let keep = |needed: bool, given: &Option<PathBuf>, build: fn() -> Result<PathBuf>, name| {
+        if !needed {
             return Ok(given.clone());
         }
         let src = given.clone().map_or_else(build, Ok)?;
@@ -375,8 +370,18 @@ fn with_agents_built(vm: &VmConfig, conditions: &[String], out: &Path) -> Result
         Ok::<_, anyhow::Error>(Some(dst))
     };
     Ok(VmConfig {
-        guest_bin: keep(&vm.guest_bin, assets::guest_agent_binary, "viotrace-guest")?,
-        host_bin: keep(&vm.host_bin, assets::host_agent_binary, "viotrace-host")?,
+        guest_bin: keep(
+            runs(Agents::guest),
+            &vm.guest_bin,
+            assets::guest_agent_binary,
+            "viotrace-guest",
+        )?,
+        host_bin: keep(
+            runs(Agents::host),
+            &vm.host_bin,
+            assets::host_agent_binary,
+            "viotrace-host",
+        )?,
         ..vm.clone()
     })
 }

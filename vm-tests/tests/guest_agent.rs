@@ -470,6 +470,7 @@ fn check_kernel_mode(
     // Kprobe hits and program runs the kernel skipped (counted where it can tell: 6.7+ and
     // 5.12+) bound the records that may lack a point; elsewhere 1 %.
     let c = stats.counters.clone().unwrap_or_default();
+    let runs_lost = c.get("bpf_runs_lost").copied().unwrap_or(0) as usize;
     let lost = c
         .get("kprobe_hits_lost")
         .zip(c.get("bpf_runs_lost"))
@@ -490,7 +491,6 @@ fn check_kernel_mode(
             // Program runs the kernel skipped (one would have nested in another on the
             // same CPU) are counted (bpf_runs_lost, 7.x): a record may lack a point only
             // if such a skipped run accounts for it (seen: 2 of 670 without g.bio_queue).
-            let runs_lost = c.get("bpf_runs_lost").copied().unwrap_or(0) as usize;
             let need = need.min(rqs.len().saturating_sub(runs_lost));
             assert!(n >= need, "{p} in {n} of {} records", rqs.len());
         }
@@ -507,7 +507,6 @@ fn check_kernel_mode(
         .filter(|v| v.syscall == "io_uring_enter")
         .collect();
     // (a skipped program run, counted, may cost one)
-    let runs_lost = c.get("bpf_runs_lost").copied().unwrap_or(0) as usize;
     assert!(
         uring.len() <= 20 && uring.len() + runs_lost >= 20,
         "io_uring_enter records with requests: {} ({runs_lost} skipped runs)",

@@ -386,9 +386,14 @@ fn main() -> Result<()> {
     if let Some((w, on_stdout)) = capture {
         sink.borrow_mut().set_capture(w, on_stdout);
     }
+    let mut decoder = raw::Decoder::new();
+    decoder.off_cpu = run.off_cpu;
     let mut rb = RingBufferBuilder::new();
     rb.add(&run.skel.maps.events, |data: &[u8]| {
-        sink.borrow_mut().handle(data);
+        match decoder.decode(data) {
+            Ok(rec) => sink.borrow_mut().handle(rec),
+            Err(e) => sink.borrow_mut().bad_record(&e),
+        }
         0
     })
     .context("ring buffer")?;

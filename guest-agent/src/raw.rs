@@ -102,27 +102,40 @@ fn cast<T: RawRecord>(b: &[u8]) -> Result<T, DecodeError> {
 
 /// NUL-terminated string in a fixed-size `char` field (lossy UTF-8).
 fn cstr(f: &[i8]) -> Name {
-    // (task names are 16 bytes: inline, no allocation)
-    let mut b = [0u8; 64];
-    let mut n = 0;
-    for (d, &c) in b.iter_mut().zip(f) {
-        if c == 0 {
-            break;
-        }
-        *d = c as u8;
-        n += 1;
-    }
-    match std::str::from_utf8(&b[..n]) {
-        Ok(s) => Name::new(s),
-        Err(_) => Name::from_utf8_lossy(&b[..n]),
-    }
+    let mut n = Name::default();
+    set_cstr(&mut n, f);
+    n
 }
 
-/// A decoded record.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Record {
-    Rq(Box<GuestRq>),
-    Io(Box<GuestIo>),
+/// Sets `dst` to the NUL-terminated string in `f` (lossy UTF-8), unless it
+/// already holds it: a task's records come in runs, and the comparison is
+/// cheaper than building the name again.
+fn set_cstr(dst: &mut Name, f: &[i8]) {
+    let n = f.iter().position(|&c| c == 0).unwrap_or(f.len());
+    let f = &f[..n];
+    let same = dst.len() == n && dst.as_bytes().iter().zip(f).all(|(&a, &b)| a == b as u8);
+    if same {
+        return;
+    }
+    // (task names are 16 bytes: inline, no allocation)
+    let mut b = [0u8; 64];
+    let n = n.min(b.len());
+    for (d, &c) in b.iter_mut().zip(f) {
+        *d = c as u8;
+    }
+    let b = &b[..n];
+    *dst = match std::str::from_utf8(b) {
+        Ok(s) => Name::new(s),
+        Err(_) => Name::from_utf8_lossy(b),
+    };
+}
+
+/// A decoded record, borrowed from its [`Decoder`]: the next record decoded
+/// overwrites it.
+#[derive(Debug, PartialEq)]
+pub enum Record<'a> {
+    Rq(&'a GuestRq),
+    Io(&'a mut GuestIo),
 }
 
 /// Decodes records; remembers `dev_t → disk name` to name syscall references.
@@ -134,6 +147,14 @@ pub struct Decoder {
     last_disk: Option<(u32, Name)>,
     /// The point of each `ts[]` slot of a request record (from `C_POINTS`).
     slots: Vec<Option<Point>>,
+    /// The last record of each kind: decoding fills it in place (no
+    /// allocation, no move of the record per decode).
+    rq: GuestRq,
+    io: GuestIo,
+    /// Whose names `rq.disk` and `io.syscall` hold (a disk's name, once
+    /// found, does not change).
+    rq_dev: Option<u32>,
+    io_nr: Option<u32>,
 }
 
 /// The point of each slot of the C side's `ts[]` array, matched by name.
@@ -158,6 +179,43 @@ impl Decoder {
             disks: HashMap::new(),
             last_disk: None,
             slots: point_slots(),
+            rq: GuestRq {
+                disk: Name::default(),
+                time: None,
+                op: Op::Read,
+                sector: 0,
+                bytes: 0,
+                queue: None,
+                head: None,
+                pid: 0,
+                tid: 0,
+                comm: Name::default(),
+                cgroup_id: 0,
+                inode: 0,
+                file_offset: None,
+                kicked: None,
+                bios: 0,
+                error: 0,
+                ts: Points::new(),
+            },
+            io: GuestIo {
+                syscall: Name::default(),
+                time: None,
+                pid: 0,
+                tid: 0,
+                comm: Name::default(),
+                cgroup_id: 0,
+                inode: 0,
+                file_offset: None,
+                bytes: 0,
+                ret: 0,
+                requests: Default::default(),
+                ts: Points::new(),
+                off_cpu: None,
+                cause: None,
+            },
+            rq_dev: None,
+            io_nr: None,
         }
     }
 
@@ -192,7 +250,8 @@ impl Decoder {
         name
     }
 
-    pub fn decode(&mut self, b: &[u8]) -> Result<Record, DecodeError> {
+    /// Decodes one ring-buffer record into the decoder's record of its kind.
+    pub fn decode(&mut self, b: &[u8]) -> Result<Record<'_>, DecodeError> {
         if b.len() < 4 {
             return Err(DecodeError::Short {
                 got: b.len(),
@@ -200,103 +259,102 @@ impl Decoder {
             });
         }
         match u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) {
-            K_RQ => self.decode_rq(b).map(|r| Record::Rq(Box::new(r))),
-            K_IO => self.decode_io(b).map(|r| Record::Io(Box::new(r))),
+            K_RQ => {
+                self.decode_rq(&cast(b)?);
+                Ok(Record::Rq(&self.rq))
+            }
+            K_IO => {
+                self.decode_io(&cast(b)?);
+                Ok(Record::Io(&mut self.io))
+            }
             k => Err(DecodeError::Kind(k)),
         }
     }
 
-    fn decode_rq(&mut self, b: &[u8]) -> Result<GuestRq, DecodeError> {
-        let r: vt_rq_event = cast(b)?;
+    fn decode_rq(&mut self, r: &vt_rq_event) {
         let mut ts = Points::new();
         for (slot, &t) in r.ts.iter().enumerate() {
             if let Some(Some(p)) = self.slots.get(slot) {
                 ts.set_nonzero(*p, t);
             }
         }
-        let disk = self.disk_name(r.dev);
+        if self.rq_dev != Some(r.dev) {
+            self.rq.disk = self.disk_name(r.dev);
+            self.rq_dev = Some(r.dev);
+        }
         let op = Op::from_linux_req_op(r.cmd_flags);
-        Ok(GuestRq {
-            time: viotrace_shared::walltime::of_points(&ts),
-            disk,
-            op,
-            // A flush has no position (the kernel keeps -1); virtio sends 0.
-            sector: if op == Op::Flush { 0 } else { r.sector },
-            bytes: r.bytes,
-            queue: (r.has_queue != 0).then_some(r.queue),
-            head: (r.has_head != 0).then_some(r.head),
-            pid: r.pid,
-            tid: r.tid,
-            comm: cstr(&r.comm),
-            cgroup_id: r.cgroup_id,
-            inode: r.inode,
-            file_offset: (r.has_file_offset != 0).then_some(r.file_offset),
-            kicked: kicked(r.kicked),
-            bios: r.bios,
-            error: blk_status_errno(r.status),
-            ts,
-        })
+        let q = &mut self.rq;
+        q.time = viotrace_shared::walltime::of_points(&ts);
+        q.op = op;
+        // A flush has no position (the kernel keeps -1); virtio sends 0.
+        q.sector = if op == Op::Flush { 0 } else { r.sector };
+        q.bytes = r.bytes;
+        q.queue = (r.has_queue != 0).then_some(r.queue);
+        q.head = (r.has_head != 0).then_some(r.head);
+        q.pid = r.pid;
+        q.tid = r.tid;
+        set_cstr(&mut q.comm, &r.comm);
+        q.cgroup_id = r.cgroup_id;
+        q.inode = r.inode;
+        q.file_offset = (r.has_file_offset != 0).then_some(r.file_offset);
+        q.kicked = kicked(r.kicked);
+        q.bios = r.bios;
+        q.error = blk_status_errno(r.status);
+        q.ts = ts;
     }
 
-    fn decode_io(&mut self, b: &[u8]) -> Result<GuestIo, DecodeError> {
-        let r: vt_io_event = cast(b)?;
+    fn decode_io(&mut self, r: &vt_io_event) {
         let mut ts = Points::new();
         ts.set_nonzero(Point::SyscallEnter, r.enter_ts);
         ts.set_nonzero(Point::SyscallExit, r.exit_ts);
         let nrefs = (r.nrefs as usize).min(MAX_REFS);
-        let requests = r.refs[..nrefs]
-            .iter()
-            .map(|f| RqRef {
+        let mut requests = std::mem::take(&mut self.io.requests);
+        requests.clear();
+        for f in &r.refs[..nrefs] {
+            requests.push(RqRef {
                 disk: self.disk_name(f.dev),
                 sector: f.sector,
                 bytes: f.bytes,
-            })
-            .collect();
-        Ok(GuestIo {
-            time: viotrace_shared::walltime::of_points(&ts),
-            syscall: syscall_name(r.nr),
-            pid: r.pid,
-            tid: r.tid,
-            comm: cstr(&r.comm),
-            cgroup_id: r.cgroup_id,
-            inode: r.inode,
-            file_offset: (r.has_file_offset != 0).then_some(r.file_offset),
-            bytes: r.bytes,
-            ret: r.ret,
-            requests,
-            ts,
-            off_cpu: self.off_cpu.then(|| OffCpu {
-                runnable_ns: r.runq_ns,
-                blocked_ns: r.blocked_ns,
-                holder: (r.holder_pid != 0 || r.holder_comm[0] != 0)
-                    .then(|| format!("pid {} {}", r.holder_pid, cstr(&r.holder_comm))),
-            }),
-            cause: None,
-        })
+            });
+        }
+        let off_cpu = self.off_cpu.then(|| OffCpu {
+            runnable_ns: r.runq_ns,
+            blocked_ns: r.blocked_ns,
+            holder: (r.holder_pid != 0 || r.holder_comm[0] != 0)
+                .then(|| format!("pid {} {}", r.holder_pid, cstr(&r.holder_comm))),
+        });
+        let io = &mut self.io;
+        io.time = viotrace_shared::walltime::of_points(&ts);
+        if self.io_nr != Some(r.nr) {
+            io.syscall = syscall_name(r.nr);
+            self.io_nr = Some(r.nr);
+        }
+        io.pid = r.pid;
+        io.tid = r.tid;
+        set_cstr(&mut io.comm, &r.comm);
+        io.cgroup_id = r.cgroup_id;
+        io.inode = r.inode;
+        io.file_offset = (r.has_file_offset != 0).then_some(r.file_offset);
+        io.bytes = r.bytes;
+        io.ret = r.ret;
+        io.requests = requests;
+        io.ts = ts;
+        io.off_cpu = off_cpu;
+        io.cause = None;
     }
 }
 
+/// Raw ring-buffer records as the BPF side writes them, for tests.
 #[cfg(test)]
-mod tests {
+pub(crate) mod samples {
     use super::*;
 
-    #[test]
-    fn every_c_point_slot_names_a_guest_point() {
-        let slots = point_slots();
-        assert_eq!(slots.iter().flatten().count(), C_POINTS.len());
-        let guest_points = Point::ALL
-            .iter()
-            .filter(|p| p.name().starts_with("g."))
-            .count();
-        assert_eq!(C_POINTS.len(), guest_points, "{C_POINTS:?}");
-        assert_eq!((K_RQ, K_IO), (1, 2));
-    }
-
-    fn put(b: &mut [u8], o: usize, v: &[u8]) {
+    pub(crate) fn put(b: &mut [u8], o: usize, v: &[u8]) {
         b[o..o + v.len()].copy_from_slice(v);
     }
 
-    fn raw_rq() -> Vec<u8> {
+    /// A request record: vdb (253:16), a sync write of 4 KiB at sector 2048.
+    pub(crate) fn raw_rq() -> Vec<u8> {
         let mut b = vec![0u8; RQ_SIZE];
         put(&mut b, 0, &K_RQ.to_ne_bytes());
         put(&mut b, 4, &((253u32 << 20) | 16).to_ne_bytes());
@@ -325,6 +383,48 @@ mod tests {
         b[167] = 1; // has_file_offset
         put(&mut b, 168, b"fio\0");
         b
+    }
+
+    /// A syscall record: fio's pwrite64 of 4 KiB, one request on vdb (253:16).
+    pub(crate) fn raw_io() -> Vec<u8> {
+        let mut b = vec![0u8; IO_SIZE];
+        put(&mut b, 0, &K_IO.to_ne_bytes());
+        put(&mut b, 4, &18u32.to_ne_bytes()); // pwrite64
+        put(&mut b, 8, &500u64.to_ne_bytes());
+        put(&mut b, 16, &9500u64.to_ne_bytes());
+        put(&mut b, 24, &4096i64.to_ne_bytes());
+        put(&mut b, 32, &4096u64.to_ne_bytes());
+        put(&mut b, 40, &12u64.to_ne_bytes());
+        put(&mut b, 48, &8192u64.to_ne_bytes());
+        put(&mut b, 56, &77u64.to_ne_bytes());
+        put(&mut b, 64, &100u32.to_ne_bytes());
+        put(&mut b, 68, &101u32.to_ne_bytes());
+        put(&mut b, 72, &1u32.to_ne_bytes());
+        put(&mut b, 76, &3u32.to_ne_bytes());
+        b[80] = 1;
+        put(&mut b, 88, b"fio\0");
+        put(&mut b, 104, &2048u64.to_ne_bytes());
+        put(&mut b, 112, &((253u32 << 20) | 16).to_ne_bytes());
+        put(&mut b, 116, &4096u32.to_ne_bytes());
+        b
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::samples::*;
+    use super::*;
+
+    #[test]
+    fn every_c_point_slot_names_a_guest_point() {
+        let slots = point_slots();
+        assert_eq!(slots.iter().flatten().count(), C_POINTS.len());
+        let guest_points = Point::ALL
+            .iter()
+            .filter(|p| p.name().starts_with("g."))
+            .count();
+        assert_eq!(C_POINTS.len(), guest_points, "{C_POINTS:?}");
+        assert_eq!((K_RQ, K_IO), (1, 2));
     }
 
     fn decoder() -> Decoder {
@@ -363,7 +463,11 @@ mod tests {
         b[166] = 0;
         b[167] = 0;
         put(&mut b, 156, &10u32.to_ne_bytes()); // BLK_STS_IOERR
-        let Record::Rq(r) = Decoder::new().decode(&b).unwrap() else {
+        put(&mut b, 168, b"kworker/0:1\0");
+        // After a record that had them all: nothing of it stays.
+        let mut d = decoder();
+        assert!(matches!(d.decode(&raw_rq()), Ok(Record::Rq(_))));
+        let Record::Rq(r) = d.decode(&b).unwrap() else {
             panic!()
         };
         assert_eq!(
@@ -371,6 +475,7 @@ mod tests {
             (None, None, None, None)
         );
         assert_eq!(r.error, -5);
+        assert_eq!(r.comm, "kworker/0:1");
     }
 
     #[test]
@@ -378,7 +483,8 @@ mod tests {
         let mut b = raw_rq();
         put(&mut b, 140, &2u32.to_ne_bytes());
         put(&mut b, 104, &u64::MAX.to_ne_bytes());
-        let Record::Rq(r) = Decoder::new().decode(&b).unwrap() else {
+        let mut d = Decoder::new();
+        let Record::Rq(r) = d.decode(&b).unwrap() else {
             panic!()
         };
         assert_eq!((r.op, r.sector), (Op::Flush, 0));
@@ -401,25 +507,7 @@ mod tests {
     #[test]
     fn decodes_syscall_record_and_names_refs_by_dev() {
         let mut d = decoder();
-        let mut b = vec![0u8; IO_SIZE];
-        put(&mut b, 0, &K_IO.to_ne_bytes());
-        put(&mut b, 4, &18u32.to_ne_bytes()); // pwrite64
-        put(&mut b, 8, &500u64.to_ne_bytes());
-        put(&mut b, 16, &9500u64.to_ne_bytes());
-        put(&mut b, 24, &4096i64.to_ne_bytes());
-        put(&mut b, 32, &4096u64.to_ne_bytes());
-        put(&mut b, 40, &12u64.to_ne_bytes());
-        put(&mut b, 48, &8192u64.to_ne_bytes());
-        put(&mut b, 56, &77u64.to_ne_bytes());
-        put(&mut b, 64, &100u32.to_ne_bytes());
-        put(&mut b, 68, &101u32.to_ne_bytes());
-        put(&mut b, 72, &1u32.to_ne_bytes());
-        put(&mut b, 76, &3u32.to_ne_bytes());
-        b[80] = 1;
-        put(&mut b, 88, b"fio\0");
-        put(&mut b, 104, &2048u64.to_ne_bytes());
-        put(&mut b, 112, &((253u32 << 20) | 16).to_ne_bytes());
-        put(&mut b, 116, &4096u32.to_ne_bytes());
+        let mut b = raw_io();
         let Record::Io(io) = d.decode(&b).unwrap() else {
             panic!()
         };
@@ -444,6 +532,15 @@ mod tests {
             panic!()
         };
         assert_eq!(io.ret, -5);
+        // The next syscall's record keeps nothing of this one's.
+        put(&mut b, 4, &0u32.to_ne_bytes()); // read
+        put(&mut b, 72, &0u32.to_ne_bytes()); // no request
+        put(&mut b, 88, b"dd\0");
+        let Record::Io(io) = d.decode(&b).unwrap() else {
+            panic!()
+        };
+        assert_eq!((io.syscall.as_str(), io.comm.as_str()), ("read", "dd"));
+        assert!(io.requests.is_empty());
     }
 
     #[test]

@@ -14,7 +14,7 @@ use viotrace_shared::stats::{render_waterfall, Aggregator};
 use viotrace_shared::transport::GuestSender;
 
 use crate::io_hist::Gained;
-use crate::raw::{Decoder, Record};
+use crate::raw::{DecodeError, Record};
 
 /// Label under which syscall-level latencies are aggregated.
 const SYSCALL_LABEL: &str = "syscalls";
@@ -28,7 +28,6 @@ pub struct Sink {
     blind: Vec<String>,
     blind_points: Vec<&'static str>,
     out: JsonLines<BufWriter<Stdout>>,
-    decoder: Decoder,
     interval: Aggregator,
     total: Aggregator,
     /// (disk, sector) → points of recently finished requests, and whether
@@ -133,7 +132,6 @@ impl Sink {
             blind,
             blind_points,
             out: JsonLines::new(BufWriter::with_capacity(64 * 1024, io::stdout())),
-            decoder: Decoder::new(),
             interval: Aggregator::new(),
             total: Aggregator::new(),
             recent: HashMap::new(),
@@ -156,9 +154,9 @@ impl Sink {
     }
 
     /// The off-CPU programs are loaded: syscall records carry their off-CPU
-    /// time, and with a threshold the slow ones get a verdict.
+    /// time (the decoder's `off_cpu`), and with a threshold the slow ones get
+    /// a verdict.
     pub fn set_off_cpu(&mut self, on: bool) {
-        self.decoder.off_cpu = on;
         self.verdicts = match (on, self.threshold_ns) {
             (true, Some(t)) => Some(SyscallVerdicts::new(t)),
             _ => None,
@@ -191,39 +189,37 @@ impl Sink {
         let _ = self.out.flush();
     }
 
-    /// One raw ring-buffer record.
-    pub fn handle(&mut self, data: &[u8]) {
-        let rec = match self.decoder.decode(data) {
-            Ok(r) => r,
-            Err(e) => {
-                self.decode_errors += 1;
-                if self.decode_errors <= 5 {
-                    eprintln!("viotrace-guest: bad record: {e}");
-                }
-                return;
-            }
-        };
+    /// A ring-buffer record that could not be decoded (counted, the first
+    /// few said).
+    pub fn bad_record(&mut self, e: &DecodeError) {
+        self.decode_errors += 1;
+        if self.decode_errors <= 5 {
+            eprintln!("viotrace-guest: bad record: {e}");
+        }
+    }
+
+    /// One decoded ring-buffer record.
+    pub fn handle(&mut self, rec: Record<'_>) {
         self.interval_records += 1;
-        // Each record goes to the uplink last, moved rather than copied.
         match rec {
             Record::Rq(r) => {
-                self.on_rq(&r);
+                self.on_rq(r);
                 if let Some(c) = &mut self.capture {
-                    c.push(GuestRecordRef::Rq(&r));
+                    c.push(GuestRecordRef::Rq(r));
                 }
                 if let Some(u) = &self.uplink {
-                    u.send_rq(&r);
+                    u.send_rq(r);
                 }
             }
-            Record::Io(mut io) => {
+            Record::Io(io) => {
                 if let Some(v) = self.verdicts.as_mut() {
-                    v.judge(&mut io);
+                    v.judge(io);
                 }
                 // (not streamed: the join has no use for it, and it would be
                 // half the uplink's cost)
-                self.on_io(&io);
+                self.on_io(io);
                 if let Some(c) = &mut self.capture {
-                    c.push(GuestRecordRef::Io(&io));
+                    c.push(GuestRecordRef::Io(io));
                 }
             }
         }
@@ -470,7 +466,78 @@ impl Sink {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::raw::samples::{put, raw_io, raw_rq};
+    use crate::raw::Decoder;
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    use viotrace_shared::capture::{CaptureReader, Item};
+    use viotrace_shared::proto::GuestRecord;
     use viotrace_shared::record::Op;
+
+    /// A capture target the test reads back.
+    #[derive(Clone, Default)]
+    struct Shared(Rc<RefCell<Vec<u8>>>);
+    impl Write for Shared {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            self.0.borrow_mut().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Pairs of raw records (a request, then its syscall) that differ in
+    /// their sector and times, as a run of I/Os does.
+    fn raw_pairs(n: u64) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        for i in 0..n {
+            let (mut rq, mut io) = (raw_rq(), raw_io());
+            put(&mut rq, 104, &(2048 + 8 * i).to_ne_bytes());
+            put(&mut rq, 8, &(i * 10_000 + 1).to_ne_bytes()); // first point slot
+            put(&mut io, 8, &(i * 10_000).to_ne_bytes());
+            put(&mut io, 16, &(i * 10_000 + 9_500).to_ne_bytes());
+            put(&mut io, 104, &(2048 + 8 * i).to_ne_bytes());
+            out.push(rq);
+            out.push(io);
+        }
+        out
+    }
+
+    #[test]
+    fn the_capture_holds_every_handled_record_as_decoded() {
+        let raw = raw_pairs(2_000);
+        let file = Shared::default();
+        let hello = viotrace_shared::transport::local_hello("test", None);
+        let w = CaptureWriter::new(Box::new(file.clone()) as Box<dyn Write>, &hello).unwrap();
+        let mut s = Sink::new(false, None, "fentry".into(), vec![], vec![], None);
+        s.set_capture(w, false);
+        let mut d = Decoder::new();
+        d.name_disk((253u32 << 20) | 16, "vdb");
+        for r in &raw {
+            s.handle(d.decode(r).unwrap());
+        }
+        s.flush();
+        assert_eq!((s.rqs, s.ios, s.decode_errors), (2_000, 2_000, 0));
+
+        let mut d = Decoder::new();
+        d.name_disk((253u32 << 20) | 16, "vdb");
+        let bytes = file.0.borrow().clone();
+        let mut rd = CaptureReader::new(&bytes[..]).unwrap();
+        for (i, r) in raw.iter().enumerate() {
+            let got = match rd.next() {
+                Some(Ok(Item::Record(g))) => g,
+                other => panic!("record {i}: {other:?}"),
+            };
+            let want = match d.decode(r).unwrap() {
+                Record::Rq(r) => GuestRecord::Rq(r.clone()),
+                Record::Io(io) => GuestRecord::Io(io.clone()),
+            };
+            assert_eq!(got, want, "record {i}");
+        }
+        // (no end chunk: the sink was not finished)
+        assert!(matches!(rd.next(), Some(Err(_))));
+    }
 
     #[test]
     fn json_lines_carry_kind_first_and_only_seen_points() {

@@ -291,6 +291,15 @@ impl Points {
         out.extend_from_slice(&buf[..n]);
     }
 
+    /// Appends the form as a byte string (its length first): what serde's
+    /// binary serialization of a set writes.
+    pub(crate) fn encode_wire_bytes_into(&self, out: &mut Vec<u8>) {
+        let mut buf = [0u8; WIRE_MAX];
+        let n = self.encode_wire(&mut buf);
+        varint::push(out, n as u64);
+        out.extend_from_slice(&buf[..n]);
+    }
+
     /// Reads [`Self::encode_wire`]'s form; None when malformed (an unknown
     /// point id, a truncated or overlong number, trailing bytes).
     pub(crate) fn decode_wire(mut b: &[u8]) -> Option<Points> {

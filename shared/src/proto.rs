@@ -40,6 +40,7 @@ use crate::record::{GuestIo, GuestRq};
 use crate::varint;
 
 mod batch;
+mod io_wire;
 pub mod rq;
 
 /// Wire protocol version carried in [`Hello`]/[`HelloAck`]. Bumped on any
@@ -551,8 +552,10 @@ pub fn encode_record_into(rec: &GuestRecordRef<'_>, buf: &mut Vec<u8>) -> Result
                 buf.splice(1..2, len[..k].iter().copied());
             }
         }
-        GuestRecordRef::Io(_) => {
-            *buf = postcard::to_extend(rec, std::mem::take(buf)).map_err(ProtoError::Encode)?;
+        // (postcard's variant tag, then the record as postcard writes it)
+        GuestRecordRef::Io(io) => {
+            buf.push(1);
+            io_wire::encode(io, buf).map_err(ProtoError::Encode)?;
         }
     }
     if buf.len() + BATCH_OVERHEAD > MAX_FRAME {

@@ -68,11 +68,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn name() -> impl Strategy<Value = String> {
-        prop_oneof![
-            Just(String::new()),
-            "[a-z0-9/:]{1,15}",
-            "\\PC{0,40}",
-        ]
+        prop_oneof![Just(String::new()), "[a-z0-9/:]{1,15}", "\\PC{0,40}",]
     }
 
     prop_compose! {

@@ -318,6 +318,9 @@ pub struct Aggregator {
     /// Sorted by label: one binary search finds a record's label (an agent
     /// has a few), without the map's second lookup to insert.
     labels: Vec<(String, LabelStats)>,
+    /// The index of the label used last (checked before use: records come
+    /// in runs of one label, and the check is cheaper than the search).
+    last: usize,
 }
 
 impl Aggregator {
@@ -331,6 +334,9 @@ impl Aggregator {
     }
 
     fn label_mut(&mut self, label: &str) -> &mut LabelStats {
+        if self.labels.get(self.last).is_some_and(|(l, _)| l == label) {
+            return &mut self.labels[self.last].1;
+        }
         let i = match self.position(label) {
             Ok(i) => i,
             Err(i) => {
@@ -339,6 +345,7 @@ impl Aggregator {
                 i
             }
         };
+        self.last = i;
         &mut self.labels[i].1
     }
 

@@ -160,6 +160,25 @@ fn aggregator_summarises_per_label_and_stage() {
     assert!(a.render_table("t").contains("no I/O"));
 }
 
+/// Each value lands under its own label while labels come and go: new ones
+/// sort in before the one used last, and a clear forgets them all.
+#[test]
+fn labels_keep_their_values_as_new_ones_sort_in() {
+    let mut a = Aggregator::new();
+    let order = ["vdc", "vdc", "vda", "vdc", "vdb", "vdb", "vda", "syscalls", "vdc"];
+    for (i, l) in order.iter().enumerate() {
+        a.record(l, "x", 1000 * (i as u64 + 1));
+    }
+    for l in ["vda", "vdb", "vdc", "syscalls"] {
+        let want = order.iter().filter(|&&o| o == l).count() as u64;
+        assert_eq!(a.get(l, "x").unwrap().count, want, "{l}");
+    }
+    a.clear();
+    a.record("vdz", "x", 1);
+    assert_eq!(a.get("vdz", "x").unwrap().count, 1);
+    assert!(a.get("vdc", "x").is_none());
+}
+
 #[test]
 fn table_rows_follow_path_order_with_total_last() {
     let mut a = Aggregator::new();

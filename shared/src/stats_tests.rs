@@ -165,7 +165,9 @@ fn aggregator_summarises_per_label_and_stage() {
 #[test]
 fn labels_keep_their_values_as_new_ones_sort_in() {
     let mut a = Aggregator::new();
-    let order = ["vdc", "vdc", "vda", "vdc", "vdb", "vdb", "vda", "syscalls", "vdc"];
+    let order = [
+        "vdc", "vdc", "vda", "vdc", "vdb", "vdb", "vda", "syscalls", "vdc",
+    ];
     for (i, l) in order.iter().enumerate() {
         a.record(l, "x", 1000 * (i as u64 + 1));
     }

@@ -4,13 +4,13 @@
 //! called (LTO builds inline some exported functions into their callers).
 
 use std::collections::{HashMap, HashSet};
-use std::fs;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use object::{Object, ObjectSection, ObjectSymbol, SectionKind};
 
 use super::decode::{accessor_returns, blk_field_from_calls, req_links_from_handle_vq, Returns};
+use super::elf_file::{Bin, ElfSource};
 use super::layout::{self, Basis, Layout, Version};
 use super::usdt::parse_stapsdt;
 
@@ -58,14 +58,14 @@ pub fn entry_skip(code: &[u8]) -> u64 {
 }
 
 /// [`entry_skip`] of each probe target of an x86-64 binary.
-fn entry_skips(file: &object::File, symbols: &HashMap<String, u64>) -> HashMap<String, u64> {
-    if file.architecture() != object::Architecture::X86_64 {
+fn entry_skips(bin: &Bin, symbols: &HashMap<String, u64>) -> HashMap<String, u64> {
+    if bin.elf.architecture() != object::Architecture::X86_64 {
         return HashMap::new();
     }
     PROBE_SYMBOLS
         .iter()
         .filter_map(|(s, _, _)| {
-            let code = code_at(file, *symbols.get(*s)?, ENDBR64.len())?;
+            let code = bin.code_at(*symbols.get(*s)?, ENDBR64.len())?;
             let skip = entry_skip(&code);
             (skip > 0).then(|| (s.to_string(), skip))
         })
@@ -143,11 +143,10 @@ const ACCESSOR_BYTES: usize = 64;
 
 impl BinaryInfo {
     pub fn read(path: &Path) -> Result<BinaryInfo> {
-        let data = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        let file = object::File::parse(&*data)
-            .with_context(|| format!("parsing ELF {}", path.display()))?;
+        let src = ElfSource::open(path)?;
+        let bin = src.parse(path)?;
         let mut symbols = HashMap::new();
-        for s in file.dynamic_symbols() {
+        for s in bin.elf.dynamic_symbols() {
             if s.is_definition() && s.kind() == object::SymbolKind::Text {
                 if let Ok(n) = s.name() {
                     symbols.insert(n.to_string(), s.address());
@@ -157,17 +156,20 @@ impl BinaryInfo {
         if symbols.is_empty() {
             bail!("{} exports no functions in .dynsym", path.display());
         }
-        let version = find_version(&data);
+        let version =
+            binary_version(&bin).with_context(|| format!("reading {}", path.display()))?;
         let (layout, basis) = layout::select(version.as_deref().and_then(Version::parse));
         let Confirmer {
             layout,
             confirmed,
             unconfirmed,
             corrected,
-        } = confirm_layout(&file, &symbols, layout);
-        let never_called = never_called(&file, &symbols);
-        let entry_skips = entry_skips(&file, &symbols);
-        let usdt = file
+        } = confirm_layout(&bin, &symbols, layout);
+        let never_called =
+            never_called(&bin, &symbols).with_context(|| format!("reading {}", path.display()))?;
+        let entry_skips = entry_skips(&bin, &symbols);
+        let usdt = bin
+            .elf
             .section_by_name(".note.stapsdt")
             .and_then(|s| s.data().ok())
             .map(parse_stapsdt)
@@ -288,22 +290,18 @@ impl Confirmer {
 }
 
 /// Confirms (or corrects) the offsets the binary's code reveals.
-fn confirm_layout(
-    file: &object::File,
-    symbols: &HashMap<String, u64>,
-    layout: Layout,
-) -> Confirmer {
+fn confirm_layout(bin: &Bin, symbols: &HashMap<String, u64>, layout: Layout) -> Confirmer {
     let mut c = Confirmer {
         layout,
         confirmed: Vec::new(),
         unconfirmed: Vec::new(),
         corrected: Vec::new(),
     };
-    let code = |name: &str, len| code_at(file, *symbols.get(name)?, len);
+    let code = |name: &str, len| bin.code_at(*symbols.get(name)?, len);
     // VirtIOBlock.blk from its users in virtio-blk's code: direct evidence,
     // preferred over config_notifier + 0x10 (which assumes config_notifier ends
     // VirtIODevice: not so in 11.1).
-    let users = blk_from_users(file, symbols);
+    let users = blk_from_users(bin, symbols);
     for a in CONFIRMATIONS {
         if a.accessor == "virtio_config_get_guest_notifier" && users.is_some() {
             continue;
@@ -360,24 +358,10 @@ fn confirm_layout(
     c
 }
 
-/// `len` bytes of code at `addr` (fewer at the end of its section).
-fn code_at(file: &object::File, addr: u64, len: usize) -> Option<Vec<u8>> {
-    for sec in file.sections() {
-        let (a, sz) = (sec.address(), sec.size());
-        if addr >= a && addr < a + sz {
-            let d = sec.data().ok()?;
-            let off = usize::try_from(addr - a).ok()?;
-            let end = (off + len).min(d.len());
-            return d.get(off..end).map(<[u8]>::to_vec);
-        }
-    }
-    None
-}
-
 /// VirtIOBlock.blk as virtio-blk's own functions use it: the code around
 /// virtio_blk_handle_vq (hw/block/virtio-blk.c's static functions lie next to it),
 /// from the first exported function at most 16 KiB before it to 16 KiB after it.
-fn blk_from_users(file: &object::File, symbols: &HashMap<String, u64>) -> Option<(u32, u32)> {
+fn blk_from_users(bin: &Bin, symbols: &HashMap<String, u64>) -> Option<(u32, u32)> {
     const WINDOW: u64 = 0x4000;
     let anchor = *symbols.get("virtio_blk_handle_vq")?;
     let start = symbols
@@ -385,7 +369,7 @@ fn blk_from_users(file: &object::File, symbols: &HashMap<String, u64>) -> Option
         .copied()
         .filter(|&a| a + WINDOW >= anchor && a <= anchor)
         .min()?;
-    let code = code_at(file, start, usize::try_from(anchor + WINDOW - start).ok()?)?;
+    let code = bin.code_at(start, usize::try_from(anchor + WINDOW - start).ok()?)?;
     let blk_fns: HashSet<u64> = symbols
         .iter()
         .filter(|(n, _)| n.starts_with("blk_"))
@@ -395,43 +379,44 @@ fn blk_from_users(file: &object::File, symbols: &HashMap<String, u64>) -> Option
 }
 
 /// The probe targets that nothing in the binary calls or takes the address of.
-fn never_called(file: &object::File, symbols: &HashMap<String, u64>) -> HashSet<String> {
+fn never_called(bin: &Bin, symbols: &HashMap<String, u64>) -> std::io::Result<HashSet<String>> {
     let targets: HashMap<u64, &str> = PROBE_SYMBOLS
         .iter()
         .filter_map(|(s, _, _)| Some((*symbols.get(*s)?, *s)))
         .collect();
     let mut refs: HashMap<&str, u32> = HashMap::new();
-    for sec in file.sections() {
+    for sec in bin.elf.sections() {
         if sec.kind() != SectionKind::Text {
             continue;
         }
-        if let Ok(d) = sec.data() {
-            for (name, n) in count_code_refs(d, sec.address(), &targets) {
+        // (an instruction that starts in a chunk ends in its 6-byte overlap)
+        bin.scan_section(&sec, 6, |code, addr, starts| {
+            for (name, n) in count_code_refs(code, addr, starts, &targets) {
                 *refs.entry(name).or_default() += n;
             }
-        }
+        })?;
     }
     // Function pointers in data (PIE: R_X86_64_RELATIVE addends).
-    if let Some(relocs) = file.dynamic_relocations() {
-        for (_, r) in relocs {
-            if let Some(name) = u64::try_from(r.addend()).ok().and_then(|a| targets.get(&a)) {
-                *refs.entry(name).or_default() += 1;
-            }
+    bin.dynamic_addends(|a| {
+        if let Some(name) = u64::try_from(a).ok().and_then(|a| targets.get(&a)) {
+            *refs.entry(name).or_default() += 1;
         }
-    }
-    targets
+    })?;
+    Ok(targets
         .values()
         .filter(|n| refs.get(*n).copied().unwrap_or(0) == 0)
         .map(|n| n.to_string())
-        .collect()
+        .collect())
 }
 
 /// Counts, per target, the `call rel32` / `jmp rel32` instructions and the
-/// RIP-relative `lea` (address taken) that reach it in a code section at `base`.
+/// RIP-relative `lea` (address taken) that reach it in a code section at `base`,
+/// among the instructions that start in its first `starts` bytes.
 /// A byte scan: a false hit needs an exact 32-bit displacement match.
 pub fn count_code_refs<'a>(
     code: &[u8],
     base: u64,
+    starts: usize,
     targets: &HashMap<u64, &'a str>,
 ) -> HashMap<&'a str, u32> {
     let mut out = HashMap::new();
@@ -440,7 +425,7 @@ pub fn count_code_refs<'a>(
         let d = i32::from_le_bytes(code.get(disp_at..disp_at + 4)?.try_into().ok()?);
         Some((base as i64 + end as i64 + i64::from(d)) as u64)
     };
-    for i in 0..code.len() {
+    for i in 0..starts.min(code.len()) {
         let t = match code[i] {
             // call/jmp rel32: target = next instruction + rel32
             0xe8 | 0xe9 => rel(i + 1, i + 5),
@@ -460,21 +445,50 @@ pub fn count_code_refs<'a>(
     out
 }
 
-/// `QEMU emulator version X.Y.Z …` from the binary's read-only data.
-pub fn find_version(data: &[u8]) -> Option<String> {
-    const PAT: &[u8] = b"QEMU emulator version ";
-    let pos = data.windows(PAT.len()).position(|w| w == PAT)?;
-    let rest = &data[pos + PAT.len()..];
+const VERSION_PAT: &[u8] = b"QEMU emulator version ";
+/// Bytes a version match reads past its pattern.
+const VERSION_MAX: usize = 32;
+
+/// `QEMU emulator version X.Y.Z …` in the binary's read-only data: the
+/// first `QEMU emulator version ` that starts in `data`'s first `starts`
+/// bytes, and the version after it (None: no number follows).
+fn version_match(data: &[u8], starts: usize) -> Option<(usize, Option<String>)> {
+    let pos = data
+        .windows(VERSION_PAT.len())
+        .take(starts)
+        .position(|w| w == VERSION_PAT)?;
+    let rest = &data[pos + VERSION_PAT.len()..];
     let end = rest
         .iter()
         .position(|&b| b == 0 || b == b'\n' || b == b' ')
-        .unwrap_or(rest.len().min(32));
-    let v = std::str::from_utf8(&rest[..end]).ok()?;
-    (v.chars().next()?.is_ascii_digit()).then(|| v.to_string())
+        .unwrap_or(rest.len().min(VERSION_MAX));
+    let v = std::str::from_utf8(&rest[..end]).ok();
+    let v = v.filter(|v| v.chars().next().is_some_and(|c| c.is_ascii_digit()));
+    Some((pos, v.map(str::to_string)))
+}
+
+/// The version string, from `.rodata` (where it is), else from anywhere in
+/// the file; read in chunks.
+fn binary_version(bin: &Bin) -> std::io::Result<Option<String>> {
+    fn look(found: &mut Option<Option<String>>, d: &[u8], starts: usize) {
+        if found.is_none() {
+            *found = version_match(d, starts).map(|m| m.1);
+        }
+    }
+    let overlap = VERSION_PAT.len() + VERSION_MAX;
+    let mut found = None;
+    if let Some(sec) = bin.elf.section_by_name(".rodata") {
+        bin.scan_section(&sec, overlap, |d, _, starts| look(&mut found, d, starts))?;
+    }
+    if found.is_none() {
+        bin.scan_file(overlap, |d, _, starts| look(&mut found, d, starts))?;
+    }
+    Ok(found.flatten())
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::elf_file::scan_chunks;
     use super::*;
 
     #[test]
@@ -573,11 +587,66 @@ mod tests {
         assert_eq!(c.confirmed, vec!["VirtIOBlock.blk", "VirtQueue.vdev"]);
     }
 
+    /// Scanned in chunks of any size (with the overlap the readers ask for),
+    /// code and version give what one pass over the whole range gives.
+    #[test]
+    fn chunked_scans_find_what_a_whole_pass_finds() {
+        let base = 0x40_0000u64;
+        let mut code = vec![0x90u8; 300];
+        let targets: HashMap<u64, &str> = [(0x1000, "a"), (0x2000, "b")].into();
+        for (at, t) in [
+            (0usize, 0x1000u64),
+            (63, 0x2000),
+            (68, 0x1000),
+            (200, 0x2000),
+            (295, 0x1000),
+        ] {
+            code[at] = 0xe8;
+            let d = (t as i64 - (base + at as u64 + 5) as i64) as i32;
+            code[at + 1..at + 5].copy_from_slice(&d.to_le_bytes());
+        }
+        let text = b"QEMU emulator version 10.0.3+ds-1 (Debian)";
+        code[120..120 + text.len()].copy_from_slice(text);
+        let whole = count_code_refs(&code, base, code.len(), &targets);
+        assert_eq!((whole.get("a"), whole.get("b")), (Some(&3), Some(&2)));
+        let read = |buf: &mut [u8], at: u64| {
+            buf.copy_from_slice(&code[at as usize..at as usize + buf.len()]);
+            Ok(())
+        };
+        let range = (0u64, code.len() as u64, base);
+        for chunk in [1usize, 5, 7, 31, 64, 65, 299, 300, 4096] {
+            let mut refs: HashMap<&str, u32> = HashMap::new();
+            scan_chunks(read, range, chunk, 6, |c, addr, starts| {
+                for (name, n) in count_code_refs(c, addr, starts, &targets) {
+                    *refs.entry(name).or_default() += n;
+                }
+            })
+            .unwrap();
+            assert_eq!(refs, whole, "chunks of {chunk}");
+            let mut v = None;
+            let overlap = VERSION_PAT.len() + VERSION_MAX;
+            scan_chunks(read, range, chunk, overlap, |c, _, starts| {
+                if v.is_none() {
+                    v = version_match(c, starts).map(|m| m.1);
+                }
+            })
+            .unwrap();
+            assert_eq!(
+                v.flatten().as_deref(),
+                Some("10.0.3+ds-1"),
+                "chunks of {chunk}"
+            );
+        }
+    }
+
     #[test]
     fn finds_version() {
         let d = b"xx\0QEMU emulator version 7.2.22 (Debian 1:7.2)\nCopyright";
-        assert_eq!(find_version(d).as_deref(), Some("7.2.22"));
-        assert_eq!(find_version(b"nothing"), None);
+        let find = |d: &[u8]| version_match(d, d.len()).and_then(|m| m.1);
+        assert_eq!(find(d).as_deref(), Some("7.2.22"));
+        assert_eq!(find(b"nothing"), None);
+        // The pattern without a number after it: no version.
+        assert_eq!(find(b"QEMU emulator version %s"), None);
     }
 
     /// A code range laid out at 0x1000: a call to `a`, a tail jump to `b`, a
@@ -599,14 +668,14 @@ mod tests {
         put(&mut code, 20, &[0x48, 0x8d, 0x05], 7, c); // lea rax,[rip+c]
         put(&mut code, 30, &[0x4c, 0x8d, 0x0d], 7, a); // lea r9,[rip+a]
         let targets: HashMap<u64, &str> = [(a, "a"), (b, "b"), (c, "c"), (d, "d")].into();
-        let refs = count_code_refs(&code, base, &targets);
+        let refs = count_code_refs(&code, base, code.len(), &targets);
         assert_eq!(refs.get("a"), Some(&2));
         assert_eq!(refs.get("b"), Some(&1));
         assert_eq!(refs.get("c"), Some(&1));
         assert_eq!(refs.get("d"), None);
         // Truncated instruction at the end of the range: no read past it.
         let tail = [0xe8u8, 0x00, 0x10];
-        assert!(count_code_refs(&tail, base, &targets).is_empty());
+        assert!(count_code_refs(&tail, base, tail.len(), &targets).is_empty());
     }
 }
 

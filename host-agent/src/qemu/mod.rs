@@ -7,6 +7,7 @@
 pub mod binary;
 pub mod cmdline;
 pub mod decode;
+mod elf_file;
 pub mod layout;
 pub mod proc;
 pub mod usdt;

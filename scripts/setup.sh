@@ -13,7 +13,7 @@ CMDS=(
 	clang:clang llvm-strip:llvm bpftool:bpftool bpftrace:bpftrace pkg-config:pkg-config
 	busybox:busybox-static fio:fio mkfs.ext4:e2fsprogs
 	debootstrap:debootstrap unshare:util-linux pivot_root:util-linux
-	dpkg-deb:dpkg apt-get:apt
+	dpkg-deb:dpkg apt-get:apt perf:linux-perf
 )
 # Build dependencies (libraries) and data.
 OTHER_PKGS=(libelf-dev zlib1g-dev libzstd-dev ca-certificates debian-archive-keyring)

@@ -93,6 +93,8 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> V
         guest_capture: cond == "capture",
         // (the bench reads the capture itself: its JSON is not needed)
         decode_capture: false,
+        // (the host agent's user/kernel split, sampled: see cpu_split.rs)
+        sample_host_cpu: matches!(agents, Agents::Host | Agents::Both | Agents::Apart),
         ..base.clone()
     };
     if cond == "bpftrace" {
@@ -159,8 +161,12 @@ pub struct Samples {
 pub struct Costs {
     pub guest_agent_cpu_us_per_io: Vec<f64>,
     pub host_agent_cpu_us_per_io: Vec<f64>,
-    /// Its userspace part (the run time split as the window's utime and stime ticks are).
+    /// Its userspace part: the run time split as perf's samples of the agent's
+    /// threads over the window are (`cpu_split.rs`; bench runs before 2026-11-29
+    /// morning split it as the window's utime and stime ticks were).
     pub host_agent_user_us_per_io: Vec<f64>,
+    /// The samples of that split, per round (none: split by ticks).
+    pub host_agent_cpu_samples: Vec<u64>,
     pub qemu_cpu_us_per_io: Vec<f64>,
     pub guest_agent_peak_rss_kib: Vec<u64>,
     pub host_agent_peak_rss_kib: Vec<u64>,
@@ -464,8 +470,14 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
             }
             if let Some(u) = r.metrics.host_agent {
                 c.host_agent_cpu_us_per_io.push(per_io(u.cpu_secs));
-                if let Some(share) = u.user_share {
+                // The sampled split, else the ticks' (an older run's).
+                let sampled = r.metrics.host_agent_split;
+                let share = sampled.and_then(|s| s.user_share()).or(u.user_share);
+                if let Some(share) = share {
                     c.host_agent_user_us_per_io.push(per_io(u.cpu_secs * share));
+                }
+                if let Some(s) = sampled {
+                    c.host_agent_cpu_samples.push(s.user + s.kernel);
                 }
                 c.host_agent_peak_rss_kib.push(u.peak_rss_kib);
                 c.host_agent_rss_kib.push(u.rss_kib);

@@ -173,6 +173,9 @@ pub struct VmConfig {
     /// Each vCPU thread on a host CPU of its own, everything else the run starts on the
     /// others (see `pin.rs`); the run's `pin.txt` says where. Needs more host CPUs than vCPUs.
     pub pin_vcpus: bool,
+    /// Sample the host agent's threads with perf over the workload window, for its
+    /// user/kernel split (`host-agent.perf.data`; see `cpu_split.rs`).
+    pub sample_host_cpu: bool,
     /// The guest and host agent binaries to run; `None`: built from the workspace for the
     /// run (the bench builds them once and passes them, see `bench::run`).
     pub guest_bin: Option<PathBuf>,
@@ -214,6 +217,7 @@ impl Default for VmConfig {
             guest_kernel: GuestKernel::default(),
             qemu: QemuBuild::default(),
             pin_vcpus: false,
+            sample_host_cpu: false,
             guest_bin: None,
             host_bin: None,
         }

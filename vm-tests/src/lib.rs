@@ -17,6 +17,7 @@ pub mod attack;
 pub mod bench;
 pub mod compat;
 mod config;
+pub mod cpu_split;
 pub mod host_bpf;
 pub mod host_threads;
 pub mod interfere;

@@ -168,6 +168,8 @@ impl Usage {
 pub struct RunMetrics {
     pub qemu: Option<Usage>,
     pub host_agent: Option<Usage>,
+    /// The host agent's samples by mode over the window (`sample_host_cpu`).
+    pub host_agent_split: Option<crate::cpu_split::Split>,
     pub guest_agent: Option<Usage>,
     /// The host's threads (QEMU's, the vsock backend's, the host agent's) over the window.
     pub host_threads: Option<crate::host_threads::HostThreads>,

@@ -125,6 +125,16 @@ pub(crate) fn write_summary(r: &RunResult) -> Result<()> {
             );
         }
     }
+    if let Some(u) = m
+        .host_agent_split
+        .and_then(|x| x.user_share().map(|u| (x, u)))
+    {
+        s += &format!(
+            "host agent   user mode {:.1} % of its CPU ({} perf samples)\n",
+            100.0 * u.1,
+            u.0.user + u.0.kernel
+        );
+    }
     if let Some(h) = &m.host_threads {
         if let Some(w) = h.vcpu_wait_share() {
             s += &format!(

@@ -18,6 +18,7 @@ use nix::sys::signal::Signal;
 
 use crate::assets::{self, Cpio, GuestAssets, Qemu};
 use crate::config::{Accel, Agents, DiskFormat, HostAttach, VmConfig, VsockMode};
+use crate::cpu_split;
 use crate::host_bpf::{self, StatsOn, MARK_HOST_BPF};
 use crate::host_threads::{self, HostThreads, Snapshot};
 use crate::metrics::{ProcSample, RunMetrics, Usage};
@@ -71,6 +72,10 @@ struct Console {
     host_bpf_stats: Option<StatsOn>,
     /// The workload's qemu-io commands, each with its outcome (`qemu-io.txt`).
     qemu_io: Vec<String>,
+    /// The host agent's CPU sampled over the window (`sample_host_cpu`), and
+    /// its user/kernel split once the window ended.
+    host_cpu: Option<cpu_split::Sampler>,
+    host_split: Option<cpu_split::Split>,
 }
 
 /// How the console loop ended.
@@ -221,6 +226,7 @@ impl Run<'_> {
             metrics: RunMetrics {
                 qemu: Usage::between(s_start.0, s_end.0),
                 host_agent: Usage::between(s_start.1, s_end.1),
+                host_agent_split: con.host_split,
                 guest_agent: Usage::between(
                     ProcSample::from_files(out, "guest-agent.start"),
                     ProcSample::from_files(out, "guest-agent.end"),
@@ -532,11 +538,18 @@ impl Run<'_> {
             }
             con.samples.0 = sample(con.host_agent_pid);
             con.threads.0 = threads(con);
+            if let (true, Some(pid)) = (self.cfg.sample_host_cpu, con.host_agent_pid) {
+                let data = self.out.join("host-agent.perf.data");
+                con.host_cpu = Some(cpu_split::Sampler::start(pid, &data)?);
+            }
         } else if let Some(r) = line.split_once(MARK_END) {
             con.t_end = Some(t);
             con.mono.1 = mono_at(t);
             con.samples.1 = sample(con.host_agent_pid);
             con.threads.1 = threads(con);
+            if let Some(c) = con.host_cpu.take() {
+                con.host_split = Some(c.stop()?);
+            }
             con.rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
         } else if line.contains(MARK_HOST_RESTART) {
             if let (Some(hb), Some(mut h)) = (host_bin, con.host_agent.take()) {

@@ -198,6 +198,10 @@ struct VmArgs {
     /// figures; needs more host CPUs than vCPUs).
     #[arg(long)]
     pin_vcpus: bool,
+    /// Sample the host agent's threads with perf over the workload window: its user and
+    /// kernel share (the summary's host agent line; the bench always does).
+    #[arg(long)]
+    sample_host_cpu: bool,
 }
 
 impl VmArgs {
@@ -238,6 +242,7 @@ impl VmArgs {
             guest_kernel: self.guest_kernel.clone(),
             qemu: self.qemu.clone(),
             pin_vcpus: self.pin_vcpus,
+            sample_host_cpu: self.sample_host_cpu,
             guest_bin: None,
             host_bin: None,
         })

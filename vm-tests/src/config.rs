@@ -173,8 +173,10 @@ pub struct VmConfig {
     /// Each vCPU thread on a host CPU of its own, everything else the run starts on the
     /// others (see `pin.rs`); the run's `pin.txt` says where. Needs more host CPUs than vCPUs.
     pub pin_vcpus: bool,
-    /// Sample the host agent's threads with perf over the workload window, for its
-    /// user/kernel split (`host-agent.perf.data`; see `cpu_split.rs`).
+    /// Sample the host agent's threads with perf between the workload's
+    /// `VIOTRACE-HOST-BPF-SAMPLE start` and `end` lines (the bench's accounting pass,
+    /// after the measured window), for its user/kernel split (`host-agent.perf.data`;
+    /// see `cpu_split.rs`).
     pub sample_host_cpu: bool,
     /// The guest and host agent binaries to run; `None`: built from the workspace for the
     /// run (the bench builds them once and passes them, see `bench::run`).

@@ -1,12 +1,14 @@
-//! The host agent's CPU time split into user and kernel mode, sampled over
-//! the workload window: `perf record -e task-clock -F 4999 -p PID` samples
-//! the agent's threads only while they run, and each sample's instruction
-//! pointer says the mode. The kernel's own split (utime and stime in
-//! `/proc/PID/stat`) comes from scheduler ticks: over a bench window the
-//! joined agent runs for about 10 ticks, and the split moved from 0.63 to
-//! 1.00 between rounds of one run. A sampled split has a few hundred samples
-//! per window (and the sampling's own cost lands in the agent's kernel time,
-//! so it errs towards kernel).
+//! The host agent's CPU time split into user and kernel mode, sampled:
+//! `perf record -e task-clock -F 4999 -p PID` samples the agent's threads only
+//! while they run, and each sample's instruction pointer says the mode. The
+//! kernel's own split (utime and stime in `/proc/PID/stat`) comes from
+//! scheduler ticks: over a bench window the joined agent runs for about 10
+//! ticks, and the split moved from 0.63 to 1.00 between rounds of one run.
+//! Sampling has a few hundred samples per pass, but it costs the sampled
+//! threads: on this nested host about a fifth more run time (the event's timer
+//! is reprogrammed at every context switch, a VM exit each). So the bench
+//! samples in its accounting pass, after the measured window, and applies the
+//! share to the window's run time.
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};

@@ -72,8 +72,8 @@ struct Console {
     host_bpf_stats: Option<StatsOn>,
     /// The workload's qemu-io commands, each with its outcome (`qemu-io.txt`).
     qemu_io: Vec<String>,
-    /// The host agent's CPU sampled over the window (`sample_host_cpu`), and
-    /// its user/kernel split once the window ended.
+    /// The host agent's CPU sampled in the accounting pass (`sample_host_cpu`),
+    /// and its user/kernel split once the pass ended.
     host_cpu: Option<cpu_split::Sampler>,
     host_split: Option<cpu_split::Split>,
 }
@@ -506,6 +506,26 @@ impl Run<'_> {
         }
     }
 
+    /// The host agent's CPU sampled by perf (`sample_host_cpu`) between the
+    /// accounting pass's `start` and `end` lines, outside the measured window:
+    /// the sampling costs the sampled threads about a fifth more run time on
+    /// this nested host (its timer is reprogrammed at every context switch).
+    fn sample_host_cpu(&self, con: &mut Console, label: &str) -> Result<()> {
+        match (label, con.host_agent_pid) {
+            ("start", Some(pid)) if self.cfg.sample_host_cpu && con.host_cpu.is_none() => {
+                let data = self.out.join("host-agent.perf.data");
+                con.host_cpu = Some(cpu_split::Sampler::start(pid, &data)?);
+            }
+            ("end", _) => {
+                if let Some(c) = con.host_cpu.take() {
+                    con.host_split = Some(c.stop()?);
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// One console line: the workload's and the guest agent's markers.
     fn on_line(
         &self,
@@ -538,18 +558,11 @@ impl Run<'_> {
             }
             con.samples.0 = sample(con.host_agent_pid);
             con.threads.0 = threads(con);
-            if let (true, Some(pid)) = (self.cfg.sample_host_cpu, con.host_agent_pid) {
-                let data = self.out.join("host-agent.perf.data");
-                con.host_cpu = Some(cpu_split::Sampler::start(pid, &data)?);
-            }
         } else if let Some(r) = line.split_once(MARK_END) {
             con.t_end = Some(t);
             con.mono.1 = mono_at(t);
             con.samples.1 = sample(con.host_agent_pid);
             con.threads.1 = threads(con);
-            if let Some(c) = con.host_cpu.take() {
-                con.host_split = Some(c.stop()?);
-            }
             con.rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
         } else if line.contains(MARK_HOST_RESTART) {
             if let (Some(hb), Some(mut h)) = (host_bin, con.host_agent.take()) {
@@ -565,6 +578,7 @@ impl Run<'_> {
         } else if let Some((_, label)) = line.split_once(MARK_HOST_BPF) {
             let (pid, on) = (con.host_agent_pid, &mut con.host_bpf_stats);
             host_bpf::on_marker(label.trim(), pid, on, self.out);
+            self.sample_host_cpu(con, label.trim())?;
         } else if line.contains(MARK_DONE) {
             con.done = true;
         } else if line.contains(MARK_ERROR) || line.contains(MARK_AGENT_FAILED) {

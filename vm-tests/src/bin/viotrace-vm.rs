@@ -198,8 +198,9 @@ struct VmArgs {
     /// figures; needs more host CPUs than vCPUs).
     #[arg(long)]
     pin_vcpus: bool,
-    /// Sample the host agent's threads with perf over the workload window: its user and
-    /// kernel share (the summary's host agent line; the bench always does).
+    /// Sample the host agent's threads with perf between the workload's console lines
+    /// `VIOTRACE-HOST-BPF-SAMPLE start` and `end`: its user and kernel share (the summary's
+    /// host agent line; the bench does it in its accounting pass).
     #[arg(long)]
     sample_host_cpu: bool,
 }

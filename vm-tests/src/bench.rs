@@ -93,7 +93,8 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> V
         guest_capture: cond == "capture",
         // (the bench reads the capture itself: its JSON is not needed)
         decode_capture: false,
-        // (the host agent's user/kernel split, sampled: see cpu_split.rs)
+        // (the host agent's user/kernel split, sampled in the accounting pass: see
+        // cpu_split.rs)
         sample_host_cpu: matches!(agents, Agents::Host | Agents::Both | Agents::Apart),
         ..base.clone()
     };
@@ -162,8 +163,9 @@ pub struct Costs {
     pub guest_agent_cpu_us_per_io: Vec<f64>,
     pub host_agent_cpu_us_per_io: Vec<f64>,
     /// Its userspace part: the run time split as perf's samples of the agent's
-    /// threads over the window are (`cpu_split.rs`; bench runs before 2026-11-29
-    /// morning split it as the window's utime and stime ticks were).
+    /// threads in the accounting pass are (`cpu_split.rs`; without that pass, and
+    /// in bench runs before 2026-11-29 morning, as the window's utime and stime
+    /// ticks were).
     pub host_agent_user_us_per_io: Vec<f64>,
     /// The samples of that split, per round (none: split by ticks).
     pub host_agent_cpu_samples: Vec<u64>,

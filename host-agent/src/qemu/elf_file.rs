@@ -161,3 +161,63 @@ pub fn scan_chunks(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::super::binary::{count_code_refs, version_match, VERSION_MAX, VERSION_PAT};
+    use super::*;
+
+    /// Scanned in chunks of any size (with the overlap the readers ask for),
+    /// code and version give what one pass over the whole range gives.
+    #[test]
+    fn chunked_scans_find_what_a_whole_pass_finds() {
+        let base = 0x40_0000u64;
+        let mut code = vec![0x90u8; 300];
+        let targets: HashMap<u64, &str> = [(0x1000, "a"), (0x2000, "b")].into();
+        for (at, t) in [
+            (0usize, 0x1000u64),
+            (63, 0x2000),
+            (68, 0x1000),
+            (200, 0x2000),
+            (295, 0x1000),
+        ] {
+            code[at] = 0xe8;
+            let d = (t as i64 - (base + at as u64 + 5) as i64) as i32;
+            code[at + 1..at + 5].copy_from_slice(&d.to_le_bytes());
+        }
+        let text = b"QEMU emulator version 10.0.3+ds-1 (Debian)";
+        code[120..120 + text.len()].copy_from_slice(text);
+        let whole = count_code_refs(&code, base, code.len(), &targets);
+        assert_eq!((whole.get("a"), whole.get("b")), (Some(&3), Some(&2)));
+        let read = |buf: &mut [u8], at: u64| {
+            buf.copy_from_slice(&code[at as usize..at as usize + buf.len()]);
+            Ok(())
+        };
+        let range = (0u64, code.len() as u64, base);
+        for chunk in [1usize, 5, 7, 31, 64, 65, 299, 300, 4096] {
+            let mut refs: HashMap<&str, u32> = HashMap::new();
+            scan_chunks(read, range, chunk, 6, |c, addr, starts| {
+                for (name, n) in count_code_refs(c, addr, starts, &targets) {
+                    *refs.entry(name).or_default() += n;
+                }
+            })
+            .unwrap();
+            assert_eq!(refs, whole, "chunks of {chunk}");
+            let mut v = None;
+            let overlap = VERSION_PAT.len() + VERSION_MAX;
+            scan_chunks(read, range, chunk, overlap, |c, _, starts| {
+                if v.is_none() {
+                    v = version_match(c, starts).map(|m| m.1);
+                }
+            })
+            .unwrap();
+            assert_eq!(
+                v.flatten().as_deref(),
+                Some("10.0.3+ds-1"),
+                "chunks of {chunk}"
+            );
+        }
+    }
+}

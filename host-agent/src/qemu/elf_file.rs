@@ -117,23 +117,18 @@ impl Bin<'_> {
             let Some((off, size)) = sh.file_range(endian) else {
                 continue;
             };
-            let size = size - size % RELA as u64;
-            // (chunks of whole entries: CHUNK is not a multiple of 24)
-            let per = (CHUNK / RELA * RELA) as u64;
-            let mut buf = vec![0u8; per as usize];
-            let mut done = 0;
-            while done < size {
-                let n = (size - done).min(per) as usize;
-                self.raw.read_exact_at(&mut buf[..n], off + done)?;
-                for e in buf[..n].chunks_exact(RELA) {
+            // (chunks of whole entries, no overlap: CHUNK is not a multiple of 24)
+            let read = |buf: &mut [u8], at: u64| self.raw.read_exact_at(buf, at);
+            let range = (off, size - size % RELA as u64, 0);
+            scan_chunks(read, range, CHUNK / RELA * RELA, 0, |b, _, _| {
+                for e in b.chunks_exact(RELA) {
                     let a: [u8; 8] = e[16..24].try_into().expect("an entry is 24 bytes");
                     f(match endian {
                         Endianness::Little => i64::from_le_bytes(a),
                         Endianness::Big => i64::from_be_bytes(a),
                     });
                 }
-                done += n as u64;
-            }
+            })?;
         }
         Ok(())
     }

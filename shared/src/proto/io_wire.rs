@@ -4,13 +4,9 @@
 //! are exactly postcard's, so every reader decodes them with serde as before;
 //! a differential test holds the two to that.
 
+use super::rq::push_str;
 use crate::record::GuestIo;
 use crate::varint::{self, zigzag};
-
-fn push_str(out: &mut Vec<u8>, s: &str) {
-    varint::push(out, s.len() as u64);
-    out.extend_from_slice(s.as_bytes());
-}
 
 /// postcard's `Option` tag: 0 for `None`, 1 before the value.
 fn push_some(out: &mut Vec<u8>, some: bool) {

@@ -61,7 +61,8 @@ pub enum RqWireError {
     Tag(u32),
 }
 
-fn push_str(out: &mut Vec<u8>, s: &str) {
+/// A string as postcard writes one: its length, then its bytes.
+pub(super) fn push_str(out: &mut Vec<u8>, s: &str) {
     varint::push(out, s.len() as u64);
     out.extend_from_slice(s.as_bytes());
 }

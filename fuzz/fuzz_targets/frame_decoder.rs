@@ -4,7 +4,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use viotrace_shared::proto::{decode_payload, encode_frame, FrameDecoder, ProtoError, MAX_FRAME};
+use viotrace_shared::proto::{
+    decode_payload, encode_frame, BatchReader, FrameDecoder, Inbound, ProtoError, MAX_FRAME,
+};
 
 fuzz_target!(|data: &[u8]| {
     // The whole input as one payload.
@@ -16,6 +18,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let step = (step as usize % 61) + 1;
+    host_path(rest, step);
     let mut d = FrameDecoder::new();
     for chunk in rest.chunks(step) {
         d.feed(chunk);
@@ -36,4 +39,27 @@ fn roundtrip(m: &viotrace_shared::proto::Message) {
     let f = encode_frame(m).expect("a decoded message re-encodes");
     let back = decode_payload(&f[4..]).expect("a re-encoded message decodes");
     assert_eq!(&back, m);
+}
+
+/// The host agent's own path: batches skimmed by the network side, their
+/// records read one at a time (a bad record is an error for that record).
+fn host_path(bytes: &[u8], step: usize) {
+    let mut d = FrameDecoder::new();
+    let mut reader = BatchReader::new();
+    for chunk in bytes.chunks(step) {
+        d.feed(chunk);
+        loop {
+            match d.next_inbound() {
+                Ok(Some(Inbound::Batch(b))) => {
+                    let mut n = 0;
+                    reader.read(&b, |_| n += 1);
+                    assert_eq!(n, b.len());
+                }
+                Ok(Some(Inbound::Message(m))) => roundtrip(&m),
+                Ok(None) => break,
+                Err(ProtoError::Poisoned) => return,
+                Err(_) => {}
+            }
+        }
+    }
 }

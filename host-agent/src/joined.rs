@@ -18,7 +18,7 @@ use viotrace_shared::chrome::{ChromeTrace, MAX_LANES};
 use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::join::{JoinConfig, JoinEngine, JoinStats};
 use viotrace_shared::jsonl::JsonLines;
-use viotrace_shared::proto::GuestRecord;
+use viotrace_shared::proto::{BatchReader, GuestRecordRef};
 use viotrace_shared::record::HostElem;
 use viotrace_shared::stats::{Aggregator, PairLabel};
 use viotrace_shared::transport::host::{
@@ -63,6 +63,8 @@ struct Conn {
     vm: String,
     origin: Origin,
     records: u64,
+    /// A record of this connection did not decode (said once per connection).
+    told_malformed: bool,
     guest_counters: Vec<(String, u64)>,
 }
 
@@ -81,6 +83,8 @@ pub struct VmReport {
     pub summarized: u64,
     /// Syscall-level records received (they stay in the guest's own output).
     pub syscall_records: u64,
+    /// Delivered records whose contents did not decode: dropped, counted here.
+    pub malformed: u64,
 }
 
 /// How long a VM's guest records may be awaited after its connection was lost
@@ -98,6 +102,8 @@ pub struct Joined {
     inbox: Inbox,
     accounts: host::AccountsHandle,
     engine: JoinEngine,
+    /// Decodes the guests' batches one record at a time, in place.
+    reader: BatchReader,
     /// Where the join's records go, as it emits them.
     pub out: Outputs,
     pub total: Aggregator,
@@ -155,6 +161,7 @@ impl Joined {
             inbox,
             accounts,
             engine: JoinEngine::new(JoinConfig::default()),
+            reader: BatchReader::new(),
             out: Outputs {
                 vms: Vec::new(),
                 vm_index: FxHashMap::default(),
@@ -231,14 +238,26 @@ impl Joined {
     fn event(&mut self, ev: host::Event) {
         let vm = ev.vm;
         match ev.kind {
-            EventKind::Records { records, permit } => {
-                if let Some(c) = self.conns.get_mut(&ev.conn) {
-                    c.records += records.len() as u64;
-                }
-                for r in &records {
-                    match r {
-                        GuestRecord::Rq(rq) => self.engine.push_guest_ref(&vm, rq, &mut self.out),
-                        GuestRecord::Io(_) => self.out.vm_out(&vm).io_records += 1,
+            EventKind::Records { batch, permit } => {
+                let conn = self.conns.get_mut(&ev.conn);
+                let (engine, out) = (&mut self.engine, &mut self.out);
+                let mut bad = None;
+                self.reader.read(&batch, |r| match r {
+                    Ok(GuestRecordRef::Rq(rq)) => engine.push_guest_ref(&vm, rq, out),
+                    Ok(GuestRecordRef::Io(_)) => out.vm_out(&vm).io_records += 1,
+                    Err(e) => {
+                        out.vm_out(&vm).malformed += 1;
+                        bad.get_or_insert(e);
+                    }
+                });
+                if let Some(c) = conn {
+                    c.records += batch.len() as u64;
+                    if let Some(e) = bad.filter(|_| !c.told_malformed) {
+                        c.told_malformed = true;
+                        self.out.human.push(format!(
+                            "viotrace-host: vm {vm}: a record from {} did not decode (dropped and counted as malformed; not said again for this connection): {e}\n",
+                            c.origin
+                        ));
                     }
                 }
                 // The VM's pending-record budget is released only now.
@@ -274,6 +293,7 @@ impl Joined {
                     vm,
                     origin: ev.origin,
                     records: 0,
+                    told_malformed: false,
                     guest_counters: Vec::new(),
                 };
                 self.conns.insert(ev.conn, c);
@@ -322,6 +342,7 @@ impl Joined {
                     output_rate_limited: o.map_or(0, |o| o.rate_limited),
                     summarized: o.map_or(0, |o| o.summarized),
                     syscall_records: o.map_or(0, |o| o.io_records),
+                    malformed: o.map_or(0, |o| o.malformed),
                     balanced: transport.balanced(),
                     transport,
                 }
@@ -371,6 +392,7 @@ impl Joined {
                 ("guest_backpressure_ms", a.backpressure_ms),
                 ("output_rate_limited", rl),
                 ("joined_summarized", r.summarized),
+                ("guest_records_malformed", r.malformed),
             ] {
                 *sum.entry(k).or_default() += n;
             }
@@ -400,7 +422,7 @@ impl Joined {
                 let (a, written, rl, sm) =
                     (&r.transport, r.written, r.output_rate_limited, r.summarized);
                 format!(
-                    "viotrace-host: vm {}: guest records produced={} = before_this_host={} + delivered={} + lost_in_transit={} + in_flight={} ({}); guest buffer refused={}; connections={} rejected={} bad={}; clock samples={} rejected={} rate_limited={}; throttled={}ms backpressure={}ms; written={} output_rate_limited={} summarized={}\n",
+                    "viotrace-host: vm {}: guest records produced={} = before_this_host={} + delivered={} + lost_in_transit={} + in_flight={} ({}); guest buffer refused={}; connections={} rejected={} bad={}; clock samples={} rejected={} rate_limited={}; throttled={}ms backpressure={}ms; written={} output_rate_limited={} summarized={} malformed={}\n",
                     a.vm,
                     a.produced,
                     a.before_host,
@@ -419,7 +441,8 @@ impl Joined {
                     a.backpressure_ms,
                     written,
                     rl,
-                    sm
+                    sm,
+                    r.malformed
                 )
             })
             .collect()

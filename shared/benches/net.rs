@@ -145,7 +145,7 @@ fn main() {
     while !done {
         std::thread::sleep(Duration::from_millis(75));
         inbox.drain(Duration::from_millis(20), |e| match e.kind {
-            EventKind::Records { records: r, .. } => records += r.len(),
+            EventKind::Records { batch, .. } => records += batch.len(),
             EventKind::Disconnected { .. } => done = true,
             _ => {}
         });

@@ -16,7 +16,9 @@ use viotrace_shared::clock::ClockEstimator;
 use viotrace_shared::join::synth::{generate, interleave, Event, SynthConfig};
 use viotrace_shared::join::{Emitted, JoinEngine, Output};
 use viotrace_shared::jsonl::JsonLines;
-use viotrace_shared::proto::{encode_frame_into, FrameDecoder, GuestRecord, Message};
+use viotrace_shared::proto::{
+    encode_frame_into, BatchReader, FrameDecoder, GuestRecord, GuestRecordRef, Inbound, Message,
+};
 use viotrace_shared::record::{HostElem, Point};
 use viotrace_shared::stats::{Aggregator, PairLabel};
 
@@ -364,6 +366,7 @@ fn host_inputs(requests: usize, interval_ns: u64) -> (Vec<HostInput>, usize) {
 struct HostPath {
     engine: JoinEngine,
     decoder: FrameDecoder,
+    reader: BatchReader,
     elems: Aggregator,
     elem_label: PairLabel,
     out: Written,
@@ -400,6 +403,7 @@ impl HostPath {
         HostPath {
             engine: JoinEngine::default(),
             decoder: FrameDecoder::new(),
+            reader: BatchReader::new(),
             elems: Aggregator::new(),
             elem_label: PairLabel::default(),
             out: Written {
@@ -423,16 +427,19 @@ impl HostPath {
                 self.engine.push_host(e, &mut self.out);
             }
             HostInput::Frame(f) => {
+                // The network thread's part (the frame's structure), then
+                // the main thread's (each record read in place and joined).
                 self.decoder.feed(&f);
-                while let Some(m) = self.decoder.next_message().unwrap() {
-                    let Message::Batch { records, .. } = m else {
+                while let Some(m) = self.decoder.next_inbound().unwrap() {
+                    let Inbound::Batch(batch) = m else {
                         continue;
                     };
-                    for r in &records {
-                        if let GuestRecord::Rq(rq) = r {
-                            self.engine.push_guest_ref("vm0", rq, &mut self.out);
+                    let (engine, out) = (&mut self.engine, &mut self.out);
+                    self.reader.read(&batch, |r| {
+                        if let Ok(GuestRecordRef::Rq(rq)) = r {
+                            engine.push_guest_ref("vm0", rq, out);
                         }
-                    }
+                    });
                 }
             }
             HostInput::Probe(a, b, c, d) => {

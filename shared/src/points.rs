@@ -302,21 +302,39 @@ impl Points {
 
     /// Reads [`Self::encode_wire`]'s form; None when malformed (an unknown
     /// point id, a truncated or overlong number, trailing bytes).
-    pub(crate) fn decode_wire(mut b: &[u8]) -> Option<Points> {
-        let ids = varint::take(&mut b)?;
-        if ids & !KNOWN_IDS != 0 {
-            return None;
-        }
+    pub(crate) fn decode_wire(b: &[u8]) -> Option<Points> {
         let mut p = Points::new();
+        p.decode_wire_into(b).then_some(p)
+    }
+
+    /// [`Self::decode_wire`] into this set, which it replaces (no new set is
+    /// built and copied); false when malformed, and then the set holds part
+    /// of the new points.
+    pub(crate) fn decode_wire_into(&mut self, mut b: &[u8]) -> bool {
+        // An absent point's slot is 0: clear the old ones.
+        let mut old = self.mask;
+        while old != 0 {
+            self.vals[old.trailing_zeros() as usize] = 0;
+            old &= old - 1;
+        }
+        self.mask = 0;
+        let Some(ids) = varint::take(&mut b) else {
+            return false;
+        };
+        if ids & !KNOWN_IDS != 0 {
+            return false;
+        }
         let (mut m, mut prev) = (ids, 0u64);
         while m != 0 {
             let i = usize::from(SLOT_OF_ID[m.trailing_zeros() as usize]);
             m &= m - 1;
-            let d = varint::unzigzag(varint::take(&mut b)?);
-            prev = prev.wrapping_add(d as u64);
-            p.set_slot(i, prev);
+            let Some(d) = varint::take(&mut b) else {
+                return false;
+            };
+            prev = prev.wrapping_add(varint::unzigzag(d) as u64);
+            self.set_slot(i, prev);
         }
-        b.is_empty().then_some(p)
+        b.is_empty()
     }
 }
 

@@ -43,6 +43,8 @@ mod batch;
 mod io_wire;
 pub mod rq;
 
+pub use batch::{BatchReader, RawBatch};
+
 /// Wire protocol version carried in [`Hello`]/[`HelloAck`]. Bumped on any
 /// incompatible change of [`Message`].
 /// (3: records carry their wall-clock `time`; 5: points as differences;
@@ -418,6 +420,26 @@ impl FrameDecoder {
         }
     }
 
+    /// [`next_message`](Self::next_message), but a batch comes as a
+    /// [`RawBatch`]: checked for structure, its records left to a
+    /// [`BatchReader`] (the host agent reads them on its main thread).
+    pub fn next_inbound(&mut self) -> Result<Option<Inbound>, ProtoError> {
+        match self.next_payload()? {
+            None => Ok(None),
+            Some((a, b)) => {
+                let p = &self.buf[a..b];
+                let r = match p[0] {
+                    BATCH_TAG => RawBatch::skim(&p[1..]).map(Inbound::Batch),
+                    _ => decode_payload(p).map(Inbound::Message),
+                };
+                self.pos = b;
+                let m = r?;
+                self.frames += 1;
+                Ok(Some(m))
+            }
+        }
+    }
+
     fn next_payload(&mut self) -> Result<Option<(usize, usize)>, ProtoError> {
         if self.poisoned {
             return Err(ProtoError::Poisoned);
@@ -458,6 +480,14 @@ impl FrameDecoder {
             need,
         })
     }
+}
+
+/// A frame as [`FrameDecoder::next_inbound`] returns it.
+#[derive(Debug)]
+pub enum Inbound {
+    Batch(RawBatch),
+    /// Any other message (never a batch).
+    Message(Message),
 }
 
 /// Writes one frame to a blocking writer.

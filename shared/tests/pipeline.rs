@@ -8,7 +8,7 @@ use std::time::Duration;
 use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::join::synth::{generate, SynthConfig};
 use viotrace_shared::join::JoinEngine;
-use viotrace_shared::proto::GuestRecord;
+use viotrace_shared::proto::{BatchReader, GuestRecordRef};
 use viotrace_shared::record::{ClockDomain, JoinedIo, Point};
 use viotrace_shared::transport::host::{serve, ClockSample, Event, EventKind, HostConfig, Listen};
 use viotrace_shared::transport::{
@@ -72,7 +72,7 @@ async fn guest_records_cross_the_socket_and_join_with_a_measured_clock() {
             assert_eq!(ev.vm, "vm-it");
             match &ev.kind {
                 EventKind::Clock(_) => samples += 1,
-                EventKind::Records { records, .. } => received += records.len(),
+                EventKind::Records { batch, .. } => received += batch.len(),
                 EventKind::Disconnected { reason, .. } => panic!("disconnected: {reason}"),
                 _ => {}
             }
@@ -110,12 +110,13 @@ async fn guest_records_cross_the_socket_and_join_with_a_measured_clock() {
 /// What the host agent does with guest events (clock samples and requests to the join).
 fn feed(engine: &mut JoinEngine, ev: Event, out: &mut Vec<JoinedIo>) {
     match ev.kind {
-        EventKind::Records { records, .. } => {
-            for r in records {
-                if let GuestRecord::Rq(rq) = r {
-                    engine.push_guest(&ev.vm, rq, out);
+        EventKind::Records { batch, .. } => {
+            // As the host agent reads them: in place, one record at a time.
+            BatchReader::new().read(&batch, |r| {
+                if let Ok(GuestRecordRef::Rq(rq)) = r {
+                    engine.push_guest_ref(&ev.vm, rq, out);
                 }
-            }
+            });
         }
         EventKind::Clock(ClockSample::GuestInitiated { t1, t2, t3, t4 }) => {
             let _ = engine.clock(&ev.vm).add_guest_probe(t1, t2, t3, t4);

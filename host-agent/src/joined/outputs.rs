@@ -31,6 +31,8 @@ pub(super) struct VmOut {
     pub offered: u64,
     /// Syscall-level records (they stay in the guest's own output).
     pub io_records: u64,
+    /// Delivered records whose contents did not decode (dropped, counted).
+    pub malformed: u64,
     /// Live guest connections, and since when there has been none.
     pub conns: usize,
     pub stalled_since: Option<Instant>,
@@ -92,6 +94,7 @@ impl Outputs {
                             summarized: 0,
                             offered: 0,
                             io_records: 0,
+                            malformed: 0,
                             conns: 0,
                             stalled_since: None,
                         },

@@ -1,53 +1,192 @@
-//! [`Message::Batch`]'s decoder, by hand: each record goes straight into the
-//! batch's vector. (Through postcard's sequence visitor every 400-byte record
-//! was moved three times on its way there, which was a tenth of the joined
-//! host agent's per-I/O work.) It accepts exactly what postcard's decoding of
-//! the message accepts and yields the same message (a differential test holds
-//! it to that); only the errors say more.
+//! [`Message::Batch`]'s decoder, by hand, in two steps: [`RawBatch::skim`]
+//! checks a batch's structure (every record's tag and extent; syscall records
+//! are decoded once) and keeps the records' bytes; [`BatchReader`] then
+//! decodes the records one at a time into records it keeps and overwrites.
+//! The host agent's network thread skims (it needs the count for the
+//! sequence accounting), its main thread reads; nothing is decoded twice and
+//! no request record is built, moved or stored per I/O on the way.
+//! [`decode`] does both into a [`Message`]: it accepts exactly what postcard's
+//! decoding of the message accepts and yields the same message (a
+//! differential test holds it to that); only the errors say more.
 
-use super::{rq, GuestRecord, Message, ProtoError};
-use crate::record::GuestIo;
+use super::{rq, GuestRecord, GuestRecordRef, Message, ProtoError};
+use crate::record::{GuestIo, GuestRq};
 use crate::varint;
 
 /// Bytes of records made room for before any is read (a batch announces its
 /// count before its records arrive: as serde's cautious size hint).
 const PREALLOC_BYTES: usize = 1 << 20;
 
-/// Decodes a batch message's body: `b` is the payload after its tag.
-pub(super) fn decode(mut b: &[u8]) -> Result<Message, ProtoError> {
-    let first_seq = varint::take(&mut b).ok_or_else(|| bad_varint(b))?;
-    let count = varint::take(&mut b).ok_or_else(|| bad_varint(b))?;
-    let most = PREALLOC_BYTES / std::mem::size_of::<GuestRecord>();
-    let mut records = Vec::with_capacity((count as usize).min(most));
-    let mut names = rq::LastNames::default();
-    for index in 0..count {
-        let bad = |source| ProtoError::BadRecord {
-            index: index as usize,
-            source,
-        };
-        match varint::take_u32(&mut b).ok_or_else(|| bad_varint(b))? {
-            0 => {
-                let len = varint::take(&mut b).ok_or_else(|| bad_varint(b))?;
-                let len = usize::try_from(len).map_err(|_| end())?;
-                let (rec, rest) = b.split_at_checked(len).ok_or_else(end)?;
-                b = rest;
-                records.push(GuestRecord::Rq(
-                    rq::decode_after(rec, &mut names).map_err(bad)?,
-                ));
+/// A batch whose structure was checked and whose records are still in their
+/// wire form.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawBatch {
+    /// Sequence number of the first record.
+    pub first_seq: u64,
+    count: usize,
+    /// The records, one after the other, each with its tag.
+    bytes: Vec<u8>,
+}
+
+/// The kind of a record on the wire (its tag).
+#[derive(Clone, Copy)]
+enum Kind {
+    Rq,
+    Io,
+}
+
+/// Takes one record off the front of `b`: its kind and its bytes (a request
+/// record's body; a syscall record's whole postcard form, checked).
+fn next_record<'a>(b: &mut &'a [u8], index: usize) -> Result<(Kind, &'a [u8]), ProtoError> {
+    match varint::take_u32(b).ok_or_else(|| bad_varint(b))? {
+        0 => {
+            let len = varint::take(b).ok_or_else(|| bad_varint(b))?;
+            let len = usize::try_from(len).map_err(|_| end())?;
+            let (rec, rest) = b.split_at_checked(len).ok_or_else(end)?;
+            *b = rest;
+            Ok((Kind::Rq, rec))
+        }
+        1 => {
+            let (_, rest) =
+                postcard::take_from_bytes::<GuestIo>(b).map_err(ProtoError::Malformed)?;
+            let rec = &b[..b.len() - rest.len()];
+            *b = rest;
+            Ok((Kind::Io, rec))
+        }
+        t => Err(ProtoError::BadRecord {
+            index,
+            source: rq::RqWireError::Tag(t),
+        }),
+    }
+}
+
+impl RawBatch {
+    /// Checks a batch message's body (`b`: the payload after its tag): the
+    /// sequence number, the count, then exactly that many records, each with
+    /// a known tag and all its bytes, and nothing after them. A request
+    /// record's contents are checked when it is read ([`BatchReader`]).
+    pub fn skim(mut b: &[u8]) -> Result<RawBatch, ProtoError> {
+        let first_seq = varint::take(&mut b).ok_or_else(|| bad_varint(b))?;
+        let count = varint::take(&mut b).ok_or_else(|| bad_varint(b))?;
+        let records = b;
+        let mut n = 0usize;
+        // Every record takes at least one byte: a count beyond the payload
+        // ends at its end, with an error.
+        while (n as u64) < count {
+            next_record(&mut b, n)?;
+            n += 1;
+        }
+        if !b.is_empty() {
+            return Err(ProtoError::TrailingBytes(b.len()));
+        }
+        Ok(RawBatch {
+            first_seq,
+            count: n,
+            bytes: records.to_vec(),
+        })
+    }
+
+    /// Number of records.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Bytes of the records.
+    pub fn byte_len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Drops the first `n` records (already delivered before a resend).
+    pub fn skip(&mut self, n: usize) {
+        let mut b = &self.bytes[..];
+        let mut k = 0;
+        while k < n.min(self.count) && next_record(&mut b, k).is_ok() {
+            k += 1;
+        }
+        let at = self.bytes.len() - b.len();
+        self.bytes.drain(..at);
+        self.count -= k;
+        self.first_seq += k as u64;
+    }
+
+    /// Decodes every record (the first bad one is the error).
+    pub fn to_records(&self) -> Result<Vec<GuestRecord>, ProtoError> {
+        let most = PREALLOC_BYTES / std::mem::size_of::<GuestRecord>();
+        let mut records = Vec::with_capacity(self.count.min(most));
+        let mut err = None;
+        BatchReader::new().read(self, |r| match r {
+            Ok(GuestRecordRef::Rq(rq)) => records.push(GuestRecord::Rq(rq.clone())),
+            Ok(GuestRecordRef::Io(io)) => records.push(GuestRecord::Io(io.clone())),
+            Err(e) => {
+                err.get_or_insert(e);
             }
-            1 => {
-                let (io, rest) =
-                    postcard::take_from_bytes::<GuestIo>(b).map_err(ProtoError::Malformed)?;
-                b = rest;
-                records.push(GuestRecord::Io(io));
-            }
-            t => return Err(bad(rq::RqWireError::Tag(t))),
+        });
+        match err {
+            Some(e) => Err(e),
+            None => Ok(records),
         }
     }
-    if !b.is_empty() {
-        return Err(ProtoError::TrailingBytes(b.len()));
+}
+
+/// Reads a [`RawBatch`]'s records into one request record and one syscall
+/// record that it keeps and overwrites: a batch's records are handed out by
+/// reference, none is allocated or moved (names are replaced only when they
+/// change).
+pub struct BatchReader {
+    rq: GuestRq,
+    io: Option<GuestIo>,
+}
+
+impl Default for BatchReader {
+    fn default() -> Self {
+        Self::new()
     }
-    Ok(Message::Batch { first_seq, records })
+}
+
+impl BatchReader {
+    pub fn new() -> Self {
+        BatchReader {
+            rq: rq::blank(),
+            io: None,
+        }
+    }
+
+    /// Calls `each` with every record of `batch` in order, or with why it
+    /// does not decode (a bad record is skipped; the others are still read).
+    pub fn read(
+        &mut self,
+        batch: &RawBatch,
+        mut each: impl FnMut(Result<GuestRecordRef<'_>, ProtoError>),
+    ) {
+        let mut b = &batch.bytes[..];
+        for index in 0..batch.count {
+            match next_record(&mut b, index) {
+                Ok((Kind::Rq, rec)) => match rq::decode_into(rec, &mut self.rq) {
+                    Ok(()) => each(Ok(GuestRecordRef::Rq(&self.rq))),
+                    Err(source) => each(Err(ProtoError::BadRecord { index, source })),
+                },
+                Ok((Kind::Io, rec)) => match postcard::from_bytes::<GuestIo>(rec) {
+                    Ok(io) => each(Ok(GuestRecordRef::Io(self.io.insert(io)))),
+                    Err(e) => each(Err(ProtoError::Malformed(e))),
+                },
+                // (Not after a skim: it checked every record's extent.)
+                Err(e) => return each(Err(e)),
+            }
+        }
+    }
+}
+
+/// Decodes a batch message's body: `b` is the payload after its tag.
+pub(super) fn decode(b: &[u8]) -> Result<Message, ProtoError> {
+    let raw = RawBatch::skim(b)?;
+    Ok(Message::Batch {
+        first_seq: raw.first_seq,
+        records: raw.to_records()?,
+    })
 }
 
 /// A varint that did not end: cut off by the payload's end, or too long.
@@ -119,6 +258,66 @@ mod tests {
         varint::push(&mut p, 1);
         varint::push(&mut p, u64::MAX);
         assert!(matches!(decode_payload(&p), Err(ProtoError::Malformed(_))));
+    }
+
+    fn raw(payload: &[u8]) -> RawBatch {
+        RawBatch::skim(&payload[1..]).unwrap()
+    }
+
+    /// A request record whose contents do not decode passes the skim (its
+    /// extent is right) and is the only record the reader refuses.
+    #[test]
+    fn a_bad_record_is_refused_alone() {
+        let mut p = batch_payload(3, true);
+        let want = match reference(&p) {
+            Ok(Message::Batch { records, .. }) => records,
+            _ => unreachable!(),
+        };
+        // After the tag, the sequence number and the count: the syscall
+        // record, then the first request record (tag, length, flags …).
+        let mut b = &p[3..];
+        let (_, io) = next_record(&mut b, 0).unwrap();
+        let flags = 3 + 1 + io.len() + 2;
+        p[flags] = 0xff;
+        assert!(reference(&p).is_err());
+        let batch = raw(&p);
+        assert_eq!((batch.first_seq, batch.len()), (103, 4));
+        let mut got = Vec::new();
+        BatchReader::new().read(&batch, |r| {
+            got.push(r.map(|r| match r {
+                GuestRecordRef::Rq(x) => GuestRecord::Rq(x.clone()),
+                GuestRecordRef::Io(x) => GuestRecord::Io(x.clone()),
+            }))
+        });
+        assert_eq!(got.len(), 4);
+        assert!(
+            matches!(
+                got[1],
+                Err(ProtoError::BadRecord {
+                    index: 1,
+                    source: rq::RqWireError::Flags(0xff)
+                })
+            ),
+            "{:?}",
+            got[1]
+        );
+        for i in [0, 2, 3] {
+            assert_eq!(got[i].as_ref().ok(), Some(&want[i]), "record {i}");
+        }
+    }
+
+    /// Skipping records already delivered keeps the rest, numbered on.
+    #[test]
+    fn skip_drops_the_first_records() {
+        let p = batch_payload(4, true);
+        let all = raw(&p).to_records().unwrap();
+        for n in 0..7 {
+            let mut b = raw(&p);
+            b.skip(n);
+            let k = n.min(5);
+            assert_eq!((b.first_seq, b.len()), (104 + k as u64, 5 - k));
+            assert_eq!(b.to_records().unwrap(), all[k..]);
+        }
     }
 
     proptest! {

@@ -133,89 +133,94 @@ impl<'a> Rd<'a> {
         T::try_from(self.u64(what)?).map_err(|_| RqWireError::Range(what))
     }
 
-    /// A name; the same bytes as the `last` one read for this field reuse it.
+    /// A name into `slot`, which is replaced only when its bytes differ (a
+    /// batch's records mostly repeat their disk and task: checked and copied
+    /// once).
     #[inline]
-    fn name(&mut self, what: &'static str, last: &mut Name) -> Result<Name, RqWireError> {
+    fn name_into(&mut self, what: &'static str, slot: &mut Name) -> Result<(), RqWireError> {
         let n: usize = self.num(what)?;
         if n > self.0.len() {
             return Err(RqWireError::Number(what));
         }
         let (s, rest) = self.0.split_at(n);
         self.0 = rest;
-        if s != last.as_bytes() {
-            *last = Name::new(std::str::from_utf8(s).map_err(|_| RqWireError::Utf8)?);
+        if s != slot.as_bytes() {
+            *slot = Name::new(std::str::from_utf8(s).map_err(|_| RqWireError::Utf8)?);
         }
-        Ok(last.clone())
+        Ok(())
     }
 }
 
-/// The names of the previous record read: a batch's records mostly repeat
-/// their disk and task, which are then checked and copied once.
-#[derive(Default)]
-pub struct LastNames {
-    disk: Name,
-    comm: Name,
+/// A request record whose every field is overwritten by [`decode_into`].
+pub fn blank() -> GuestRq {
+    GuestRq {
+        disk: Name::default(),
+        time: None,
+        op: Op::Read,
+        sector: 0,
+        bytes: 0,
+        queue: None,
+        head: None,
+        pid: 0,
+        tid: 0,
+        comm: Name::default(),
+        cgroup_id: 0,
+        inode: 0,
+        file_offset: None,
+        kicked: None,
+        bios: 0,
+        error: 0,
+        ts: Points::new(),
+    }
 }
 
 /// Reads a record written by [`encode`] (all of `b`).
 pub fn decode(b: &[u8]) -> Result<GuestRq, RqWireError> {
-    decode_after(b, &mut LastNames::default())
+    let mut rq = blank();
+    decode_into(b, &mut rq)?;
+    Ok(rq)
 }
 
-/// [`decode`], reusing the names of the previous record of the same batch.
+/// [`decode`] into a record kept by the caller: every field is written (the
+/// names only when their bytes differ from the ones there). On an error the
+/// record holds part of the new one and part of the old.
 #[inline(always)]
-pub fn decode_after(b: &[u8], last: &mut LastNames) -> Result<GuestRq, RqWireError> {
+pub fn decode_into(b: &[u8], rq: &mut GuestRq) -> Result<(), RqWireError> {
     let mut r = Rd(b);
     let flags = r.byte("flags")?;
     if flags & !F_KNOWN != 0 || (flags & F_KICKED == 0 && flags & F_KICKED_TRUE != 0) {
         return Err(RqWireError::Flags(flags));
     }
     let op = r.byte("op")?;
-    let op = *Op::ALL.get(usize::from(op)).ok_or(RqWireError::Op(op))?;
-    let disk = r.name("disk", &mut last.disk)?;
-    let comm = r.name("comm", &mut last.comm)?;
-    let sector = r.u64("sector")?;
-    let bytes = r.num("bytes")?;
-    let pid = r.num("pid")?;
-    let tid = r.num("tid")?;
-    let cgroup_id = r.u64("cgroup_id")?;
-    let inode = r.u64("inode")?;
-    let bios = r.num("bios")?;
+    rq.op = *Op::ALL.get(usize::from(op)).ok_or(RqWireError::Op(op))?;
+    r.name_into("disk", &mut rq.disk)?;
+    r.name_into("comm", &mut rq.comm)?;
+    rq.sector = r.u64("sector")?;
+    rq.bytes = r.num("bytes")?;
+    rq.pid = r.num("pid")?;
+    rq.tid = r.num("tid")?;
+    rq.cgroup_id = r.u64("cgroup_id")?;
+    rq.inode = r.u64("inode")?;
+    rq.bios = r.num("bios")?;
     let has = |f: u8| flags & f != 0;
-    let time = match has(F_TIME) {
+    rq.time = match has(F_TIME) {
         true => Some(WallTime(unzigzag(r.u64("time")?))),
         false => None,
     };
-    let queue = has(F_QUEUE).then(|| r.num("queue")).transpose()?;
-    let head = has(F_HEAD).then(|| r.num("head")).transpose()?;
-    let file_offset = has(F_OFFSET).then(|| r.u64("file_offset")).transpose()?;
-    let kicked = has(F_KICKED).then_some(has(F_KICKED_TRUE));
-    let error = match has(F_ERROR) {
+    rq.queue = has(F_QUEUE).then(|| r.num("queue")).transpose()?;
+    rq.head = has(F_HEAD).then(|| r.num("head")).transpose()?;
+    rq.file_offset = has(F_OFFSET).then(|| r.u64("file_offset")).transpose()?;
+    rq.kicked = has(F_KICKED).then_some(has(F_KICKED_TRUE));
+    rq.error = match has(F_ERROR) {
         true => {
             i32::try_from(unzigzag(r.u64("error")?)).map_err(|_| RqWireError::Range("error"))?
         }
         false => 0,
     };
-    let ts = Points::decode_wire(r.0).ok_or(RqWireError::Points)?;
-    Ok(GuestRq {
-        disk,
-        time,
-        op,
-        sector,
-        bytes,
-        queue,
-        head,
-        pid,
-        tid,
-        comm,
-        cgroup_id,
-        inode,
-        file_offset,
-        kicked,
-        bios,
-        error,
-        ts,
-    })
+    match rq.ts.decode_wire_into(r.0) {
+        true => Ok(()),
+        false => Err(RqWireError::Points),
+    }
 }
 
 /// A request record as serde sees it: its binary form as one byte string in
@@ -351,6 +356,44 @@ mod tests {
                 let mut b = Vec::new();
                 encode(&rq, &mut b);
                 assert_eq!(decode(&b), Ok(rq));
+            }
+        }
+    }
+
+    /// Decoding into a kept record: every field is the new record's, after
+    /// any record before it (every field set, none set, long names) and
+    /// after a record that failed halfway.
+    #[test]
+    fn decoding_in_place_leaves_nothing_of_the_record_before() {
+        let mut bare = crate::proto::sample_rq(3);
+        (bare.queue, bare.head, bare.file_offset, bare.kicked) = (None, None, None, None);
+        (bare.ts, bare.disk) = (Points::new(), Name::new("nvme0n1"));
+        bare.comm = Name::new("a-task-name-longer-than-24-bytes");
+        let mut many = full(9);
+        for (k, p) in Point::ALL.iter().enumerate() {
+            many.ts.set(*p, 100 * k as u64);
+        }
+        let all = [full(7), crate::proto::sample_rq(u64::MAX / 8), bare, many];
+        let bytes: Vec<Vec<u8>> = all
+            .iter()
+            .map(|r| {
+                let mut b = Vec::new();
+                encode(r, &mut b);
+                b
+            })
+            .collect();
+        for (a, ab) in all.iter().zip(&bytes) {
+            for (b, bb) in all.iter().zip(&bytes) {
+                let mut kept = blank();
+                decode_into(ab, &mut kept).unwrap();
+                assert_eq!(&kept, a);
+                // A failure inside the points, after every other field.
+                let cut = &bb[..bb.len() - 1];
+                if decode_into(cut, &mut kept).is_ok() {
+                    assert!(b.ts.is_empty());
+                }
+                decode_into(bb, &mut kept).unwrap();
+                assert_eq!(&kept, b);
             }
         }
     }

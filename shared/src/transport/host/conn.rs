@@ -11,8 +11,8 @@ use super::ledger::Admit;
 use super::{Admission, ClockSample, Event, EventKind, Hub, Origin};
 use crate::clock::monotonic_ns;
 use crate::proto::{
-    check_version, encode_frame, FrameDecoder, GuestRecord, Hello, HelloAck, Message, ProtoError,
-    PROTOCOL_VERSION,
+    check_version, encode_frame, FrameDecoder, Hello, HelloAck, Inbound, Message, ProtoError,
+    RawBatch, PROTOCOL_VERSION,
 };
 
 /// Largest frame before the handshake is done (a `Hello` is small).
@@ -291,12 +291,12 @@ impl Conn {
         now: u64,
     ) -> Result<(), End> {
         loop {
-            let m = match dec.next_message() {
-                Ok(Some(m)) => m,
+            match dec.next_inbound() {
+                Ok(Some(Inbound::Batch(b))) => self.batch(st, b, wr).await?,
+                Ok(Some(Inbound::Message(m))) => self.message(st, m, wr, now).await?,
                 Ok(None) => return Ok(()),
                 Err(e) => return Err(End::bad(format!("bad frame: {e}"))),
-            };
-            self.message(st, m, wr, now).await?;
+            }
         }
     }
 
@@ -308,9 +308,6 @@ impl Conn {
         now: u64,
     ) -> Result<(), End> {
         match m {
-            Message::Batch { first_seq, records } => {
-                self.batch(st, first_seq, records, wr).await?;
-            }
             Message::ClockProbe { seq, t1 } => {
                 let t3 = monotonic_ns();
                 st.replies.push_back((seq, t1, now, t3));
@@ -366,6 +363,7 @@ impl Conn {
             }
             other @ (Message::Hello(_)
             | Message::HelloAck(_)
+            | Message::Batch { .. }
             | Message::ClockReply { .. }
             | Message::ClockPing { .. }
             | Message::Ack { .. }) => {
@@ -394,22 +392,22 @@ impl Conn {
     async fn batch<W: AsyncWrite>(
         &self,
         st: &mut State,
-        first_seq: u64,
-        mut records: Vec<GuestRecord>,
+        mut batch: RawBatch,
         wr: &mut WriteHalf<W>,
     ) -> Result<(), End> {
+        let first_seq = batch.first_seq;
         let max = self.hub.cfg.budget.max_batch_records;
-        if records.len() > max {
+        if batch.len() > max {
             return Err(End::bad(format!(
                 "batch of {} records (at most {max})",
-                records.len()
+                batch.len()
             )));
         }
         let first_on_conn = st.batches == 0;
         st.batches += 1;
         let admit = self.hub.ledger(&self.vm, |l| {
             l.session(st.session)
-                .on_batch(first_seq, records.len(), first_on_conn)
+                .on_batch(first_seq, batch.len(), first_on_conn)
         });
         let skip = match admit {
             Admit::Deliver { skip } => skip,
@@ -427,12 +425,12 @@ impl Conn {
                 return Err(End::ok(reason));
             }
         };
-        records.drain(..skip);
-        if !records.is_empty() {
+        batch.skip(skip);
+        if !batch.is_empty() {
             // The VM's budget of decoded records waiting for the agent: wait
             // (and so stop reading this guest) until the agent catches up.
             let sem = self.hub.pending(&self.vm);
-            let want = (records.len() as u32).min(sem_max(&self.hub));
+            let want = (batch.len() as u32).min(sem_max(&self.hub));
             let permit = match sem.clone().try_acquire_many_owned(want) {
                 Ok(p) => {
                     if sem.available_permits() < (sem_max(&self.hub) / 2) as usize {
@@ -454,7 +452,7 @@ impl Conn {
                 }
             };
             self.send_ev(EventKind::Records {
-                records,
+                batch,
                 permit: Some(permit),
             })
             .await?;

@@ -23,7 +23,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
-use crate::proto::{GuestRecord, GuestStats, Hello};
+use crate::proto::{GuestStats, Hello, RawBatch};
 pub use ledger::{SessionLedger, TokenBucket, VmAccount, VmLedger};
 pub use runtime::NetRuntime;
 
@@ -134,10 +134,12 @@ pub enum ClockSample {
 #[derive(Debug)]
 pub enum EventKind {
     Connected(Hello),
-    /// Records in sequence order; `permit` holds the VM's pending-record budget
-    /// until the event is dropped.
+    /// Records in sequence order, checked for structure and still in their
+    /// wire form (read them with a [`BatchReader`](crate::proto::BatchReader):
+    /// a record whose contents do not decode is the reader's to count);
+    /// `permit` holds the VM's pending-record budget until the event is dropped.
     Records {
-        records: Vec<GuestRecord>,
+        batch: RawBatch,
         permit: Option<OwnedSemaphorePermit>,
     },
     Stats(GuestStats),

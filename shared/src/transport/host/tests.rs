@@ -78,8 +78,8 @@ async fn serves_guests_and_survives_a_bad_one() {
     let (mut guest_clock, mut host_clock, mut bad_dropped) = (0, 0, false);
     until(&mut inbox, |e| {
         match e.kind {
-            EventKind::Records { records, .. } => {
-                *recs.entry(e.vm.clone()).or_default() += records.len()
+            EventKind::Records { batch, .. } => {
+                *recs.entry(e.vm.clone()).or_default() += batch.len()
             }
             EventKind::Clock(ClockSample::GuestInitiated { t1, t2, t3, t4 }) => {
                 assert!(t4 >= t1 && t3 >= t2);
@@ -277,8 +277,8 @@ async fn faults_between_guest_and_host_lose_nothing_and_are_counted() {
     let mut seen = BTreeSet::new();
     let mut dups = 0;
     until(&mut inbox, |e| {
-        if let EventKind::Records { records, .. } = e.kind {
-            for r in records {
+        if let EventKind::Records { batch, .. } = e.kind {
+            for r in batch.to_records().unwrap() {
                 let crate::proto::GuestRecord::Rq(r) = r else {
                     panic!()
                 };
@@ -339,8 +339,8 @@ async fn a_flooding_guest_is_throttled_and_the_other_vm_is_served() {
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_millis(1500) {
         inbox.drain(Duration::from_millis(50), |e| {
-            if let EventKind::Records { records, .. } = e.kind {
-                flood_n += records.len();
+            if let EventKind::Records { batch, .. } = e.kind {
+                flood_n += batch.len();
             }
         });
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -349,10 +349,10 @@ async fn a_flooding_guest_is_throttled_and_the_other_vm_is_served() {
         quiet.send_rq(&rq(i));
     }
     until(&mut inbox, |e| {
-        if let EventKind::Records { records, .. } = e.kind {
+        if let EventKind::Records { batch, .. } = e.kind {
             match e.vm.as_str() {
-                "quiet" => quiet_n += records.len(),
-                _ => flood_n += records.len(),
+                "quiet" => quiet_n += batch.len(),
+                _ => flood_n += batch.len(),
             }
         }
         quiet_n == 500
@@ -475,8 +475,8 @@ async fn the_inbox_wakes_the_loop_at_half_a_vms_budget() {
     }
     let mut n = 0;
     until(&mut inbox, |e| {
-        if let EventKind::Records { records, .. } = e.kind {
-            n += records.len();
+        if let EventKind::Records { batch, .. } = e.kind {
+            n += batch.len();
         }
         n == 700
     })
@@ -486,4 +486,59 @@ async fn the_inbox_wakes_the_loop_at_half_a_vms_budget() {
         "taking the inbox rearms the wake"
     );
     drop(g);
+}
+
+/// A batch whose structure is sound but one record's contents are not is
+/// delivered whole (the reader refuses that record alone, for the agent to
+/// count); a batch whose structure is broken drops the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_record_is_left_to_the_reader_and_a_bad_batch_drops_the_guest() {
+    use crate::proto::{encode_frame, BatchReader, GuestRecord, FRAME_HEADER};
+    let p = tmp_sock("badrec");
+    let (server, mut inbox) = serve(unix_cfg(&[(&p, "vm-r")])).await.unwrap();
+    let frame = |first_seq| {
+        let records = (0..3).map(|i| GuestRecord::Rq(rq(i))).collect();
+        encode_frame(&Message::Batch { first_seq, records }).unwrap()
+    };
+    // The second record's flags: after the header, the tag, the sequence
+    // number and the count, the first record (tag, length, body), then the
+    // second's tag and length.
+    let mut f = frame(0);
+    let at = FRAME_HEADER + 3;
+    let second = at + 2 + usize::from(f[at + 1]);
+    f[second + 2] = 0xff;
+    let mut broken = frame(3);
+    // An unknown record tag.
+    broken[FRAME_HEADER + 3] = 9;
+    let client = tokio::task::spawn_blocking(move || {
+        let mut s = UnixStream::connect(&p).unwrap();
+        write_message(&mut s, &Message::Hello(local_hello("r", None))).unwrap();
+        let _ = read_message(&mut s);
+        s.write_all(&f).unwrap();
+        s.write_all(&broken).unwrap();
+        while let Ok(Some(_)) = read_message(&mut s) {}
+    });
+    let (mut good, mut bad, mut dropped) = (0, Vec::new(), None);
+    let mut reader = BatchReader::new();
+    until(&mut inbox, |e| {
+        match e.kind {
+            EventKind::Records { batch, .. } => reader.read(&batch, |r| match r {
+                Ok(_) => good += 1,
+                Err(e) => bad.push(e.to_string()),
+            }),
+            EventKind::Disconnected { reason, error, .. } => dropped = Some((reason, error)),
+            _ => {}
+        }
+        dropped.is_some()
+    })
+    .await;
+    client.await.unwrap();
+    assert_eq!(good, 2);
+    assert_eq!(bad.len(), 1, "{bad:?}");
+    assert!(bad[0].contains("record 1"), "{bad:?}");
+    let (reason, error) = dropped.unwrap();
+    assert!(error && reason.contains("bad frame"), "{reason}");
+    let a = account(&server, "vm-r");
+    assert_eq!((a.delivered, a.bad_connections), (3, 1), "{a:?}");
+    server.shutdown(Duration::from_secs(2)).await;
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use viotrace_shared::proto::{
-    encode_frame, encode_record, write_message, GuestRecord, Message, FRAME_HEADER,
+    encode_frame, encode_record, read_message, write_message, GuestRecord, Message, FRAME_HEADER,
 };
 use viotrace_shared::record::{GuestRq, Op, Point, Points};
 use viotrace_shared::transport::local_hello;
@@ -25,6 +25,9 @@ pub struct AttackReport {
     pub frames: u64,
     pub records: u64,
     pub bytes: u64,
+    /// Records with bad contents in batches the host acknowledged (the host
+    /// agent must count each as malformed).
+    pub bad_records: u64,
     pub secs: f64,
 }
 
@@ -265,6 +268,66 @@ pub fn reconnects(path: &Path, n: usize) -> AttackReport {
     rep
 }
 
+/// `batches` frames of 10 request records, every other one with bad
+/// contents (its points cut inside a number) in a sound frame, on one
+/// admitted connection (tried for up to 20 s: earlier attacks may still hold
+/// the VM's slots); waits for the host's acknowledgement of all of them.
+pub fn malformed(path: &Path, batches: u64) -> AttackReport {
+    let mut rep = AttackReport {
+        attack: format!("malformed records ({batches} batches)"),
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let mut conn = None;
+    while conn.is_none() && t.elapsed() < Duration::from_secs(20) {
+        rep.connections += 1;
+        conn = hello(path);
+        if conn.is_none() {
+            rep.refused += 1;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let Some(mut s) = conn else {
+        rep.secs = t.elapsed().as_secs_f64();
+        return rep;
+    };
+    let recs: Vec<Vec<u8>> = (0..10u64)
+        .map(|i| {
+            let mut r = encode_record(&GuestRecord::Rq(fake_rq(i))).unwrap_or_default();
+            if i % 2 == 1 {
+                // The last point's number never ends: the record's length
+                // is right, its contents are not.
+                if let Some(b) = r.last_mut() {
+                    *b |= 0x80;
+                }
+            }
+            r
+        })
+        .collect();
+    let mut f = Vec::new();
+    for b in 0..batches {
+        let refs = recs.iter().map(Vec::as_slice);
+        viotrace_shared::proto::batch_frame(b * 10, recs.len(), refs, &mut f);
+    }
+    if s.write_all(&f).is_err() {
+        rep.refused += 1;
+    } else {
+        (rep.frames, rep.records, rep.bytes) = (batches, batches * 10, f.len() as u64);
+    }
+    // The host acknowledges what it delivered to the agent.
+    let mut acked = 0;
+    while acked < rep.records && t.elapsed() < Duration::from_secs(30) {
+        match read_message(&mut *s) {
+            Ok(Some(Message::Ack { next_seq })) => acked = acked.max(next_seq),
+            Ok(Some(_)) => {}
+            _ => break,
+        }
+    }
+    rep.bad_records = acked / 2;
+    rep.secs = t.elapsed().as_secs_f64();
+    rep
+}
+
 /// Every attack in turn, as the hostile-guest test runs them.
 pub fn all(path: &Path) -> Vec<AttackReport> {
     vec![
@@ -273,5 +336,6 @@ pub fn all(path: &Path) -> Vec<AttackReport> {
         forged_clock(path, Duration::from_secs(3)),
         half_open(path, 500, Duration::from_secs(3)),
         reconnects(path, 10_000),
+        malformed(path, 20),
     ]
 }

@@ -1,7 +1,8 @@
 //! A hostile guest cannot hurt the host agent or another VM (issue 10): one host
 //! agent serves two VMs while an attacker on VM a's guest socket floods records
 //! (small and ~1 MiB frames), forges clock samples and pongs, holds 500
-//! half-open connections and reconnects 10k times. VM b's records stay joined,
+//! half-open connections, reconnects 10k times and sends records whose
+//! contents do not decode. VM b's records stay joined,
 //! the host agent stays small, drops no ring-buffer record, stops on SIGINT
 //! within 2 s, and counts everything it refused.
 
@@ -177,6 +178,15 @@ fn a_hostile_guest_cannot_hurt_the_host_agent_or_another_vm() {
             "attacker's {k} not counted: {a}"
         );
     }
+    // Records with bad contents in sound frames: each dropped and counted,
+    // the connection kept (it had its acknowledgements).
+    let bad = reports.iter().map(|r| r.bad_records).sum::<u64>();
+    assert!(
+        bad >= 50,
+        "the malformed records were not acknowledged: {reports:?}"
+    );
+    assert_eq!(a["malformed"].as_u64(), Some(bad), "{a}");
+    assert_eq!(b["malformed"].as_u64(), Some(0), "{b}");
     // The reconnect storm alone made 10k connections: each was admitted or refused, and counted.
     let counted = a["connections"].as_u64().unwrap() + a["rejected_connections"].as_u64().unwrap();
     assert!(counted >= 10_000, "{counted} connections counted");

@@ -427,7 +427,7 @@ impl Conn {
         };
         batch.skip(skip);
         if !batch.is_empty() {
-            // The VM's budget of decoded records waiting for the agent: wait
+            // The VM's budget of records waiting for the agent: wait
             // (and so stop reading this guest) until the agent catches up.
             let sem = self.hub.pending(&self.vm);
             let want = (batch.len() as u32).min(sem_max(&self.hub));

@@ -1,7 +1,7 @@
 //! Host side: tokio listeners for AF_VSOCK and Unix (hybrid vsock) sockets.
 //!
 //! Isolation: every VM has a budget ([`Budget`]) — live connections, connection
-//! rate, bytes read per second, decoded records waiting for the agent, clock
+//! rate, bytes read per second, records waiting for the agent, clock
 //! samples per second, remembered sessions. A guest over its budget is not read
 //! (back-pressure) or is refused, and every refusal is counted in its
 //! [`VmAccount`]. The agent takes events through an [`Inbox`] with one bounded

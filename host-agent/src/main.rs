@@ -130,7 +130,7 @@ fn main() {
 
 /// The longest the main loop sleeps. It wakes earlier for a signal, when BPF
 /// finds the ring buffer a quarter full, and when the network thread finds a
-/// VM's decoded records at half its budget. Every wakeup has a price beyond
+/// VM's records waiting at half its budget. Every wakeup has a price beyond
 /// its work (the caches and TLB are cold after a sleep: on a nested
 /// hypervisor ~1 µs per page touched), so it is not a wakeup per record nor a
 /// fixed fast tick.

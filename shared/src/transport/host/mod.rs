@@ -195,7 +195,7 @@ struct Hub {
 }
 
 /// Wakes the agent's main loop early: it polls the inbox on its own clock,
-/// and a VM whose decoded records reach half its budget
+/// and a VM whose records waiting reach half its budget
 /// (`Budget::records_pending`) should not wait for that (its guest would be
 /// held back). Rung at most once until the loop takes the inbox again.
 struct Wake {
@@ -446,7 +446,7 @@ pub struct Inbox {
 
 impl Inbox {
     /// Readable when the inbox should be taken before the loop's own time
-    /// (a VM's decoded records reached half its budget); add it to the
+    /// (a VM's records waiting reached half its budget); add it to the
     /// loop's poll set. [`Inbox::drain`] rearms it.
     pub fn wake_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         use std::os::fd::AsFd;

@@ -120,7 +120,7 @@ pub struct Points {
 const _: () = assert!(SLOTS <= 32, "Points::mask has 32 bits");
 
 #[inline]
-fn slot(p: Point) -> usize {
+const fn slot(p: Point) -> usize {
     SLOT_OF_ID[p as usize & 63] as usize
 }
 
@@ -177,7 +177,7 @@ impl Points {
 
     /// The slot of a point in every set.
     #[inline]
-    pub(crate) fn slot(p: Point) -> usize {
+    pub(crate) const fn slot(p: Point) -> usize {
         slot(p)
     }
 

@@ -1,0 +1,259 @@
+//! A host element as it waits in the join for its guest record: only what
+//! the join and its output read, in a compact form.
+//!
+//! A [`HostElem`] is 336 bytes, most of them its [`Points`] (a slot for every
+//! guest and host point). A host element arrives about 100 ms before its
+//! guest record, so what it leaves in the pending set is written once and read
+//! once by then from memory: a [`HostEntry`] keeps its host points as offsets
+//! from its first one and leaves out what no output reads (its VM name, which
+//! is its VM's, and its wall-clock time, which the output derives from the
+//! points). Elements with other points, or whose points lie more than 4 s
+//! apart, keep a full copy of their points.
+
+use crate::interference::DeviceLoad;
+use crate::record::{Backend, HostElem, Name, Op, Point, Points};
+
+/// The host points' slots in a [`Points`] set: `h.notify` … `h.irq`.
+const HOST_FIRST: usize = Point::HostNotify as usize;
+const HOST_N: usize = Point::HostIrq as usize - HOST_FIRST + 1;
+/// The presence mask of the host points' slots.
+const HOST_MASK: u32 = ((1 << HOST_N) - 1) << Points::slot(Point::HostNotify);
+
+const _: () = assert!(HOST_N <= 16, "the packed mask has 16 bits");
+
+/// A host element's points.
+#[derive(Clone, Debug, PartialEq)]
+enum HostPoints {
+    /// Host points only, within 4 s of the first: bit `i` of `mask` set when
+    /// host point `i` is present, at `base + offs[i]`.
+    Packed {
+        base: u64,
+        mask: u16,
+        offs: [u32; HOST_N],
+    },
+    /// Any other set, as it came.
+    Full(Box<Points>),
+}
+
+impl HostPoints {
+    fn of(ts: &Points) -> Self {
+        let shift = Points::slot(Point::HostNotify);
+        let packed = (ts.mask() & !HOST_MASK == 0)
+            .then(|| ts.min_max().unwrap_or((0, 0)))
+            .filter(|(lo, hi)| hi - lo <= u32::MAX as u64);
+        let Some((base, _)) = packed else {
+            return HostPoints::Full(Box::new(ts.clone()));
+        };
+        let mask = (ts.mask() >> shift) as u16;
+        let mut offs = [0u32; HOST_N];
+        for (i, o) in offs.iter_mut().enumerate() {
+            // Absent slots hold 0, which stays 0 only as an offset of 0.
+            if mask & (1 << i) != 0 {
+                *o = (ts.at_slot(shift + i) - base) as u32;
+            }
+        }
+        HostPoints::Packed { base, mask, offs }
+    }
+
+    /// Sets every point here in `ts` (replacing a point present in both).
+    fn overlay_onto(&self, ts: &mut Points) {
+        match self {
+            HostPoints::Packed { base, mask, offs } => {
+                let mut m = *mask;
+                while m != 0 {
+                    let i = m.trailing_zeros() as usize;
+                    m &= m - 1;
+                    ts.set(HOST_POINTS[i], base + offs[i] as u64);
+                }
+            }
+            HostPoints::Full(p) => ts.overlay(p),
+        }
+    }
+
+    fn to_points(&self) -> Points {
+        match self {
+            HostPoints::Packed { .. } => {
+                let mut ts = Points::new();
+                self.overlay_onto(&mut ts);
+                ts
+            }
+            HostPoints::Full(p) => (**p).clone(),
+        }
+    }
+}
+
+/// The host points, in slot order.
+const HOST_POINTS: [Point; HOST_N] = [
+    Point::HostNotify,
+    Point::HostPop,
+    Point::HostSubmit,
+    Point::HostIoIssue,
+    Point::HostDiskIssue,
+    Point::HostDiskComplete,
+    Point::HostIoComplete,
+    Point::HostCompleteCb,
+    Point::HostPush,
+    Point::HostIrq,
+];
+
+/// A pending host element (see the module docs).
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct HostEntry {
+    // What a partner search reads of every candidate.
+    pub sector: u64,
+    pub bytes: u32,
+    pub queue: u16,
+    pub head: u16,
+    pub op: Op,
+    pub backend: Backend,
+    pub status: Option<u8>,
+    pub qemu_pid: u32,
+    pub merge_id: u64,
+    pub device: Name,
+    pts: HostPoints,
+    pub interference: Option<Box<DeviceLoad>>,
+}
+
+impl HostEntry {
+    pub fn of(el: &HostElem) -> Self {
+        HostEntry {
+            sector: el.sector,
+            bytes: el.bytes,
+            queue: el.queue,
+            head: el.head,
+            op: el.op,
+            backend: el.backend,
+            status: el.status,
+            qemu_pid: el.qemu_pid,
+            merge_id: el.merge_id,
+            device: el.device.clone(),
+            pts: HostPoints::of(&el.ts),
+            interference: el.interference.clone().map(Box::new),
+        }
+    }
+
+    /// The element's points.
+    pub fn points(&self) -> Points {
+        self.pts.to_points()
+    }
+
+    /// Sets the element's points in `ts` (replacing a point present in both).
+    pub fn overlay_points(&self, ts: &mut Points) {
+        self.pts.overlay_onto(ts);
+    }
+
+    /// The element again, with its VM's name and its wall-clock time (which
+    /// the entry does not keep).
+    #[cfg(test)]
+    pub fn to_elem(&self, vm: &str, time: Option<crate::walltime::WallTime>) -> HostElem {
+        HostElem {
+            vm: vm.into(),
+            time,
+            qemu_pid: self.qemu_pid,
+            device: self.device.clone(),
+            queue: self.queue,
+            head: self.head,
+            op: self.op,
+            sector: self.sector,
+            bytes: self.bytes,
+            backend: self.backend,
+            merge_id: self.merge_id,
+            status: self.status,
+            ts: self.points(),
+            interference: self.interference.as_deref().cloned(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn elem(ts: Points) -> HostElem {
+        HostElem {
+            vm: "vm7".into(),
+            time: crate::walltime::of_points(&ts),
+            qemu_pid: 4242,
+            device: "a-rather-long-device-label-on-the-heap".into(),
+            queue: 3,
+            head: 127,
+            op: Op::Discard,
+            sector: u64::MAX - 5,
+            bytes: u32::MAX,
+            backend: Backend::IoUring,
+            merge_id: 1 << 60,
+            status: Some(2),
+            ts,
+            interference: Some(DeviceLoad {
+                host_disk: Some("nvme0n1 (259:0)".into()),
+                neighbour_inflight: Some(3),
+                neighbour_issued: None,
+                neighbour_bytes: Some(1 << 40),
+            }),
+        }
+    }
+
+    fn packed(e: &HostEntry) -> bool {
+        matches!(e.pts, HostPoints::Packed { .. })
+    }
+
+    #[test]
+    fn an_entry_gives_back_its_element() {
+        let every: Points = HOST_POINTS
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| (p, 1_000_000_007 + 1000 * (9 - i as u64)))
+            .collect();
+        let mut odd = every.clone();
+        odd.remove(Point::HostPop);
+        odd.set(Point::HostIrq, 1_000_000_007 + u32::MAX as u64);
+        let at_zero: Points = [(Point::HostPush, 0), (Point::HostNotify, 0)]
+            .into_iter()
+            .collect();
+        let cases = [
+            (every, true),
+            (odd.clone(), true),
+            (at_zero, true),
+            (Points::new(), true),
+            // Further apart than an offset holds.
+            (
+                [(Point::HostPop, 1), (Point::HostPush, u64::MAX)]
+                    .into_iter()
+                    .collect(),
+                false,
+            ),
+            // A guest point on a host element.
+            (
+                [(Point::Kick, 5), (Point::HostPush, 9)]
+                    .into_iter()
+                    .collect(),
+                false,
+            ),
+        ];
+        for (ts, compact) in cases {
+            let mut el = elem(ts.clone());
+            for minimal in [false, true] {
+                if minimal {
+                    (el.device, el.status, el.interference) = ("d".into(), None, None);
+                }
+                let e = HostEntry::of(&el);
+                assert_eq!(packed(&e), compact, "{ts:?}");
+                assert_eq!(e.to_elem(&el.vm, el.time), el);
+                let mut base: Points = [(Point::RqIssue, 77), (Point::HostPop, 3)]
+                    .into_iter()
+                    .collect();
+                let mut want = base.clone();
+                want.overlay(&el.ts);
+                e.overlay_points(&mut base);
+                assert_eq!(base, want);
+            }
+        }
+    }
+
+    #[test]
+    fn an_entry_is_smaller_than_its_element() {
+        let size = std::mem::size_of::<HostEntry>();
+        assert!(size <= 128, "{size} bytes");
+        assert!(size < std::mem::size_of::<HostElem>() / 2);
+    }
+}

@@ -191,6 +191,41 @@ impl Points {
         self.mask.count_ones() as usize
     }
 
+    /// The values of the `N` slots from `first` as offsets from `base` (0
+    /// for an absent point; a present one must lie in `base..=base +
+    /// u32::MAX`), and their presence bits.
+    #[inline]
+    pub(crate) fn offsets<const N: usize>(&self, first: usize, base: u64) -> (u32, [u32; N]) {
+        let mut offs = [0u32; N];
+        let mask = (self.mask >> first) & ((1 << N) - 1);
+        for (i, o) in offs.iter_mut().enumerate() {
+            let v = self.vals[first + i].wrapping_sub(base) as u32;
+            *o = if mask & (1 << i) != 0 { v } else { 0 };
+        }
+        (mask, offs)
+    }
+
+    /// Sets the slots from `first` whose bit is set in `mask` to `base +
+    /// offs[i]` ([`Self::offsets`] the other way round).
+    #[inline]
+    pub(crate) fn set_offsets<const N: usize>(
+        &mut self,
+        first: usize,
+        mask: u32,
+        base: u64,
+        offs: &[u32; N],
+    ) {
+        for (i, &o) in offs.iter().enumerate() {
+            let v = &mut self.vals[first + i];
+            *v = if mask & (1 << i) != 0 {
+                base + o as u64
+            } else {
+                *v
+            };
+        }
+        self.mask |= mask << first;
+    }
+
     /// Iterates over the present points in path order.
     pub fn iter(&self) -> impl Iterator<Item = (Point, u64)> + '_ {
         present(self.mask).map(|i| (Point::ALL[i], self.vals[i]))

@@ -13,13 +13,17 @@
 use crate::interference::DeviceLoad;
 use crate::record::{Backend, HostElem, Name, Op, Point, Points};
 
-/// The host points' slots in a [`Points`] set: `h.notify` … `h.irq`.
-const HOST_FIRST: usize = Point::HostNotify as usize;
-const HOST_N: usize = Point::HostIrq as usize - HOST_FIRST + 1;
+/// The host points' slots in a [`Points`] set: `h.notify` … `h.irq`, in a row.
+const HOST_SLOT: usize = Points::slot(Point::HostNotify);
+const HOST_N: usize = Points::slot(Point::HostIrq) - HOST_SLOT + 1;
 /// The presence mask of the host points' slots.
-const HOST_MASK: u32 = ((1 << HOST_N) - 1) << Points::slot(Point::HostNotify);
+const HOST_MASK: u32 = ((1 << HOST_N) - 1) << HOST_SLOT;
 
 const _: () = assert!(HOST_N <= 16, "the packed mask has 16 bits");
+const _: () = assert!(
+    HOST_N == Point::HostIrq as usize - Point::HostNotify as usize + 1,
+    "the host points have consecutive slots"
+);
 
 /// A host element's points.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,35 +40,24 @@ enum HostPoints {
 }
 
 impl HostPoints {
-    fn of(ts: &Points) -> Self {
-        let shift = Points::slot(Point::HostNotify);
-        let packed = (ts.mask() & !HOST_MASK == 0)
-            .then(|| ts.min_max().unwrap_or((0, 0)))
-            .filter(|(lo, hi)| hi - lo <= u32::MAX as u64);
-        let Some((base, _)) = packed else {
+    /// `lo`, `hi`: the earliest and the latest point (0, 0 for none).
+    fn of(ts: &Points, (lo, hi): (u64, u64)) -> Self {
+        if ts.mask() & !HOST_MASK != 0 || hi - lo > u32::MAX as u64 {
             return HostPoints::Full(Box::new(ts.clone()));
-        };
-        let mask = (ts.mask() >> shift) as u16;
-        let mut offs = [0u32; HOST_N];
-        for (i, o) in offs.iter_mut().enumerate() {
-            // Absent slots hold 0, which stays 0 only as an offset of 0.
-            if mask & (1 << i) != 0 {
-                *o = (ts.at_slot(shift + i) - base) as u32;
-            }
         }
-        HostPoints::Packed { base, mask, offs }
+        let (mask, offs) = ts.offsets(HOST_SLOT, lo);
+        HostPoints::Packed {
+            base: lo,
+            mask: mask as u16,
+            offs,
+        }
     }
 
     /// Sets every point here in `ts` (replacing a point present in both).
     fn overlay_onto(&self, ts: &mut Points) {
         match self {
             HostPoints::Packed { base, mask, offs } => {
-                let mut m = *mask;
-                while m != 0 {
-                    let i = m.trailing_zeros() as usize;
-                    m &= m - 1;
-                    ts.set(HOST_POINTS[i], base + offs[i] as u64);
-                }
+                ts.set_offsets(HOST_SLOT, *mask as u32, *base, offs)
             }
             HostPoints::Full(p) => ts.overlay(p),
         }
@@ -81,20 +74,6 @@ impl HostPoints {
         }
     }
 }
-
-/// The host points, in slot order.
-const HOST_POINTS: [Point; HOST_N] = [
-    Point::HostNotify,
-    Point::HostPop,
-    Point::HostSubmit,
-    Point::HostIoIssue,
-    Point::HostDiskIssue,
-    Point::HostDiskComplete,
-    Point::HostIoComplete,
-    Point::HostCompleteCb,
-    Point::HostPush,
-    Point::HostIrq,
-];
 
 /// A pending host element (see the module docs).
 #[derive(Clone, Debug, PartialEq)]
@@ -115,7 +94,8 @@ pub(super) struct HostEntry {
 }
 
 impl HostEntry {
-    pub fn of(el: &HostElem) -> Self {
+    /// `lo`, `hi`: the element's earliest and latest point (0, 0 for none).
+    pub fn of(el: &HostElem, (lo, hi): (u64, u64)) -> Self {
         HostEntry {
             sector: el.sector,
             bytes: el.bytes,
@@ -127,7 +107,7 @@ impl HostEntry {
             qemu_pid: el.qemu_pid,
             merge_id: el.merge_id,
             device: el.device.clone(),
-            pts: HostPoints::of(&el.ts),
+            pts: HostPoints::of(&el.ts, (lo, hi)),
             interference: el.interference.clone().map(Box::new),
         }
     }
@@ -199,7 +179,7 @@ mod tests {
 
     #[test]
     fn an_entry_gives_back_its_element() {
-        let every: Points = HOST_POINTS
+        let every: Points = Point::ALL[HOST_SLOT..HOST_SLOT + HOST_N]
             .iter()
             .enumerate()
             .map(|(i, &p)| (p, 1_000_000_007 + 1000 * (9 - i as u64)))
@@ -236,7 +216,7 @@ mod tests {
                 if minimal {
                     (el.device, el.status, el.interference) = ("d".into(), None, None);
                 }
-                let e = HostEntry::of(&el);
+                let e = HostEntry::of(&el, el.ts.min_max().unwrap_or((0, 0)));
                 assert_eq!(packed(&e), compact, "{ts:?}");
                 assert_eq!(e.to_elem(&el.vm, el.time), el);
                 let mut base: Points = [(Point::RqIssue, 77), (Point::HostPop, 3)]

@@ -328,7 +328,8 @@ impl JoinEngine {
         self.stats.host_records += 1;
         let vid = self.vm_id(&el.vm);
         let t = Times::of::<Host>(&el.ts);
-        self.push::<Host>(vid, Cow::Owned(HostEntry::of(el)), t, out);
+        let e = HostEntry::of(el, (t.first, t.last));
+        self.push::<Host>(vid, Cow::Owned(e), t, out);
     }
 
     /// Tells the engine the host's current time (live mode, when records are

@@ -230,6 +230,109 @@ mod tests {
         }
     }
 
+    /// A host element that waited and left unmatched comes out as it came:
+    /// every field the output has, its points, its VM and wall-clock time.
+    #[test]
+    fn an_unmatched_element_keeps_every_field() {
+        use crate::join::{JoinConfig, JoinEngine};
+        let mut odd = Points::new();
+        odd.set(Point::HostPop, 10);
+        odd.set(Point::HostIrq, 10 + u32::MAX as u64 + 1);
+        let mut guestly = odd.clone();
+        guestly.set(Point::Irq, 12);
+        let base = 1_700_000_000_000_000_000;
+        let usual: Points = [(Point::HostPop, base), (Point::HostPush, base + 999)]
+            .into_iter()
+            .collect();
+        let mut e = JoinEngine::new(JoinConfig::offline());
+        let mut els = Vec::new();
+        for ts in [usual, odd, guestly, Points::new()] {
+            let mut el = elem(ts);
+            el.head = els.len() as u16;
+            e.push_host_ref(&el, &mut Vec::new());
+            els.push(el.clone());
+            (el.status, el.interference, el.head) = (None, None, el.head + 100);
+            e.push_host(el.clone(), &mut Vec::new());
+            els.push(el);
+        }
+        let mut out = Vec::new();
+        e.flush(&mut out);
+        assert_eq!(out.len(), els.len());
+        for el in &els {
+            let io = out.iter().find(|io| io.head == Some(el.head)).unwrap();
+            assert_eq!(io.vm, el.vm);
+            // (Mapped from the monotonic clock when the record is built.)
+            let want = crate::walltime::of_points(&el.ts).map(|t| t.unix_ns());
+            let got = io.time.map(|t| t.unix_ns());
+            assert!(got.zip(want).is_none_or(|(a, b)| a.abs_diff(b) < 1_000_000));
+            assert_eq!(got.is_some(), want.is_some());
+            assert_eq!(io.device.as_ref(), Some(&el.device));
+            assert_eq!((io.queue, io.op), (Some(el.queue), el.op));
+            assert_eq!((io.sector, io.bytes), (el.sector, el.bytes));
+            assert_eq!(io.qemu_pid, Some(el.qemu_pid));
+            assert_eq!(io.backend, Some(el.backend));
+            assert_eq!(io.merge_id, Some(el.merge_id));
+            assert_eq!(io.status, el.status);
+            assert_eq!(io.ts, el.ts);
+            let load = io.interference.as_ref().map(|i| &i.device);
+            assert_eq!(load, el.interference.as_ref());
+        }
+    }
+
+    /// A joined record has its host element's fields and points.
+    #[test]
+    fn a_joined_record_has_every_field_of_its_element() {
+        use crate::join::synth::{generate, SynthConfig};
+        use crate::join::{JoinConfig, JoinEngine};
+        let s = generate(&SynthConfig {
+            requests: 64,
+            ..SynthConfig::default()
+        });
+        let mut e = JoinEngine::new(JoinConfig::offline());
+        let mut out = Vec::new();
+        let mut els = Vec::new();
+        for (i, h) in s.host.iter().enumerate() {
+            let mut el = h.clone();
+            // (One device: the join learns the guest disk's.)
+            el.device = "a-rather-long-device-label-on-the-heap".into();
+            if i % 2 == 0 {
+                let x = elem(Points::new());
+                (el.status, el.interference) = (x.status, x.interference);
+                (el.qemu_pid, el.merge_id, el.backend) = (x.qemu_pid, x.merge_id, x.backend);
+            }
+            if i % 3 == 0 {
+                // Further apart than an offset holds: a full copy.
+                let pop = el.ts.get(Point::HostPop).unwrap();
+                el.ts.set(Point::HostDiskComplete, pop + (1 << 33));
+            }
+            e.push_host_ref(&el, &mut out);
+            els.push(el);
+        }
+        for g in &s.guest {
+            e.push_guest_ref("vm0", g, &mut out);
+        }
+        e.flush(&mut out);
+        assert_eq!(out.len(), els.len());
+        for io in &out {
+            assert!(io.joined, "{io:?}");
+            let el = &els[io.pid.unwrap() as usize];
+            assert_eq!(io.vm, el.vm);
+            assert_eq!(io.device.as_ref(), Some(&el.device));
+            assert_eq!((io.queue, io.head), (Some(el.queue), Some(el.head)));
+            assert_eq!(io.qemu_pid, Some(el.qemu_pid));
+            assert_eq!(io.backend, Some(el.backend));
+            assert_eq!(io.merge_id, Some(el.merge_id));
+            assert_eq!(io.status, el.status);
+            let load = io.interference.as_ref().map(|i| &i.device);
+            assert_eq!(load, el.interference.as_ref());
+            // (The join drops notifications that did not carry the request.)
+            let kept = |p: &(Point, u64)| !matches!(p.0, Point::HostIrq | Point::HostNotify);
+            for (p, t) in el.ts.iter().filter(kept) {
+                assert_eq!(io.ts.get(p), Some(t), "{p}");
+            }
+        }
+    }
+
     #[test]
     fn an_entry_is_smaller_than_its_element() {
         let size = std::mem::size_of::<HostEntry>();

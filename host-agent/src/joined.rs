@@ -198,8 +198,8 @@ impl Joined {
     }
 
     /// Feeds one of this agent's host elements.
-    pub fn host_elem(&mut self, e: HostElem) {
-        self.engine.push_host(e, &mut self.out);
+    pub fn host_elem(&mut self, e: &HostElem) {
+        self.engine.push_host_ref(e, &mut self.out);
     }
 
     /// Readable when the network thread wants the inbox taken early.

@@ -31,7 +31,8 @@ impl Sink {
         }
     }
 
-    /// One host element: statistics, outputs, then the join (which keeps it).
+    /// One host element: statistics, outputs, then the join (which keeps a
+    /// compact copy of what it reads).
     pub fn elem(&mut self, e: HostElem) {
         self.records += 1;
         let label = self.label.get(&e.vm, &e.device);
@@ -74,7 +75,7 @@ impl Sink {
             }
         }
         if let Some(j) = self.joined.as_mut() {
-            j.host_elem(e);
+            j.host_elem(&e);
         }
     }
 }

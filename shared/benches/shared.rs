@@ -424,7 +424,7 @@ impl HostPath {
             HostInput::Elem(e) => {
                 let label = self.elem_label.get(&e.vm, &e.device);
                 self.elems.record_points(label, &e.ts);
-                self.engine.push_host(e, &mut self.out);
+                self.engine.push_host_ref(&e, &mut self.out);
             }
             HostInput::Frame(f) => {
                 // The network thread's part (the frame's structure), then

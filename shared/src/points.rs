@@ -120,7 +120,7 @@ pub struct Points {
 const _: () = assert!(SLOTS <= 32, "Points::mask has 32 bits");
 
 #[inline]
-fn slot(p: Point) -> usize {
+const fn slot(p: Point) -> usize {
     SLOT_OF_ID[p as usize & 63] as usize
 }
 
@@ -177,7 +177,7 @@ impl Points {
 
     /// The slot of a point in every set.
     #[inline]
-    pub(crate) fn slot(p: Point) -> usize {
+    pub(crate) const fn slot(p: Point) -> usize {
         slot(p)
     }
 
@@ -189,6 +189,41 @@ impl Points {
 
     pub fn len(&self) -> usize {
         self.mask.count_ones() as usize
+    }
+
+    /// The values of the `N` slots from `first` as offsets from `base` (0
+    /// for an absent point; a present one must lie in `base..=base +
+    /// u32::MAX`), and their presence bits.
+    #[inline]
+    pub(crate) fn offsets<const N: usize>(&self, first: usize, base: u64) -> (u32, [u32; N]) {
+        let mut offs = [0u32; N];
+        let mask = (self.mask >> first) & ((1 << N) - 1);
+        for (i, o) in offs.iter_mut().enumerate() {
+            let v = self.vals[first + i].wrapping_sub(base) as u32;
+            *o = if mask & (1 << i) != 0 { v } else { 0 };
+        }
+        (mask, offs)
+    }
+
+    /// Sets the slots from `first` whose bit is set in `mask` to `base +
+    /// offs[i]` ([`Self::offsets`] the other way round).
+    #[inline]
+    pub(crate) fn set_offsets<const N: usize>(
+        &mut self,
+        first: usize,
+        mask: u32,
+        base: u64,
+        offs: &[u32; N],
+    ) {
+        for (i, &o) in offs.iter().enumerate() {
+            let v = &mut self.vals[first + i];
+            *v = if mask & (1 << i) != 0 {
+                base + o as u64
+            } else {
+                *v
+            };
+        }
+        self.mask |= mask << first;
     }
 
     /// Iterates over the present points in path order.

@@ -3,11 +3,10 @@
 //! view and builds the record only if it needs it.
 
 use crate::clock::{narrow, CausalBounds, OffsetEstimate};
-use crate::record::{
-    ClockDomain, GuestRq, HostElem, JoinedIo, Name, Op, Point, Points, UnmatchedReason,
-};
+use crate::record::{ClockDomain, GuestRq, JoinedIo, Name, Op, Point, Points, UnmatchedReason};
 use crate::stages::{self, Stages};
 
+use super::host_entry::HostEntry;
 use super::pending::{Pending, Side, Times};
 use super::JoinEngine;
 
@@ -15,9 +14,9 @@ use super::JoinEngine;
 /// pending record is dropped only once its output is built), not moved.
 #[derive(Clone, Copy)]
 pub(super) enum Parts<'a> {
-    Joined(&'a GuestRq, &'a HostElem),
+    Joined(&'a GuestRq, &'a HostEntry),
     Guest(&'a GuestRq),
-    Host(&'a HostElem),
+    Host(&'a HostEntry),
 }
 
 /// The guest→host offset applied to one output record's guest points.
@@ -41,7 +40,7 @@ impl From<OffsetEstimate> for Mapping {
 /// the statistics read without building the output record, which
 /// [`Emitted::build_into`] makes only for the records that are written.
 pub struct Emitted<'a> {
-    /// The VM, for a record without a host element.
+    /// The VM (a host element's is its VM's name).
     vm: &'a str,
     parts: Parts<'a>,
     /// Its points, in `ts_domain`; the records' own points are not read.
@@ -70,7 +69,7 @@ impl Emitted<'_> {
         }
     }
 
-    fn host(&self) -> Option<&HostElem> {
+    fn host(&self) -> Option<&HostEntry> {
         match self.parts {
             Parts::Joined(_, h) | Parts::Host(h) => Some(h),
             Parts::Guest(_) => None,
@@ -79,7 +78,7 @@ impl Emitted<'_> {
 
     /// [`JoinedIo::vm`].
     pub fn vm(&self) -> &str {
-        self.host().map_or(self.vm, |h| h.vm.as_str())
+        self.vm
     }
 
     /// [`JoinedIo::disk`].
@@ -192,23 +191,20 @@ impl Emitted<'_> {
             io.kicked = g.kicked;
             io.error = Some(g.error);
         }
-        match h {
-            Some(h) => {
-                io.vm = h.vm.clone();
-                io.device = Some(h.device.clone());
-                (io.queue, io.head) = (Some(h.queue), Some(h.head));
-                io.qemu_pid = Some(h.qemu_pid);
-                io.backend = Some(h.backend);
-                io.merge_id = Some(h.merge_id);
-                io.status = h.status;
-                io.interference = h.interference.as_ref().map(|d| {
-                    Box::new(crate::interference::Interference {
-                        device: d.clone(),
-                        ..Default::default()
-                    })
-                });
-            }
-            None => io.vm = self.vm.into(),
+        io.vm = self.vm.into();
+        if let Some(h) = h {
+            io.device = Some(h.device.clone());
+            (io.queue, io.head) = (Some(h.queue), Some(h.head));
+            io.qemu_pid = Some(h.qemu_pid);
+            io.backend = Some(h.backend);
+            io.merge_id = Some(h.merge_id);
+            io.status = h.status;
+            io.interference = h.interference.as_ref().map(|d| {
+                Box::new(crate::interference::Interference {
+                    device: (**d).clone(),
+                    ..Default::default()
+                })
+            });
         }
     }
 }
@@ -227,7 +223,7 @@ pub(super) struct JoinCtx<'a> {
 pub(super) fn make_joined(
     cx: JoinCtx<'_>,
     (rq, g): (&GuestRq, &Times),
-    (el, h): (&HostElem, &Times),
+    (el, h): (&HostEntry, &Times),
     est: Option<OffsetEstimate>,
     unambiguous: bool,
     out: &mut dyn Output,
@@ -290,11 +286,11 @@ pub(super) fn make_joined(
         Some(m) => {
             let mut ts = rq.ts.clone();
             ts.shift(m.offset_ns);
-            ts.overlay(&el.ts);
+            el.overlay_points(&mut ts);
             drop_unrelated_notifications(&mut ts, m.uncertainty_ns.unwrap_or(0));
             ts
         }
-        None => el.ts.clone(),
+        None => el.points(),
     };
     let unc = mapping.and_then(|m| m.uncertainty_ns);
     out.emit(Emitted {
@@ -330,7 +326,7 @@ impl JoinEngine {
         } else {
             None
         };
-        let mut ts = S::ts(&p.rec).clone();
+        let mut ts = S::points(&p.rec);
         let domain = match est {
             Some(e) => {
                 ts.shift(e.offset_ns);

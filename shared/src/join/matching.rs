@@ -5,10 +5,11 @@
 use std::borrow::Cow;
 
 use crate::clock::OffsetEstimate;
-use crate::record::{GuestRq, HostElem, Name, Op};
+use crate::record::{GuestRq, Name, Op};
 
 use super::emit::{make_joined, JoinCtx};
-use super::pending::{head_key, Guest, Host, Pending, PendingSet, Side, Times};
+use super::host_entry::HostEntry;
+use super::pending::{head_key, Guest, Host, Pending, Side, Times};
 use super::{JoinEngine, Output};
 
 /// The outcome of a partner search.
@@ -29,7 +30,7 @@ fn ops_compatible(g: Op, h: Op) -> bool {
 /// Op, sector and length agree (sector/length only for reads and writes:
 /// virtio-blk carries discard/write-zeroes ranges in the payload and flushes
 /// have none).
-fn confirm(g: &GuestRq, h: &HostElem) -> bool {
+fn confirm(g: &GuestRq, h: &HostEntry) -> bool {
     if !ops_compatible(g.op, h.op) {
         return false;
     }
@@ -177,9 +178,14 @@ impl JoinEngine {
     /// Adds a record of side `S` from VM `vid`: joins it with its partner,
     /// or keeps it pending; then emits what of the VM expired. A borrowed
     /// record is copied only if it has to wait (a guest record mostly finds
-    /// its host element already there, and is read in place).
-    pub(super) fn push<S: Side>(&mut self, vid: u32, rec: Cow<'_, S::Rec>, out: &mut dyn Output) {
-        let t = PendingSet::<S>::times(&rec);
+    /// its host element already there, and is read in place). `t`: its times.
+    pub(super) fn push<S: Side>(
+        &mut self,
+        vid: u32,
+        rec: Cow<'_, S::Rec>,
+        t: Times,
+        out: &mut dyn Output,
+    ) {
         S::set_mut(&mut self.sides)
             .vm_mut(vid)
             .observe(t.first, t.last);

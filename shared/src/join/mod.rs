@@ -58,6 +58,7 @@
 
 mod emit;
 mod expiry;
+mod host_entry;
 mod matching;
 mod pending;
 #[cfg(any(test, feature = "testing"))]
@@ -75,7 +76,8 @@ use crate::record::{GuestRq, HostElem};
 use crate::stages;
 pub use emit::{Emitted, Output};
 
-use pending::{Guest, Host, Sides};
+use host_entry::HostEntry;
+use pending::{Guest, Host, Sides, Times};
 
 /// Join tuning.
 #[derive(Clone, Debug)]
@@ -301,7 +303,8 @@ impl JoinEngine {
     pub fn push_guest(&mut self, vm: &str, rq: GuestRq, out: &mut dyn Output) {
         self.stats.guest_records += 1;
         let vid = self.vm_id(vm);
-        self.push::<Guest>(vid, Cow::Owned(rq), out);
+        let t = Times::of::<Guest>(&rq.ts);
+        self.push::<Guest>(vid, Cow::Owned(rq), t, out);
     }
 
     /// [`push_guest`](Self::push_guest) of a record the caller keeps: it is
@@ -309,14 +312,24 @@ impl JoinEngine {
     pub fn push_guest_ref(&mut self, vm: &str, rq: &GuestRq, out: &mut dyn Output) {
         self.stats.guest_records += 1;
         let vid = self.vm_id(vm);
-        self.push::<Guest>(vid, Cow::Borrowed(rq), out);
+        let t = Times::of::<Guest>(&rq.ts);
+        self.push::<Guest>(vid, Cow::Borrowed(rq), t, out);
     }
 
     /// Adds a host element (its `vm` field names the VM).
     pub fn push_host(&mut self, el: HostElem, out: &mut dyn Output) {
+        self.push_host_ref(&el, out);
+    }
+
+    /// [`push_host`](Self::push_host) of an element the caller keeps: what
+    /// waits for the guest record is a compact copy of what the join and its
+    /// output read (not its VM name, not its wall-clock time).
+    pub fn push_host_ref(&mut self, el: &HostElem, out: &mut dyn Output) {
         self.stats.host_records += 1;
         let vid = self.vm_id(&el.vm);
-        self.push::<Host>(vid, Cow::Owned(el), out);
+        let t = Times::of::<Host>(&el.ts);
+        let e = HostEntry::of(el, (t.first, t.last));
+        self.push::<Host>(vid, Cow::Owned(e), t, out);
     }
 
     /// Tells the engine the host's current time (live mode, when records are

@@ -10,10 +10,11 @@ use std::collections::VecDeque;
 use std::marker::PhantomData;
 
 use crate::clock::OffsetEstimate;
-use crate::record::{GuestRq, HostElem, Point, Points, UnmatchedReason};
+use crate::record::{GuestRq, Point, Points, UnmatchedReason};
 
 use super::emit::Parts;
 use super::expiry::Deadlines;
+use super::host_entry::HostEntry;
 use super::matching::{ended_too_late, submitted_too_late};
 
 type FxMap<K, V> = rustc_hash::FxHashMap<K, V>;
@@ -33,7 +34,7 @@ pub(super) struct Times {
 }
 
 impl Times {
-    fn of<S: Side>(ts: &Points) -> Self {
+    pub fn of<S: Side>(ts: &Points) -> Self {
         let first_of = |pts: &[Point]| pts.iter().find_map(|p| ts.get(*p));
         let (first, last) = ts.min_max().unwrap_or((0, 0));
         Times {
@@ -75,7 +76,8 @@ pub(super) trait Side: Sized + 'static {
     /// (guest) rather than every record of a headless VM (host).
     const SECTOR_INDEX_HEADLESS_ONLY: bool;
 
-    fn ts(r: &Self::Rec) -> &Points;
+    /// The record's points.
+    fn points(r: &Self::Rec) -> Points;
     fn sector(r: &Self::Rec) -> u64;
     /// `(queue, head)` when the record has both.
     fn queue_head(r: &Self::Rec) -> Option<(u16, u16)>;
@@ -91,7 +93,7 @@ pub(super) trait Side: Sized + 'static {
     fn refs<'a>(
         mine: &'a Self::Rec,
         theirs: &'a <Self::Other as Side>::Rec,
-    ) -> (&'a GuestRq, &'a HostElem);
+    ) -> (&'a GuestRq, &'a HostEntry);
     fn alone(r: &Self::Rec) -> Parts<'_>;
     fn set(s: &Sides) -> &PendingSet<Self>;
     fn set_mut(s: &mut Sides) -> &mut PendingSet<Self>;
@@ -118,8 +120,8 @@ impl Side for Guest {
     const NO_PARTNER: UnmatchedReason = UnmatchedReason::NoHostRecord;
     const SECTOR_INDEX_HEADLESS_ONLY: bool = true;
 
-    fn ts(r: &GuestRq) -> &Points {
-        &r.ts
+    fn points(r: &GuestRq) -> Points {
+        r.ts.clone()
     }
     fn sector(r: &GuestRq) -> u64 {
         r.sector
@@ -139,7 +141,7 @@ impl Side for Guest {
     fn guest_first<T>(mine: T, theirs: T) -> (T, T) {
         (mine, theirs)
     }
-    fn refs<'a>(mine: &'a GuestRq, theirs: &'a HostElem) -> (&'a GuestRq, &'a HostElem) {
+    fn refs<'a>(mine: &'a GuestRq, theirs: &'a HostEntry) -> (&'a GuestRq, &'a HostEntry) {
         (mine, theirs)
     }
     fn alone(r: &GuestRq) -> Parts<'_> {
@@ -157,7 +159,7 @@ impl Side for Guest {
 }
 
 impl Side for Host {
-    type Rec = HostElem;
+    type Rec = HostEntry;
     type Other = Guest;
     const IS_GUEST: bool = false;
     const START: &'static [Point] = &[Point::HostPop, Point::HostSubmit, Point::HostIoIssue];
@@ -169,13 +171,13 @@ impl Side for Host {
     const NO_PARTNER: UnmatchedReason = UnmatchedReason::NoGuestRecord;
     const SECTOR_INDEX_HEADLESS_ONLY: bool = false;
 
-    fn ts(r: &HostElem) -> &Points {
-        &r.ts
+    fn points(r: &HostEntry) -> Points {
+        r.points()
     }
-    fn sector(r: &HostElem) -> u64 {
+    fn sector(r: &HostEntry) -> u64 {
         r.sector
     }
-    fn queue_head(r: &HostElem) -> Option<(u16, u16)> {
+    fn queue_head(r: &HostEntry) -> Option<(u16, u16)> {
         Some((r.queue, r.head))
     }
     fn sort_key(t: &Times) -> u64 {
@@ -190,10 +192,10 @@ impl Side for Host {
     fn guest_first<T>(mine: T, theirs: T) -> (T, T) {
         (theirs, mine)
     }
-    fn refs<'a>(mine: &'a HostElem, theirs: &'a GuestRq) -> (&'a GuestRq, &'a HostElem) {
+    fn refs<'a>(mine: &'a HostEntry, theirs: &'a GuestRq) -> (&'a GuestRq, &'a HostEntry) {
         (theirs, mine)
     }
-    fn alone(r: &HostElem) -> Parts<'_> {
+    fn alone(r: &HostEntry) -> Parts<'_> {
         Parts::Host(r)
     }
     fn set(s: &Sides) -> &PendingSet<Self> {
@@ -263,10 +265,6 @@ impl<S: Side> PendingSet<S> {
             vms: Vec::new(),
             side: PhantomData,
         }
-    }
-
-    pub fn times(r: &S::Rec) -> Times {
-        Times::of::<S>(S::ts(r))
     }
 
     pub fn len(&self) -> usize {

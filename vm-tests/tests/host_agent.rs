@@ -269,8 +269,14 @@ fn agent_started_before_qemu_discovers_it() {
         "self-reported {cpu_us} µs, the lab's {} s over the workload",
         lab.cpu_secs
     );
+    // The two readings are the kernel's high-water mark at two moments (the
+    // lab's at the workload's end, the agent's at its stop), built from RSS
+    // counters that are per-CPU and approximate by some pages each (2026-11-29:
+    // 11 564 KiB self-reported against the lab's 11 632, once the agent's peak
+    // was no longer its start-up but the end of the run).
+    const SLACK_KIB: u64 = 512;
     assert!(
-        peak_kib >= lab.peak_rss_kib && peak_kib < 256 * 1024,
+        peak_kib + SLACK_KIB >= lab.peak_rss_kib && peak_kib < 256 * 1024,
         "peak {peak_kib} KiB, the lab's {} KiB",
         lab.peak_rss_kib
     );

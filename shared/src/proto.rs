@@ -408,36 +408,33 @@ impl FrameDecoder {
 
     /// Returns the next complete message, `Ok(None)` when more bytes are needed.
     pub fn next_message(&mut self) -> Result<Option<Message>, ProtoError> {
-        match self.next_payload()? {
-            None => Ok(None),
-            Some((a, b)) => {
-                let r = decode_payload(&self.buf[a..b]);
-                self.pos = b;
-                let m = r?;
-                self.frames += 1;
-                Ok(Some(m))
-            }
-        }
+        self.next_decoded(decode_payload)
     }
 
     /// [`next_message`](Self::next_message), but a batch comes as a
     /// [`RawBatch`]: checked for structure, its records left to a
     /// [`BatchReader`] (the host agent reads them on its main thread).
     pub fn next_inbound(&mut self) -> Result<Option<Inbound>, ProtoError> {
-        match self.next_payload()? {
-            None => Ok(None),
-            Some((a, b)) => {
-                let p = &self.buf[a..b];
-                let r = match p[0] {
-                    BATCH_TAG => RawBatch::skim(&p[1..]).map(Inbound::Batch),
-                    _ => decode_payload(p).map(Inbound::Message),
-                };
-                self.pos = b;
-                let m = r?;
-                self.frames += 1;
-                Ok(Some(m))
-            }
-        }
+        self.next_decoded(|p| match p[0] {
+            BATCH_TAG => RawBatch::skim(&p[1..]).map(Inbound::Batch),
+            _ => decode_payload(p).map(Inbound::Message),
+        })
+    }
+
+    /// The next complete frame's payload (never empty) through `decode`; the
+    /// frame is consumed whether it decodes or not, and counted if it does.
+    fn next_decoded<T>(
+        &mut self,
+        decode: impl FnOnce(&[u8]) -> Result<T, ProtoError>,
+    ) -> Result<Option<T>, ProtoError> {
+        let Some((a, b)) = self.next_payload()? else {
+            return Ok(None);
+        };
+        let r = decode(&self.buf[a..b]);
+        self.pos = b;
+        let m = r?;
+        self.frames += 1;
+        Ok(Some(m))
     }
 
     fn next_payload(&mut self) -> Result<Option<(usize, usize)>, ProtoError> {

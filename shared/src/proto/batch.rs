@@ -3,8 +3,9 @@
 //! are decoded once) and keeps the records' bytes; [`BatchReader`] then
 //! decodes the records one at a time into records it keeps and overwrites.
 //! The host agent's network thread skims (it needs the count for the
-//! sequence accounting), its main thread reads; nothing is decoded twice and
-//! no request record is built, moved or stored per I/O on the way.
+//! sequence accounting), its main thread reads: a request record is decoded
+//! once, and none is built, moved or stored per I/O on the way (a syscall
+//! record, rare, is decoded by both: the skim needs its extent).
 //! [`decode`] does both into a [`Message`]: it accepts exactly what postcard's
 //! decoding of the message accepts and yields the same message (a
 //! differential test holds it to that); only the errors say more.
@@ -65,7 +66,7 @@ impl RawBatch {
     /// sequence number, the count, then exactly that many records, each with
     /// a known tag and all its bytes, and nothing after them. A request
     /// record's contents are checked when it is read ([`BatchReader`]).
-    pub fn skim(mut b: &[u8]) -> Result<RawBatch, ProtoError> {
+    pub(super) fn skim(mut b: &[u8]) -> Result<RawBatch, ProtoError> {
         let first_seq = varint::take(&mut b).ok_or_else(|| bad_varint(b))?;
         let count = varint::take(&mut b).ok_or_else(|| bad_varint(b))?;
         let records = b;
@@ -93,11 +94,6 @@ impl RawBatch {
 
     pub fn is_empty(&self) -> bool {
         self.count == 0
-    }
-
-    /// Bytes of the records.
-    pub fn byte_len(&self) -> usize {
-        self.bytes.len()
     }
 
     /// Drops the first `n` records (already delivered before a resend).

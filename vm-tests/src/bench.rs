@@ -10,8 +10,8 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::assets;
 use crate::vm::{Agents, Lab, RunResult, VmConfig};
+use crate::{assets, insn};
 
 #[path = "bench_accounting.rs"]
 mod accounting;
@@ -154,6 +154,9 @@ pub struct Samples {
     pub ios: Vec<u64>,
     /// IOPS in the BPF accounting pass (`--bpf-stats`), not used for the ratios.
     pub iops_bpf_stats: Vec<f64>,
+    /// Guest instructions per I/O (`--insn-count`), by region (`insn::REGIONS` and
+    /// `total`), one value per round.
+    pub insn_per_io: BTreeMap<String, Vec<f64>>,
 }
 
 /// Per condition costs over rounds.
@@ -225,22 +228,26 @@ fn note_failure(res: &mut BenchResult, cond: &str, round: u32, why: String) {
 /// The result files of the measured window's fio jobs: `fio-<job>.json`.
 const WINDOW_PREFIX: &str = "fio-";
 
-fn workload(runtime: u32) -> String {
+/// The measured window's workload; with `marks`, each job between two instruction marks
+/// (`insn.rs`).
+fn workload(runtime: u32, marks: bool) -> String {
     format!(
         "set -e\nanchor_sample() {{ {ANCHOR_SAMPLE} }}\n\
          fio --name=prep --filename=/data/bench.dat --size=128M --rw=write --bs=1M \
          --direct=1 --output=/dev/null\nanchor_sample start\n{}anchor_sample end\n",
-        fio_jobs(runtime, WINDOW_PREFIX)
+        fio_jobs(runtime, WINDOW_PREFIX, marks)
     )
 }
 
-/// The bench's fio jobs, their JSON results in `/out/<prefix><job>.json`.
-fn fio_jobs(runtime: u32, prefix: &str) -> String {
+/// The bench's fio jobs, their JSON results in `/out/<prefix><job>.json`; with `marks`,
+/// fio runs the instruction marker just before and just after each job.
+fn fio_jobs(runtime: u32, prefix: &str, marks: bool) -> String {
     let mut s = String::new();
+    let m = if marks { insn::FIO_MARKS } else { "" };
     for j in JOBS {
         let _ = writeln!(
             s,
-            "fio --name={n} --filename=/data/bench.dat --size=128M --direct=1 {a} \
+            "fio --name={n} --filename=/data/bench.dat --size=128M --direct=1 {a} {m} \
              --runtime={runtime} --time_based --output-format=json --output=/out/{prefix}{n}.json",
             n = j.name,
             a = j.args
@@ -415,7 +422,7 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
         config: Some(cfg.clone()),
         ..Default::default()
     };
-    let wl = workload(cfg.runtime_secs);
+    let wl = workload(cfg.runtime_secs, cfg.vm.insn_count);
     let mut removed = 0u64;
     for round in 0..cfg.rounds {
         for &cond in CONDITIONS
@@ -445,10 +452,12 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
                 }
             };
             let mut total_ios = 0u64;
+            let mut job_ios = Vec::new();
             for j in JOBS {
                 let (iops, p50, p99, ios) =
                     parse_fio(&dir.join(format!("{WINDOW_PREFIX}{}.json", j.name)))?;
                 total_ios += ios;
+                job_ios.push(ios);
                 let s = res
                     .jobs
                     .entry(name.clone())
@@ -459,6 +468,12 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
                 s.p50_us.push(p50);
                 s.p99_us.push(p99);
                 s.ios.push(ios);
+            }
+            if vm.insn_count {
+                let jobs = res.jobs.entry(name.clone()).or_default();
+                if let Err(why) = insn_table::note(&dir, &job_ios, jobs) {
+                    note_failure(&mut res, &name, round, why);
+                }
             }
             let c = res.costs.entry(name.clone()).or_default();
             let per_io = |secs: f64| secs * 1e6 / total_ios.max(1) as f64;
@@ -604,6 +619,7 @@ pub fn render(res: &BenchResult) -> String {
     s += &accounting::render_host_threads(res);
     s += &render_verdicts(&verdicts(res));
     s += &render_bpf_costs(res);
+    s += &insn_table::render(res);
     s
 }
 
@@ -619,3 +635,6 @@ fn host_us(c: &Costs) -> String {
 #[cfg(test)]
 #[path = "bench_tests.rs"]
 mod tests;
+
+#[path = "bench_insn.rs"]
+mod insn_table;

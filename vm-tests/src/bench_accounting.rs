@@ -19,7 +19,7 @@ pub(super) fn bpf_stats_pass(runtime: u32) -> String {
          echo 1 >/proc/sys/kernel/bpf_stats_enabled\nbpf_sample start\n\
          # (the host's accounting is on once the lab has read the line above)\nsleep 1\n"
     );
-    s += &fio_jobs(runtime, STATS_PREFIX);
+    s += &fio_jobs(runtime, STATS_PREFIX, false);
     s += "bpf_sample end\necho 0 >/proc/sys/kernel/bpf_stats_enabled\n";
     s
 }

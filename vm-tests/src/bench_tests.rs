@@ -153,7 +153,7 @@ fn median_of_samples() {
 
 #[test]
 fn workload_runs_every_job() {
-    let w = workload(3);
+    let w = workload(3, false);
     for j in JOBS {
         assert!(w.contains(&format!("--output=/out/fio-{}.json", j.name)));
     }
@@ -204,7 +204,7 @@ fn capture_writes_the_binary_capture_and_json_the_live_lines() {
 #[test]
 fn bpf_accounting_has_its_own_pass_after_the_window() {
     // The measured window never runs with bpf_stats_enabled...
-    assert!(!workload(3).contains("bpf_stats_enabled"));
+    assert!(!workload(3, false).contains("bpf_stats_enabled"));
     let base = VmConfig::default();
     assert!(condition_vm("none", &base, true, 3).post.is_none());
     // (the host agent's programs are sampled by the lab during the same pass)

@@ -182,6 +182,10 @@ pub struct VmConfig {
     /// run (the bench builds them once and passes them, see `bench::run`).
     pub guest_bin: Option<PathBuf>,
     pub host_bin: Option<PathBuf>,
+    /// Count the guest's instructions with QEMU's TCG plugin (`insn.rs`): the run's
+    /// `insn.txt` gets the counts at each mark the guest makes (`viotrace-insn-mark`, in
+    /// the guest's PATH). TCG and QEMU builds before 9.0 only.
+    pub insn_count: bool,
 }
 
 impl Default for VmConfig {
@@ -222,6 +226,7 @@ impl Default for VmConfig {
             sample_host_cpu: false,
             guest_bin: None,
             host_bin: None,
+            insn_count: false,
         }
     }
 }

@@ -20,6 +20,7 @@ mod config;
 pub mod cpu_split;
 pub mod host_bpf;
 pub mod host_threads;
+pub mod insn;
 pub mod interfere;
 pub mod metrics;
 mod pin;

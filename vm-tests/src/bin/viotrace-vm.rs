@@ -203,6 +203,11 @@ struct VmArgs {
     /// host agent line; the bench does it in its accounting pass).
     #[arg(long)]
     sample_host_cpu: bool,
+    /// Count the guest's instructions (QEMU's TCG plugin, QEMU 7.2/8.x): the run's insn.txt
+    /// gets the counts at each `viotrace-insn-mark` the guest runs; the bench brackets each
+    /// fio job with marks and reports guest instructions per I/O
+    #[arg(long)]
+    insn_count: bool,
 }
 
 impl VmArgs {
@@ -246,6 +251,7 @@ impl VmArgs {
             sample_host_cpu: self.sample_host_cpu,
             guest_bin: None,
             host_bin: None,
+            insn_count: self.insn_count,
         })
     }
 }

@@ -37,8 +37,13 @@ impl Run<'_> {
         let initrd = self.rd.join("initrd.cpio");
         fs::copy(&guest.base_initramfs, &initrd).context("copy base initramfs")?;
         let mut f = fs::OpenOptions::new().append(true).open(&initrd)?;
-        if !cfg.guest_tools.is_empty() {
-            let tools = assets::tools_overlay(&self.lab.assets.cache, &cfg.guest_tools)?;
+        let mut tools = cfg.guest_tools.clone();
+        if cfg.insn_count {
+            let t = crate::insn::ensure(&self.lab.assets.cache)?;
+            tools.push(t.mark.display().to_string());
+        }
+        if !tools.is_empty() {
+            let tools = assets::tools_overlay(&self.lab.assets.cache, &tools)?;
             std::io::copy(&mut File::open(tools)?, &mut f)?;
         }
         let mut c = Cpio::new(Vec::new(), 1_000_000);
@@ -246,6 +251,24 @@ impl Run<'_> {
         }
         if paused {
             q.arg("-S");
+        }
+        if cfg.insn_count {
+            if accel != "tcg" {
+                bail!("--insn-count needs TCG: QEMU's plugins do not run under {accel}");
+            }
+            let v = &qemu_build.version;
+            if !crate::insn::qemu_loads_plugin(v) || qemu_build.rooted() {
+                bail!(
+                    "--insn-count: QEMU {v} does not load the instruction-count plugin \
+                     (plugin API 1: QEMU before 9.0, the host's own build)"
+                );
+            }
+            let t = crate::insn::ensure(&self.lab.assets.cache)?;
+            q.arg("-plugin").arg(format!(
+                "{},out={}",
+                t.plugin.display(),
+                self.out.join(crate::insn::MARKS_FILE).display()
+            ));
         }
         q.args(&cfg.qemu_args);
         let qlog = File::create(self.out.join("qemu.log"))?;

@@ -1,0 +1,164 @@
+// SPDX-License-Identifier: GPL-2.0-or-later
+/*
+ * A QEMU TCG plugin (plugin API version 1, QEMU 7.2 and later 1-API builds)
+ * that counts the guest instructions executed, by where their code lies:
+ * user space, the kernel image, and the module area, where the kernel also
+ * puts BPF programs and trampolines (x86-64 only).
+ *
+ * A guest marks a moment by executing CPUID three times in a row
+ * (viotrace-insn-mark); each mark appends one line to the output file:
+ *   mark <n> user <u> kernel <k> modules <m> other <o>
+ * Counts are per translated block, added when the block starts; with more
+ * than one vCPU the adds race (the lab's bench runs one vCPU).
+ *
+ * Arguments: out=<file>.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stddef.h>
+#include <stdbool.h>
+
+/* The plugin ABI, version 1: only what this plugin uses. */
+typedef uint64_t qemu_plugin_id_t;
+struct qemu_plugin_tb;
+struct qemu_plugin_insn;
+typedef struct {
+	const char *target_name;
+	struct {
+		int min;
+		int cur;
+	} version;
+	bool system_emulation;
+} qemu_info_t;
+enum qemu_plugin_cb_flags { QEMU_PLUGIN_CB_NO_REGS };
+enum qemu_plugin_op { QEMU_PLUGIN_INLINE_ADD_U64 };
+typedef void (*qemu_plugin_vcpu_tb_trans_cb_t)(qemu_plugin_id_t id, struct qemu_plugin_tb *tb);
+typedef void (*qemu_plugin_vcpu_udata_cb_t)(unsigned int vcpu_index, void *userdata);
+typedef void (*qemu_plugin_udata_cb_t)(qemu_plugin_id_t id, void *userdata);
+void qemu_plugin_register_vcpu_tb_trans_cb(qemu_plugin_id_t id, qemu_plugin_vcpu_tb_trans_cb_t cb);
+void qemu_plugin_register_vcpu_tb_exec_inline(struct qemu_plugin_tb *tb, enum qemu_plugin_op op,
+					      void *ptr, uint64_t imm);
+void qemu_plugin_register_vcpu_insn_exec_cb(struct qemu_plugin_insn *insn,
+					    qemu_plugin_vcpu_udata_cb_t cb,
+					    enum qemu_plugin_cb_flags flags, void *userdata);
+size_t qemu_plugin_tb_n_insns(const struct qemu_plugin_tb *tb);
+uint64_t qemu_plugin_tb_vaddr(const struct qemu_plugin_tb *tb);
+struct qemu_plugin_insn *qemu_plugin_tb_get_insn(const struct qemu_plugin_tb *tb, size_t idx);
+const void *qemu_plugin_insn_data(const struct qemu_plugin_insn *insn);
+size_t qemu_plugin_insn_size(const struct qemu_plugin_insn *insn);
+void qemu_plugin_register_atexit_cb(qemu_plugin_id_t id, qemu_plugin_udata_cb_t cb, void *userdata);
+
+#define EXPORT __attribute__((visibility("default")))
+EXPORT int qemu_plugin_version = 1;
+
+enum region { R_USER, R_KERNEL, R_MODULES, R_OTHER, R_NR };
+static const char *const region_name[R_NR] = { "user", "kernel", "modules", "other" };
+static uint64_t counts[R_NR];
+static FILE *out;
+static uint64_t marks;
+/* the CPUID run that makes a mark */
+static uint64_t last_cpuid_total;
+static unsigned run;
+
+static uint64_t total(void)
+{
+	uint64_t t = 0;
+
+	for (int i = 0; i < R_NR; i++)
+		t += counts[i];
+	return t;
+}
+
+/* x86-64, 4-level or 5-level paging: user below the canonical hole; the
+ * kernel image in [-2 GiB, -1 GiB); modules, BPF programs and trampolines
+ * from -1 GiB up to the fixmap. */
+static enum region region_of(uint64_t va)
+{
+	if (va < 0x8000000000000000ULL)
+		return R_USER;
+	if (va >= 0xffffffff80000000ULL && va < 0xffffffffc0000000ULL)
+		return R_KERNEL;
+	if (va >= 0xffffffffc0000000ULL && va < 0xffffffffff000000ULL)
+		return R_MODULES;
+	return R_OTHER;
+}
+
+static void write_counts(const char *what)
+{
+	fprintf(out, "%s %llu", what, (unsigned long long)marks);
+	for (int i = 0; i < R_NR; i++)
+		fprintf(out, " %s %llu", region_name[i], (unsigned long long)counts[i]);
+	fputc('\n', out);
+	fflush(out);
+}
+
+static void on_cpuid(unsigned int vcpu, void *udata)
+{
+	uint64_t t = total();
+
+	(void)vcpu;
+	(void)udata;
+	/* the three CPUIDs of a mark run within one block or two */
+	run = (run && t - last_cpuid_total <= 64) ? run + 1 : 1;
+	last_cpuid_total = t;
+	if (run == 3) {
+		marks++;
+		write_counts("mark");
+		run = 0;
+	}
+}
+
+static void on_translate(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
+{
+	size_t n = qemu_plugin_tb_n_insns(tb);
+
+	(void)id;
+	qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64,
+						 &counts[region_of(qemu_plugin_tb_vaddr(tb))], n);
+	for (size_t i = 0; i < n; i++) {
+		struct qemu_plugin_insn *insn = qemu_plugin_tb_get_insn(tb, i);
+		const uint8_t *b = qemu_plugin_insn_data(insn);
+		size_t len = qemu_plugin_insn_size(insn);
+
+		/* 0f a2: CPUID (no prefix: the marker's own encoding) */
+		if (len == 2 && b[0] == 0x0f && b[1] == 0xa2)
+			qemu_plugin_register_vcpu_insn_exec_cb(insn, on_cpuid, QEMU_PLUGIN_CB_NO_REGS,
+							       NULL);
+	}
+}
+
+static void on_qemu_exit(qemu_plugin_id_t id, void *udata)
+{
+	(void)id;
+	(void)udata;
+	write_counts("exit");
+	fclose(out);
+}
+
+EXPORT int qemu_plugin_install(qemu_plugin_id_t id, const qemu_info_t *info, int argc, char **argv)
+{
+	const char *path = NULL;
+
+	if (strcmp(info->target_name, "x86_64") != 0) {
+		fprintf(stderr, "insn_count: x86_64 guests only, not %s\n", info->target_name);
+		return -1;
+	}
+	for (int i = 0; i < argc; i++) {
+		if (strncmp(argv[i], "out=", 4) == 0)
+			path = argv[i] + 4;
+	}
+	if (!path) {
+		fprintf(stderr, "insn_count: out=<file> is required\n");
+		return -1;
+	}
+	out = fopen(path, "w");
+	if (!out) {
+		perror("insn_count: out");
+		return -1;
+	}
+	qemu_plugin_register_vcpu_tb_trans_cb(id, on_translate);
+	qemu_plugin_register_atexit_cb(id, on_qemu_exit, NULL);
+	return 0;
+}

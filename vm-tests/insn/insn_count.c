@@ -5,8 +5,9 @@
  * user space, the kernel image, and the module area, where the kernel also
  * puts BPF programs and trampolines (x86-64 only).
  *
- * A guest marks a moment by executing CPUID three times in a row
- * (viotrace-insn-mark); each mark appends one line to the output file:
+ * A guest marks a moment by executing CPUID right after loading EAX with the
+ * constant "VIOT" (viotrace-insn-mark): firmware and kernels run CPUID too,
+ * never after that load. Each mark appends one line to the output file:
  *   mark <n> user <u> kernel <k> modules <m> other <o>
  * Counts are per translated block, added when the block starts; with more
  * than one vCPU the adds race (the lab's bench runs one vCPU).
@@ -58,18 +59,10 @@ static const char *const region_name[R_NR] = { "user", "kernel", "modules", "oth
 static uint64_t counts[R_NR];
 static FILE *out;
 static uint64_t marks;
-/* the CPUID run that makes a mark */
-static uint64_t last_cpuid_total;
-static unsigned run;
 
-static uint64_t total(void)
-{
-	uint64_t t = 0;
-
-	for (int i = 0; i < R_NR; i++)
-		t += counts[i];
-	return t;
-}
+/* mov $0x56494f54, %eax ("VIOT"), then cpuid: the marker's two instructions */
+static const uint8_t MARK_MOV[5] = { 0xb8, 0x54, 0x4f, 0x49, 0x56 };
+static const uint8_t CPUID[2] = { 0x0f, 0xa2 };
 
 /* x86-64, 4-level or 5-level paging: user below the canonical hole; the
  * kernel image in [-2 GiB, -1 GiB); modules, BPF programs and trampolines
@@ -94,20 +87,18 @@ static void write_counts(const char *what)
 	fflush(out);
 }
 
-static void on_cpuid(unsigned int vcpu, void *udata)
+static void on_mark(unsigned int vcpu, void *udata)
 {
-	uint64_t t = total();
-
 	(void)vcpu;
 	(void)udata;
-	/* the three CPUIDs of a mark run within one block or two */
-	run = (run && t - last_cpuid_total <= 64) ? run + 1 : 1;
-	last_cpuid_total = t;
-	if (run == 3) {
-		marks++;
-		write_counts("mark");
-		run = 0;
-	}
+	marks++;
+	write_counts("mark");
+}
+
+static bool insn_is(const struct qemu_plugin_insn *insn, const uint8_t *bytes, size_t len)
+{
+	return qemu_plugin_insn_size(insn) == len &&
+	       memcmp(qemu_plugin_insn_data(insn), bytes, len) == 0;
 }
 
 static void on_translate(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
@@ -117,14 +108,13 @@ static void on_translate(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
 	(void)id;
 	qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64,
 						 &counts[region_of(qemu_plugin_tb_vaddr(tb))], n);
-	for (size_t i = 0; i < n; i++) {
+	/* (the marker's pair lies in one block: it is the start of a tiny program) */
+	for (size_t i = 1; i < n; i++) {
 		struct qemu_plugin_insn *insn = qemu_plugin_tb_get_insn(tb, i);
-		const uint8_t *b = qemu_plugin_insn_data(insn);
-		size_t len = qemu_plugin_insn_size(insn);
 
-		/* 0f a2: CPUID (no prefix: the marker's own encoding) */
-		if (len == 2 && b[0] == 0x0f && b[1] == 0xa2)
-			qemu_plugin_register_vcpu_insn_exec_cb(insn, on_cpuid, QEMU_PLUGIN_CB_NO_REGS,
+		if (insn_is(insn, CPUID, sizeof(CPUID)) &&
+		    insn_is(qemu_plugin_tb_get_insn(tb, i - 1), MARK_MOV, sizeof(MARK_MOV)))
+			qemu_plugin_register_vcpu_insn_exec_cb(insn, on_mark, QEMU_PLUGIN_CB_NO_REGS,
 							       NULL);
 	}
 }

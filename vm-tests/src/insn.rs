@@ -2,7 +2,7 @@
 //! (`vm-tests/insn/insn_count.c`) counts every guest instruction executed, by where its code
 //! lies (user space, the kernel image, the module area that also holds BPF programs and
 //! trampolines), and writes the counts whenever the guest runs the marker
-//! (`viotrace-insn-mark`, three CPUIDs in a row). A workload brackets what it measures
+//! (`viotrace-insn-mark`: CPUID right after loading EAX with "VIOT"). A workload brackets what it measures
 //! with two marks; fio does it with `--exec_prerun`/`--exec_postrun`.
 //!
 //! Unlike IOPS under emulation, the count does not depend on the host's speed or on how

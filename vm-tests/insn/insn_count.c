@@ -12,7 +12,11 @@
  * Counts are per translated block, added when the block starts; with more
  * than one vCPU the adds race (the lab's bench runs one vCPU).
  *
- * Arguments: out=<file>.
+ * Arguments: out=<file>; profile=<file> also counts instructions per
+ * translated block's start address and writes them at each mark (`mark <n>`,
+ * then `<address hex> <count>` lines of the blocks that ran), for a profile by
+ * symbol: kernel ones from /proc/kallsyms (BPF programs and trampolines
+ * included), user ones from a process's maps and its binary's symbols.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -60,6 +64,47 @@ static uint64_t counts[R_NR];
 static FILE *out;
 static uint64_t marks;
 
+/* profile: kernel blocks by start address (open addressing; full: counted in `lost`) */
+#define PROF_BITS 20
+#define PROF_SLOTS (1u << PROF_BITS)
+struct prof_slot {
+	uint64_t vaddr;
+	uint64_t count;
+};
+static struct prof_slot *prof;
+static FILE *prof_out;
+static uint64_t prof_lost;
+
+static uint64_t *prof_counter(uint64_t va)
+{
+	/* Fibonacci hashing: the product's high bits */
+	uint64_t h = (va * 0x9e3779b97f4a7c15ULL) >> (64 - PROF_BITS);
+
+	for (uint32_t i = 0; i < 256; i++) {
+		struct prof_slot *s = &prof[(h + i) & (PROF_SLOTS - 1)];
+
+		if (s->vaddr == va)
+			return &s->count;
+		if (!s->vaddr) {
+			s->vaddr = va;
+			return &s->count;
+		}
+	}
+	return &prof_lost;
+}
+
+static void write_profile(void)
+{
+	fprintf(prof_out, "mark %llu lost %llu\n", (unsigned long long)marks,
+		(unsigned long long)prof_lost);
+	for (uint32_t i = 0; i < PROF_SLOTS; i++) {
+		if (prof[i].count)
+			fprintf(prof_out, "%llx %llu\n", (unsigned long long)prof[i].vaddr,
+				(unsigned long long)prof[i].count);
+	}
+	fflush(prof_out);
+}
+
 /* mov $0x56494f54, %eax ("VIOT"), then cpuid: the marker's two instructions */
 static const uint8_t MARK_MOV[5] = { 0xb8, 0x54, 0x4f, 0x49, 0x56 };
 static const uint8_t CPUID[2] = { 0x0f, 0xa2 };
@@ -93,6 +138,8 @@ static void on_mark(unsigned int vcpu, void *udata)
 	(void)udata;
 	marks++;
 	write_counts("mark");
+	if (prof_out)
+		write_profile();
 }
 
 static bool insn_is(const struct qemu_plugin_insn *insn, const uint8_t *bytes, size_t len)
@@ -104,10 +151,14 @@ static bool insn_is(const struct qemu_plugin_insn *insn, const uint8_t *bytes, s
 static void on_translate(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
 {
 	size_t n = qemu_plugin_tb_n_insns(tb);
+	uint64_t va = qemu_plugin_tb_vaddr(tb);
+	enum region r = region_of(va);
 
 	(void)id;
-	qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64,
-						 &counts[region_of(qemu_plugin_tb_vaddr(tb))], n);
+	qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64, &counts[r], n);
+	if (prof)
+		qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64,
+							 prof_counter(va), n);
 	/* (the marker's pair lies in one block: it is the start of a tiny program) */
 	for (size_t i = 1; i < n; i++) {
 		struct qemu_plugin_insn *insn = qemu_plugin_tb_get_insn(tb, i);
@@ -125,11 +176,13 @@ static void on_qemu_exit(qemu_plugin_id_t id, void *udata)
 	(void)udata;
 	write_counts("exit");
 	fclose(out);
+	if (prof_out)
+		fclose(prof_out);
 }
 
 EXPORT int qemu_plugin_install(qemu_plugin_id_t id, const qemu_info_t *info, int argc, char **argv)
 {
-	const char *path = NULL;
+	const char *path = NULL, *prof_path = NULL;
 
 	if (strcmp(info->target_name, "x86_64") != 0) {
 		fprintf(stderr, "insn_count: x86_64 guests only, not %s\n", info->target_name);
@@ -138,6 +191,8 @@ EXPORT int qemu_plugin_install(qemu_plugin_id_t id, const qemu_info_t *info, int
 	for (int i = 0; i < argc; i++) {
 		if (strncmp(argv[i], "out=", 4) == 0)
 			path = argv[i] + 4;
+		else if (strncmp(argv[i], "profile=", 8) == 0)
+			prof_path = argv[i] + 8;
 	}
 	if (!path) {
 		fprintf(stderr, "insn_count: out=<file> is required\n");
@@ -147,6 +202,14 @@ EXPORT int qemu_plugin_install(qemu_plugin_id_t id, const qemu_info_t *info, int
 	if (!out) {
 		perror("insn_count: out");
 		return -1;
+	}
+	if (prof_path) {
+		prof = calloc(PROF_SLOTS, sizeof(*prof));
+		prof_out = fopen(prof_path, "w");
+		if (!prof || !prof_out) {
+			perror("insn_count: profile");
+			return -1;
+		}
 	}
 	qemu_plugin_register_vcpu_tb_trans_cb(id, on_translate);
 	qemu_plugin_register_atexit_cb(id, on_qemu_exit, NULL);

@@ -186,6 +186,9 @@ pub struct VmConfig {
     /// `insn.txt` gets the counts at each mark the guest makes (`viotrace-insn-mark`, in
     /// the guest's PATH). TCG and QEMU builds before 9.0 only.
     pub insn_count: bool,
+    /// With `insn_count`: also a profile of the kernel's instructions by block address at
+    /// each mark (`insn-profile.txt`; `insn.rs` symbolizes it with a kallsyms copy).
+    pub insn_profile: bool,
 }
 
 impl Default for VmConfig {
@@ -227,6 +230,7 @@ impl Default for VmConfig {
             guest_bin: None,
             host_bin: None,
             insn_count: false,
+            insn_profile: false,
         }
     }
 }

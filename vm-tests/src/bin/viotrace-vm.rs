@@ -208,6 +208,10 @@ struct VmArgs {
     /// fio job with marks and reports guest instructions per I/O
     #[arg(long)]
     insn_count: bool,
+    /// With --insn-count: also the guest kernel's instructions by block address at each mark
+    /// (insn-profile.txt), for `viotrace-vm insn-profile`
+    #[arg(long, requires = "insn_count")]
+    insn_profile: bool,
 }
 
 impl VmArgs {
@@ -252,6 +256,7 @@ impl VmArgs {
             guest_bin: None,
             host_bin: None,
             insn_count: self.insn_count,
+            insn_profile: self.insn_profile,
         })
     }
 }

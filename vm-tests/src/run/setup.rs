@@ -264,11 +264,16 @@ impl Run<'_> {
                 );
             }
             let t = crate::insn::ensure(&self.lab.assets.cache)?;
-            q.arg("-plugin").arg(format!(
+            let mut arg = format!(
                 "{},out={}",
                 t.plugin.display(),
                 self.out.join(crate::insn::MARKS_FILE).display()
-            ));
+            );
+            if cfg.insn_profile {
+                let p = self.out.join(crate::insn::PROFILE_FILE);
+                arg += &format!(",profile={}", p.display());
+            }
+            q.arg("-plugin").arg(arg);
         }
         q.args(&cfg.qemu_args);
         let qlog = File::create(self.out.join("qemu.log"))?;

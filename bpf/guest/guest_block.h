@@ -486,7 +486,7 @@ __noinline int rq_track_g(__u64 rq)
 	bio = h.bio;
 	for (int i = 0; i < CHAIN_MAX && bio; i++) {
 		r = chain_bio_g((__u64)bio, tid);
-		if (r >= 0)
+		if (r >= 0 || bio == h.biotail)
 			break;
 		bio = BPF_CORE_READ(bio, bi_next);
 	}
@@ -561,6 +561,12 @@ static __always_inline void rq_absorb(struct request *rq, struct rq_state *st)
 		 * usual single-bio request makes no call) */
 		if ((__u64)bio != st->first_bio)
 			absorb_bio_g((__u64)rq, (__u64)bio);
+		/* the last one's bi_next is NULL: not read (one probe read less
+		 * for the usual single-bio request) */
+		if (bio == h.biotail) {
+			bio = NULL;
+			break;
+		}
 		bio = BPF_CORE_READ(bio, bi_next);
 	}
 	if (bio)

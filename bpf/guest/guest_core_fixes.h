@@ -95,11 +95,12 @@ static __always_inline bool bio_head_read(struct bio *bio, struct bio_head *h)
 
 /* rq_disk(): vt_core_fixes.h (shared with the host object) */
 
-/* What the request hooks need of a request: one window read (q … bio are
+/* What the request hooks need of a request: one window read (q … biotail are
  * within its first 80 bytes on every kernel). */
 struct rq_head {
 	void *q;
 	struct bio *bio;
+	struct bio *biotail;	/* the chain's last bio: no read of its bi_next */
 	__u64 sector;
 	__u32 bytes;
 	__u32 cmd_flags;
@@ -109,11 +110,13 @@ static __always_inline bool rq_head_read(struct request *rq, struct rq_head *h)
 {
 	__u32 o_q = bpf_core_field_offset(struct request, q);
 	__u32 o_bio = bpf_core_field_offset(struct request, bio);
+	__u32 o_tail = bpf_core_field_offset(struct request, biotail);
 	__u32 o_sec = bpf_core_field_offset(struct request, __sector);
 	__u32 o_len = bpf_core_field_offset(struct request, __data_len);
 	__u32 o_fl = bpf_core_field_offset(struct request, cmd_flags);
-	__u32 lo = WIN_MIN(WIN_MIN(o_q, o_bio), WIN_MIN(o_sec, WIN_MIN(o_len, o_fl)));
-	__u32 hi = WIN_MAXOF(WIN_MAXOF(o_q + 8, o_bio + 8),
+	__u32 lo = WIN_MIN(WIN_MIN(o_q, WIN_MIN(o_bio, o_tail)),
+			   WIN_MIN(o_sec, WIN_MIN(o_len, o_fl)));
+	__u32 hi = WIN_MAXOF(WIN_MAXOF(o_q + 8, WIN_MAXOF(o_bio + 8, o_tail + 8)),
 			     WIN_MAXOF(o_sec + 8, WIN_MAXOF(o_len + 4, o_fl + 4)));
 	__u8 w[WIN_MAX];
 
@@ -122,6 +125,7 @@ static __always_inline bool rq_head_read(struct request *rq, struct rq_head *h)
 			return false;
 		h->q = WIN_GET(w, void *, o_q, lo);
 		h->bio = WIN_GET(w, struct bio *, o_bio, lo);
+		h->biotail = WIN_GET(w, struct bio *, o_tail, lo);
 		h->sector = WIN_GET(w, __u64, o_sec, lo);
 		h->bytes = WIN_GET(w, __u32, o_len, lo);
 		h->cmd_flags = WIN_GET(w, __u32, o_fl, lo);
@@ -129,6 +133,7 @@ static __always_inline bool rq_head_read(struct request *rq, struct rq_head *h)
 	}
 	h->q = BPF_CORE_READ(rq, q);
 	h->bio = BPF_CORE_READ(rq, bio);
+	h->biotail = BPF_CORE_READ(rq, biotail);
 	h->sector = BPF_CORE_READ(rq, __sector);
 	h->bytes = BPF_CORE_READ(rq, __data_len);
 	h->cmd_flags = BPF_CORE_READ(rq, cmd_flags);

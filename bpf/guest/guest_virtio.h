@@ -120,7 +120,8 @@ __noinline int kick_pend_stamp_g(__u64 vk, __u64 seq, __u64 ts, __u32 notified)
 	return 0;
 }
 
-static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *data)
+/* `index`: the queue's index (a plain load where vq is typed) */
+static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *data, __u32 index)
 {
 	/* virtblk_req is the request's pdu: it directly follows struct request */
 	__u64 key = (__u64)data - bpf_core_type_size(struct request);
@@ -146,7 +147,7 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 		rq_issued_g(key, queued, 0);
 	}
 	st->ev.ts[P_VQ_ADD] = bpf_ktime_get_ns();
-	st->ev.queue = BPF_CORE_READ(vq, index);
+	st->ev.queue = index;
 	st->ev.has_queue = 1;
 	/* split ring: the chain's head descriptor; packed ring: the buffer id */
 	if (vq_free_head(vq, &head)) {
@@ -246,7 +247,7 @@ SEC("?fentry/virtqueue_add_sgs")
 int BPF_PROG(fe_add_sgs, struct virtqueue *vq, struct scatterlist **sgs, unsigned int out_sgs,
 	     unsigned int in_sgs, void *data)
 {
-	on_add_sgs(vq, arg_key(ctx, 0, vq), data);
+	on_add_sgs(vq, arg_key(ctx, 0, vq), data, vq->index);
 	return 0;
 }
 
@@ -313,7 +314,7 @@ SEC("?kprobe/virtqueue_add_sgs")
 int BPF_KPROBE(kp_add_sgs, struct virtqueue *vq, struct scatterlist **sgs, unsigned int out_sgs,
 	       unsigned int in_sgs, void *data)
 {
-	on_add_sgs(vq, (__u64)vq, data);
+	on_add_sgs(vq, (__u64)vq, data, BPF_CORE_READ(vq, index));
 	return 0;
 }
 

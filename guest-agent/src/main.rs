@@ -374,6 +374,7 @@ fn main() -> Result<()> {
         }
         None => None,
     };
+    let no_capture = capture.is_none();
     let sink = RefCell::new(Sink::new(
         cli.json,
         cli.threshold,
@@ -388,6 +389,8 @@ fn main() -> Result<()> {
     }
     let mut decoder = raw::Decoder::new();
     decoder.off_cpu = run.off_cpu;
+    decoder.tables_only =
+        !cli.json && no_capture && cli.connect.is_none() && cli.threshold.is_none();
     let mut rb = RingBufferBuilder::new();
     rb.add(&run.skel.maps.events, |data: &[u8]| {
         match decoder.decode(data) {

@@ -142,6 +142,10 @@ pub enum Record<'a> {
 pub struct Decoder {
     /// The off-CPU programs are loaded: syscall records carry their `off_cpu`.
     pub off_cpu: bool,
+    /// Only the per-stage tables read the records (no JSON, capture, uplink or
+    /// threshold): a request record's wall-clock time and task name, which
+    /// nothing else reads, are not decoded (`time` stays `None`, `comm` empty).
+    pub tables_only: bool,
     disks: HashMap<u32, Name>,
     /// The last disk named (records come in runs of one disk).
     last_disk: Option<(u32, Name)>,
@@ -176,6 +180,7 @@ impl Decoder {
     pub fn new() -> Self {
         Decoder {
             off_cpu: false,
+            tables_only: false,
             disks: HashMap::new(),
             last_disk: None,
             slots: point_slots(),
@@ -266,7 +271,10 @@ impl Decoder {
         }
         let op = Op::from_linux_req_op(r.cmd_flags);
         let q = &mut self.rq;
-        q.time = viotrace_shared::walltime::of_points(&ts);
+        if !self.tables_only {
+            q.time = viotrace_shared::walltime::of_points(&ts);
+            set_cstr(&mut q.comm, &r.comm);
+        }
         q.op = op;
         // A flush has no position (the kernel keeps -1); virtio sends 0.
         q.sector = if op == Op::Flush { 0 } else { r.sector };
@@ -275,7 +283,6 @@ impl Decoder {
         q.head = (r.has_head != 0).then_some(r.head);
         q.pid = r.pid;
         q.tid = r.tid;
-        set_cstr(&mut q.comm, &r.comm);
         q.cgroup_id = r.cgroup_id;
         q.inode = r.inode;
         q.file_offset = (r.has_file_offset != 0).then_some(r.file_offset);
@@ -435,6 +442,24 @@ mod tests {
         assert_eq!(r.ts.get(Point::Kick), None);
         let j = serde_json::to_string(&r.ts).unwrap();
         assert!(!j.contains("g.kick") && j.contains("\"g.vq_add\":2100"));
+    }
+
+    #[test]
+    fn tables_only_skips_what_only_outputs_read() {
+        let mut d = decoder();
+        d.tables_only = true;
+        let Record::Rq(r) = d.decode(&raw_rq()).unwrap() else {
+            panic!("not a request")
+        };
+        // (what the tables read is all there)
+        assert_eq!((r.disk.as_str(), r.ts.len()), ("vdb", 4));
+        assert_eq!((r.time, r.comm.as_str()), (None, ""));
+        d.tables_only = false;
+        let Record::Rq(r) = d.decode(&raw_rq()).unwrap() else {
+            panic!("not a request")
+        };
+        assert!(r.time.is_some());
+        assert_eq!(r.comm, "fio");
     }
 
     #[test]

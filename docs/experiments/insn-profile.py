@@ -5,18 +5,31 @@ run whose workload brackets fio jobs with marks and prints `RESULT <name> <read 
 the workload's copies of /proc/kallsyms (`kallsyms-<set-up>.txt`, taken while the tracer ran);
 the guest agent's own user-space symbols from its maps (`maps-<set-up>.txt`) and the binary.
 
-  insn-profile.py RUN_DIR BASE_JOB JOB [--agent-binary PATH] [--top N]
+  insn-profile.py RUN_DIR [BASE_JOB JOB] [--agent-binary PATH] [--top N]
 
-prints JOB's kernel instructions per I/O by symbol minus BASE_JOB's (e.g. none-1-qd32
+prints every job's instructions per I/O by region (insn.txt; no profile needed), then JOB's kernel instructions per I/O by symbol minus BASE_JOB's (e.g. none-1-qd32
 def-1-qd32), and with --agent-binary the agent's user-space instructions per I/O by symbol.
 """
 import argparse, bisect, collections, subprocess
 
 p = argparse.ArgumentParser()
-p.add_argument("run_dir"); p.add_argument("base"); p.add_argument("job")
+p.add_argument("run_dir"); p.add_argument("base", nargs="?"); p.add_argument("job", nargs="?")
 p.add_argument("--agent-binary"); p.add_argument("--top", type=int, default=40)
 a = p.parse_args()
 rd = a.run_dir
+
+results = [l.split()[1:] for l in open(f"{rd}/serial.log") if l.startswith("RESULT")]
+names = [r[0] for r in results]
+counts = [dict(zip(w[2::2], map(int, w[3::2])))
+          for w in (l.split() for l in open(f"{rd}/insn.txt")) if w[0] == "mark"]
+for i, (name, fields) in enumerate(results):
+    ios = int(fields.split(";")[0]) // 4
+    d = {k: (counts[2 * i + 1][k] - counts[2 * i][k]) / ios for k in counts[0]}
+    print(f"{name:20} {ios:7d} I/Os  {sum(d.values()):7.0f} per I/O: " +
+          " ".join(f"{k} {v:.0f}" for k, v in d.items()))
+if not a.job:
+    raise SystemExit(0)
+print()
 
 marks, cur = [], None
 for line in open(f"{rd}/insn-profile.txt"):
@@ -26,9 +39,6 @@ for line in open(f"{rd}/insn-profile.txt"):
             raise SystemExit(f"profile table overflowed at mark {w[1]}: {w[3]} instructions lost")
         cur = {}; marks.append(cur); continue
     va, n = line.split(); cur[int(va, 16)] = int(n)
-results = [l.split()[1:] for l in open(f"{rd}/serial.log") if l.startswith("RESULT")]
-names = [r[0] for r in results]
-
 def window(job):
     i = names.index(job)
     ios = int(results[i][1].split(";")[0]) // 4

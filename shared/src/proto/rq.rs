@@ -360,6 +360,30 @@ mod tests {
         }
     }
 
+    /// Written after other bytes, and at its longest (every field at its widest,
+    /// every point, points far apart): the room made once is enough, and what
+    /// comes before is kept.
+    #[test]
+    fn appends_in_place_even_at_its_longest() {
+        let mut widest = full(u64::MAX / 2);
+        (widest.sector, widest.cgroup_id, widest.inode) = (u64::MAX, u64::MAX, u64::MAX);
+        (widest.bytes, widest.pid, widest.tid, widest.bios) =
+            (u32::MAX, u32::MAX, u32::MAX, u32::MAX);
+        (widest.time, widest.error) = (Some(WallTime(i64::MIN)), i32::MIN);
+        widest.file_offset = Some(u64::MAX);
+        widest.disk = Name::new("d".repeat(300));
+        for (k, p) in Point::ALL.iter().enumerate() {
+            widest.ts.set(*p, if k % 2 == 0 { u64::MAX } else { 1 });
+        }
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        encode(&full(1), &mut a);
+        encode(&widest, &mut b);
+        let mut both = a.clone();
+        encode(&widest, &mut both);
+        assert_eq!(both, [a.as_slice(), b.as_slice()].concat());
+        assert_eq!(decode(&b), Ok(widest));
+    }
+
     /// Decoding into a kept record: every field is the new record's, after
     /// any record before it (every field set, none set, long names) and
     /// after a record that failed halfway.

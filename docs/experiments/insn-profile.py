@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Guest instructions per I/O by symbol, from a `viotrace-vm run --insn-count --insn-profile`
 run whose workload brackets fio jobs with marks and prints `RESULT <name> <read KiB>;...`
-(see insn-one-boot.sh here). Kernel symbols (BPF programs and trampolines included) come from
+(one-boot.sh here with INSN=1). Kernel symbols (BPF programs and trampolines included) come from
 the workload's copies of /proc/kallsyms (`kallsyms-<set-up>.txt`, taken while the tracer ran);
 the guest agent's own user-space symbols from its maps (`maps-<set-up>.txt`) and the binary.
 

@@ -1,16 +1,32 @@
 # A viotrace-vm run workload (see README.md here): tracing set-ups compared inside one boot,
 # randread 4k QD32 for 4 s each, ROUNDS rounds; each run prints `RESULT <set-up>-<round> <IOPS>`
-# (also appended to lab-out/results.txt). Edit the three lines below to choose.
+# (also appended to lab-out/results.txt). Edit the lines below to choose.
 CONDITIONS="none def systp tp anchor"
 ROUNDS=4
 ROTATE=1 # 1: the order rotates every round; 0: the same order every round
+# 1 (with `viotrace-vm run --insn-count`): each set-up runs randread QD32 and then QD1, each job
+# between two instruction marks, and prints `RESULT <set-up>-<round>-<job> <KiB>;<KiB/s>;<IOPS>`;
+# every set-up copies /proc/kallsyms and the agent its maps, for insn-profile.py.
+INSN=0
 set -e
 fio --name=prep --filename=/data/bench.dat --size=128M --rw=write --bs=1M --direct=1 --output=/dev/null
+job() { # name fio-args
+  n=$1; shift
+  m=""
+  [ "$INSN" = 1 ] && m="--exec_prerun=viotrace-insn-mark --exec_postrun=viotrace-insn-mark"
+  fio --name=$n --filename=/data/bench.dat --size=128M --direct=1 "$@" --runtime=4 --time_based \
+    $m --output-format=terse --output=/out/$n.terse >/dev/null
+  if [ "$INSN" = 1 ]; then r=$(cut -d';' -f6,7,8 /out/$n.terse); else r=$(cut -d';' -f8 /out/$n.terse); fi
+  echo "RESULT $n $r" | tee -a /out/results.txt
+}
 run() {
-  fio --name=$1 --filename=/data/bench.dat --size=128M --direct=1 --rw=randread --bs=4k \
-    --ioengine=libaio --iodepth=32 --runtime=4 --time_based --output-format=terse \
-    --output=/out/$1.terse >/dev/null
-  echo "RESULT $1 $(cut -d';' -f8 /out/$1.terse)" | tee -a /out/results.txt
+  if [ "$INSN" != 1 ]; then
+    job $1 --rw=randread --bs=4k --ioengine=libaio --iodepth=32
+    return
+  fi
+  cat /proc/kallsyms > /out/kallsyms-$1.txt
+  job $1-qd32 --rw=randread --bs=4k --ioengine=libaio --iodepth=32
+  job $1-qd1 --rw=randread --bs=4k --ioengine=psync --iodepth=1
 }
 waitfor() { i=0; until eval "$1"; do i=$((i+1)); [ $i -gt 2400 ] && { echo "timeout $2"; exit 1; }; sleep 0.1; done; }
 # Stops a tracer: SIGINT, then SIGKILL if it has not exited within 60 s. (The
@@ -29,6 +45,7 @@ agent() {
   viotrace-guest --ready-file /run/g.ready "$@" >/out/g-$n.out 2>/out/g-$n.log &
   echo $! > /run/g.pid
   waitfor "[ -e /run/g.ready ]" $n
+  [ "$INSN" = 1 ] && cat /proc/$(cat /run/g.pid)/maps > /out/maps-$n.txt
   run $n
   stop $(cat /run/g.pid)
 }

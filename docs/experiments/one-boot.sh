@@ -16,8 +16,10 @@ job() { # name fio-args
   [ "$INSN" = 1 ] && m="--exec_prerun=viotrace-insn-mark --exec_postrun=viotrace-insn-mark"
   fio --name=$n --filename=/data/bench.dat --size=128M --direct=1 "$@" --runtime=4 --time_based \
     $m --output-format=terse --output=/out/$n.terse >/dev/null
-  if [ "$INSN" = 1 ]; then r=$(cut -d';' -f6,7,8 /out/$n.terse); else r=$(cut -d';' -f8 /out/$n.terse); fi
-  echo "RESULT $n $r" | tee -a /out/results.txt
+  # (fields: read KiB;KiB/s;IOPS with INSN=1, else IOPS; not `r`: the rounds' counter)
+  f=8
+  [ "$INSN" = 1 ] && f=6,7,8
+  echo "RESULT $n $(cut -d';' -f$f /out/$n.terse)" | tee -a /out/results.txt
 }
 run() {
   if [ "$INSN" != 1 ]; then

@@ -64,7 +64,7 @@ static uint64_t counts[R_NR];
 static FILE *out;
 static uint64_t marks;
 
-/* profile: kernel blocks by start address (open addressing; full: counted in `lost`) */
+/* profile: blocks by start address, user and kernel (open addressing; full: counted in `lost`) */
 #define PROF_BITS 20
 #define PROF_SLOTS (1u << PROF_BITS)
 struct prof_slot {

@@ -186,8 +186,8 @@ pub struct VmConfig {
     /// `insn.txt` gets the counts at each mark the guest makes (`viotrace-insn-mark`, in
     /// the guest's PATH). TCG and QEMU builds before 9.0 only.
     pub insn_count: bool,
-    /// With `insn_count`: also a profile of the kernel's instructions by block address at
-    /// each mark (`insn-profile.txt`; `insn.rs` symbolizes it with a kallsyms copy).
+    /// With `insn_count`: also a profile of the guest's instructions by block address at
+    /// each mark (`insn-profile.txt`; `docs/experiments/insn-profile.py` symbolizes it).
     pub insn_profile: bool,
 }
 

@@ -32,8 +32,8 @@ pub const MARK: &str = "viotrace-insn-mark";
 pub const FIO_MARKS: &str = "--exec_prerun=viotrace-insn-mark --exec_postrun=viotrace-insn-mark";
 /// The run directory's file of marks.
 pub const MARKS_FILE: &str = "insn.txt";
-/// The run directory's kernel profile (`--insn-profile`): at each mark, instructions by
-/// block start address.
+/// The run directory's profile (`--insn-profile`): at each mark, the guest's instructions
+/// by block start address (user and kernel).
 pub const PROFILE_FILE: &str = "insn-profile.txt";
 
 /// The built plugin and marker.

@@ -208,8 +208,8 @@ struct VmArgs {
     /// fio job with marks and reports guest instructions per I/O
     #[arg(long)]
     insn_count: bool,
-    /// With --insn-count: also the guest kernel's instructions by block address at each mark
-    /// (insn-profile.txt), for `viotrace-vm insn-profile`
+    /// With --insn-count: also the guest's instructions by block address at each mark
+    /// (insn-profile.txt), for docs/experiments/insn-profile.py
     #[arg(long, requires = "insn_count")]
     insn_profile: bool,
 }

@@ -31,18 +31,19 @@ if not a.job:
     raise SystemExit(0)
 print()
 
-marks, cur = [], None
+marks, cur, lost = [], None, {}
 for line in open(f"{rd}/insn-profile.txt"):
     if line.startswith("mark"):
         w = line.split()
-        if int(w[3]):
-            raise SystemExit(f"profile table overflowed at mark {w[1]}: {w[3]} instructions lost")
+        lost[len(marks)] = int(w[3])
         cur = {}; marks.append(cur); continue
     va, n = line.split(); cur[int(va, 16)] = int(n)
 def window(job):
     i = names.index(job)
     ios = int(results[i][1].split(";")[0]) // 4
     s, e = marks[2 * i], marks[2 * i + 1]
+    if lost[2 * i + 1]:
+        raise SystemExit(f"profile table overflowed by {job}'s end: {lost[2 * i + 1]} instructions lost")
     return {va: (n - s.get(va, 0)) / ios for va, n in e.items() if n > s.get(va, 0)}, ios
 
 def setup_of(job):

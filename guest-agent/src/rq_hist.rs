@@ -291,6 +291,38 @@ mod tests {
         assert!(few.masks.len() < p.masks.len() || p.masks.is_empty());
     }
 
+    /// `rq_slot` of bpf/guest/guest_rq_stats.h, transcribed step by step.
+    fn bpf_rq_slot(ns: u64) -> u64 {
+        let log2_byte = |b: u64| {
+            if b == 0 {
+                0
+            } else {
+                63 - b.leading_zeros() as u64
+            }
+        };
+        let ns = ns + ((ns.wrapping_sub(1)) >> 63);
+        let mut v = ns | 255;
+        let s = (((v >> 16) + 0xffff) >> 16) << 4;
+        v >>= s;
+        let mut r = s;
+        let s = (((v >> 8) + 0xff) >> 8) << 3;
+        v >>= s;
+        r += s + log2_byte(v & 255) - 7;
+        ((r + 1) << 7) + (ns >> r) - 128
+    }
+
+    #[test]
+    fn the_kernels_branch_free_slot_is_the_tables() {
+        use viotrace_shared::stats::hist_slot;
+        for e in 0..31u32 {
+            let v = 1u64 << e;
+            for x in [v - 1, v, v + 1, v + v / 3, (v << 1) - 1] {
+                assert_eq!(bpf_rq_slot(x) as usize, hist_slot(x), "{x}");
+            }
+        }
+        assert!(bpf_rq_slot((1 << 31) - 1) < 3200);
+    }
+
     #[test]
     fn the_plan_struct_is_filled_in_order() {
         let b = plan_bytes(&bpf_plan(&[(0, 1, 2), (3, 4, 5)]));

@@ -759,7 +759,11 @@ fn check_always_on(name: &str, kernel: GuestKernel) {
     for stage in ["guest_queue", "guest_driver", "device", "guest_complete"] {
         assert_eq!(vdb.get(stage), Some(&600), "{stage}: {vdb:?}\n{log}");
     }
-    assert_eq!(vdb.get("guest_fs"), Some(&600), "fio's own syscalls: {vdb:?}");
+    assert_eq!(
+        vdb.get("guest_fs"),
+        Some(&600),
+        "fio's own syscalls: {vdb:?}"
+    );
     assert!(counter(&log, "rq_summarized") >= 600, "{log}");
     assert_eq!(counter(&log, "rq_emitted"), 0, "{log}");
 }

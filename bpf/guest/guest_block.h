@@ -674,10 +674,6 @@ static __always_inline void emit_rq(struct rq_state *st)
 			}
 		}
 	}
-	if (rq_summarized(&st->ev)) {
-		st->active = 0;
-		return;
-	}
 	/*
 	 * The record is the state's event as it stands, copied by the program (8-byte
 	 * moves): bpf_ringbuf_output's kernel memcpy is a `rep movsb` where the CPU

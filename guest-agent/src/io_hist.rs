@@ -41,56 +41,14 @@ pub struct Rows<'a> {
 /// Slots per row (`IO_ROW_SLOTS`).
 pub const ROW_SLOTS: usize = 3200;
 
-/// Rows of 32-bit counters by slot that the kernel only increments, each
-/// with a total incremented after the slot: what each gained since its last
-/// read. A row gets its copy when its total first moves.
-#[derive(Default)]
-pub struct RowDiff {
-    rows: HashMap<usize, (u64, Vec<u32>)>,
-}
-
-impl RowDiff {
-    /// Whether row `i`'s total `count` moved since its last read.
-    pub fn moved(&self, i: usize, count: u64) -> bool {
-        count != self.rows.get(&i).map_or(0, |r| r.0)
-    }
-
-    /// What row `i` gained as (slot, count), its total read as `count`
-    /// *before* `read` reads the row (each slot is incremented before the
-    /// total, so nothing counted in the total is missed). `read`: `None`
-    /// when the row cannot be read (nothing is taken).
-    pub fn take(
-        &mut self,
-        i: usize,
-        count: u64,
-        read: impl FnOnce() -> Option<Vec<u32>>,
-    ) -> Vec<(usize, u64)> {
-        compiler_fence(Ordering::SeqCst);
-        let Some(row) = read() else {
-            return Vec::new();
-        };
-        let (seen, prev) = self
-            .rows
-            .entry(i)
-            .or_insert_with(|| (0, vec![0; row.len()]));
-        *seen = count;
-        let mut slots = Vec::new();
-        for (slot, (&v, p)) in row.iter().zip(prev.iter_mut()).enumerate() {
-            if v != *p {
-                slots.push((slot, u64::from(v.wrapping_sub(*p))));
-                *p = v;
-            }
-        }
-        slots
-    }
-}
-
 /// The kernel's totals as last read (the maps only grow; the difference is new).
 #[derive(Default)]
 pub struct IoHist {
     counts: HashMap<u32, u64>,
     sums: HashMap<u32, u64>,
-    rows: RowDiff,
+    /// Each row's total and counts as last read (a row gets its copy when
+    /// its total first moves).
+    rows: HashMap<usize, (u64, Vec<u32>)>,
     /// Batch reads that came up short and were done again key by key.
     pub batch_short: u64,
     /// `hashed` of the last read of `io_hist`: unchanged, nothing new went
@@ -128,10 +86,23 @@ impl IoHist {
     fn take_rows(&mut self, rows: &Rows<'_>, out: &mut HashMap<u32, Gained>) {
         for (i, (&count, row)) in rows.counts.iter().zip(rows.rows).enumerate() {
             let Some(&nr) = rows.nrs.get(i) else { break };
-            if !self.rows.moved(i, count) {
+            if count == self.rows.get(&i).map_or(0, |r| r.0) {
                 continue;
             }
-            let slots = self.rows.take(i, count, || Some(row.to_vec()));
+            let (seen, prev) = self
+                .rows
+                .entry(i)
+                .or_insert_with(|| (0, vec![0; ROW_SLOTS]));
+            // The count first: each slot is incremented before it.
+            *seen = count;
+            compiler_fence(Ordering::SeqCst);
+            let mut slots = Vec::new();
+            for (slot, (&v, p)) in row.iter().zip(prev.iter_mut()).enumerate() {
+                if v != *p {
+                    slots.push((slot, u64::from(v.wrapping_sub(*p))));
+                    *p = v;
+                }
+            }
             if !slots.is_empty() {
                 out.entry(nr).or_default().slots.extend(slots);
             }

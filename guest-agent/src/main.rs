@@ -13,7 +13,6 @@ mod load;
 mod plan;
 mod probe;
 mod raw;
-mod rq_hist;
 mod sink;
 
 use std::cell::RefCell;
@@ -172,14 +171,6 @@ pub(crate) struct Filters {
     sys_tracepoints: bool,
     /// Syscalls faster than this send no record, only their latency (0: all send one).
     io_detail_ns: u64,
-    /// Requests send no record: the kernel counts their stages (rq_hist).
-    rq_summarize: bool,
-}
-
-/// Only the per-stage tables read the records: no JSON, capture, uplink or
-/// threshold.
-fn tables_only(cli: &Cli) -> bool {
-    !cli.json && cli.capture.is_none() && cli.connect.is_none() && cli.threshold.is_none()
 }
 
 fn resolve_filters(cli: &Cli) -> Result<Filters> {
@@ -198,9 +189,6 @@ fn resolve_filters(cli: &Cli) -> Result<Filters> {
         } else {
             u64::MAX
         },
-        // Always-on with no uplink either: the request tables need only each
-        // request's stages, and the kernel counts them (rq_hist).
-        rq_summarize: tables_only(cli),
         ..Default::default()
     };
     if let Some(c) = &cli.comm {
@@ -286,23 +274,6 @@ fn take_io_hist(run: &load::Running, h: &mut io_hist::IoHist, sink: &mut Sink) {
     }
 }
 
-/// The requests the kernel summarized since the last call, into the sink's
-/// request tables.
-fn take_rq_hist(
-    run: &load::Running,
-    h: Option<&mut rq_hist::RqHist>,
-    stats: &[(&'static str, u64)],
-    sink: &mut Sink,
-) {
-    if let Some(h) = h {
-        let n = stats
-            .iter()
-            .find(|s| s.0 == "rq_summarized")
-            .map_or(0, |s| s.1);
-        h.take(&run.skel, n, sink);
-    }
-}
-
 fn bpf_stats(skel: &ViotraceGuestSkel<'_>) -> Vec<(&'static str, u64)> {
     raw::STAT_NAMES
         .iter()
@@ -366,7 +337,7 @@ fn main() -> Result<()> {
 
     libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Warn, load::libbpf_print)));
     let facts = kernel::Facts::gather()?;
-    let mut run = load::start_any(&load::candidate_modes(cli.mode, &facts), &facts, &filters)?;
+    let run = load::start_any(&load::candidate_modes(cli.mode, &facts), &facts, &filters)?;
     match btf_copy {
         btf_file::Outcome::Bound(guard) => drop(guard),
         btf_file::Outcome::Skipped(why) => {
@@ -392,24 +363,6 @@ fn main() -> Result<()> {
         }
     );
 
-    let mut rq_hist = if filters.rq_summarize {
-        let disks = rq_hist::pick_disks(Path::new("/sys/block"), filters.disk, usize::MAX);
-        match rq_hist::RqHist::start(&mut run.skel, disks) {
-            Ok(h) => {
-                eprintln!(
-                    "viotrace-guest: always-on: the kernel counts the stages of requests on {} (no records)",
-                    h.disk_names().join(" ")
-                );
-                Some(h)
-            }
-            Err(e) => {
-                eprintln!("viotrace-guest: note: requests send records ({e:#})");
-                None
-            }
-        }
-    } else {
-        None
-    };
     let uplink = match &cli.connect {
         Some(ep) => {
             let hello = transport::local_hello(env!("CARGO_PKG_VERSION"), transport::local_cid());
@@ -421,6 +374,7 @@ fn main() -> Result<()> {
         }
         None => None,
     };
+    let no_capture = capture.is_none();
     let sink = RefCell::new(Sink::new(
         cli.json,
         cli.threshold,
@@ -435,7 +389,8 @@ fn main() -> Result<()> {
     }
     let mut decoder = raw::Decoder::new();
     decoder.off_cpu = run.off_cpu;
-    decoder.tables_only = tables_only(&cli);
+    decoder.tables_only =
+        !cli.json && no_capture && cli.connect.is_none() && cli.threshold.is_none();
     let mut rb = RingBufferBuilder::new();
     rb.add(&run.skel.maps.events, |data: &[u8]| {
         match decoder.decode(data) {
@@ -468,7 +423,6 @@ fn main() -> Result<()> {
         if now >= next_table {
             let stats = read_stats(&run);
             take_io_hist(&run, &mut hist, &mut s);
-            take_rq_hist(&run, rq_hist.as_mut(), &stats, &mut s);
             s.interval_table(started.elapsed());
             s.send_counters(&stats);
             next_table = now + cli.interval;
@@ -484,7 +438,6 @@ fn main() -> Result<()> {
     let mut s = sink.borrow_mut();
     let mut stats = read_stats(&run);
     take_io_hist(&run, &mut hist, &mut s);
-    take_rq_hist(&run, rq_hist.as_mut(), &stats, &mut s);
     stats.push(("io_hist_reread", hist.batch_short));
     stats.extend(s.verdict_counters());
     s.close_uplink(&mut stats);

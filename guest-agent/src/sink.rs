@@ -236,17 +236,6 @@ impl Sink {
             .record_slots(SYSCALL_LABEL, &name, &g.slots, g.sum_ns);
     }
 
-    /// Requests the kernel summarized (no record): counted as requests.
-    pub fn rqs_summarized(&mut self, n: u64) {
-        self.rqs += n;
-        self.interval_records += n;
-    }
-
-    /// Values of a disk's stage the kernel counted by slot, into its table.
-    pub fn rq_summary(&mut self, disk: &str, stage: &str, slots: &[(usize, u64)], sum_ns: u128) {
-        self.interval.record_slots(disk, stage, slots, sum_ns);
-    }
-
     fn on_rq(&mut self, r: &GuestRq) {
         self.rqs += 1;
         if self.json {

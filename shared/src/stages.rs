@@ -334,22 +334,6 @@ pub fn visit_stages(
     (total_ns, Some(at(ends.first)))
 }
 
-/// The stages of every set of points with exactly `present` (in any order)
-/// as `(stage, from, to)` point pairs in path order, the total last; empty
-/// with fewer than two anchors. What [`derive`] subtracts, resolved once: the
-/// guest kernel summarizes requests with it (guest-agent/src/rq_hist.rs).
-pub fn point_plan(present: &[Point]) -> Vec<(StageId, Point, Point)> {
-    let mask = present.iter().fold(0u32, |m, p| m | 1 << Points::slot(*p));
-    let point = |slot: u8| Point::ALL[slot as usize];
-    let mut steps = Vec::new();
-    let ends = stage_slots(mask, |id, a, b| steps.push((id, point(a), point(b))));
-    match ends.and_then(|e| e.total) {
-        Some((a, b)) => steps.push((StageId::TOTAL, point(a), point(b))),
-        None => steps.clear(),
-    }
-    steps
-}
-
 /// At most this many stages in one set of points (one per pair of
 /// consecutive anchors).
 pub(crate) const MAX_SPANS: usize = ANCHORS.len() - 1;
@@ -452,39 +436,6 @@ mod tests {
 
     fn pts(v: &[(Point, u64)]) -> Points {
         v.iter().copied().collect()
-    }
-
-    #[test]
-    fn point_plans_subtract_what_derive_does() {
-        // Every subset of the guest's points: the plan's differences are
-        // derive's stages and total, by name and value.
-        let guest = &Point::ALL[..12];
-        assert!(guest.iter().all(|p| p.name().starts_with("g.")));
-        for mask in 0u32..1 << guest.len() {
-            let present: Vec<Point> = (0..guest.len())
-                .filter(|i| mask & 1 << i != 0)
-                .map(|i| guest[i])
-                .collect();
-            // Times not in path order, so a swapped pair would show.
-            let ts: Points = present
-                .iter()
-                .map(|&p| (p, 1000 + (p as u64 * 37) % 101))
-                .collect();
-            let b = derive(&ts);
-            let plan = point_plan(&present);
-            let at = |p: Point| ts.get(p).unwrap();
-            let mut want: Vec<(&str, i64)> = b.stages.iter().collect();
-            if let Some(t) = b.total_ns {
-                want.push((TOTAL_STAGE, t));
-            } else {
-                want.clear();
-            }
-            let got: Vec<(&str, i64)> = plan
-                .iter()
-                .map(|&(id, a, z)| (id.name(), diff(at(a), at(z))))
-                .collect();
-            assert_eq!(got, want, "{present:?}");
-        }
     }
 
     #[test]

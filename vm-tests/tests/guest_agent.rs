@@ -715,9 +715,8 @@ fn kernel_5_10_descriptor_heads_equal_qemus() {
     );
 }
 
-/// Always-on (no `--json`, no `-t`): the syscalls and the requests send no records, the
-/// kernel counts their latencies (`io_hist`) and stages (`rq_hist`), and the tables still
-/// have every one of them.
+/// Always-on (no `--json`, no `-t`): the syscalls send no records, the kernel counts their
+/// latencies (`io_hist`), and the syscall table still has every one of them.
 #[test]
 fn always_on_syscalls_are_counted_in_the_kernel_and_tabled() {
     check_always_on("guest-always-on", GuestKernel::default());
@@ -752,20 +751,8 @@ fn check_always_on(name: &str, kernel: GuestKernel) {
         counter(&log, "io_hist_full") + counter(&log, "io_hist_reread"),
         0
     );
-    // fio's requests on vdb are all still in the request table, with their
-    // stages, although none sent a record: the kernel counted them (rq_hist).
-    let vdb = totals_rows(&log, "vdb");
-    assert_eq!(vdb.get("total"), Some(&600), "{log}");
-    for stage in ["guest_queue", "guest_driver", "device", "guest_complete"] {
-        assert_eq!(vdb.get(stage), Some(&600), "{stage}: {vdb:?}\n{log}");
-    }
-    assert_eq!(
-        vdb.get("guest_fs"),
-        Some(&600),
-        "fio's own syscalls: {vdb:?}"
-    );
-    assert!(counter(&log, "rq_summarized") >= 600, "{log}");
-    assert_eq!(counter(&log, "rq_emitted"), 0, "{log}");
+    // fio's requests on vdb are all still in the request table.
+    assert_eq!(totals_rows(&log, "vdb").get("total"), Some(&600), "{log}");
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! Latency aggregation and rendering shared by the agents.
 //!
-//! [`Aggregator`] keeps one HDR histogram per `(label, stage)` — a label is
+//! [`Aggregator`] keeps one histogram per `(label, stage)` in an HDR histogram's layout — a label is
 //! typically a disk (`vda`) or a VM/device, a stage one of the names of
 //! [`crate::stages`] (the only place stages are named and derived), so the
 //! agents' own tables and the joined table use one vocabulary, plus
@@ -9,22 +9,22 @@
 use std::borrow::Cow;
 use std::fmt::Write as _;
 
-use hdrhistogram::Histogram;
-
 use crate::record::{Point, Points, StageSummary};
 pub use crate::stages::TOTAL_STAGE;
 use crate::stages::{Breakdown, StageId, Stages, DEVICE_STAGE, STAGE_IDS, STAGE_NAMES};
 
 /// Highest value a histogram tracks exactly (1 hour in ns); larger values saturate.
 const HIST_HIGH_NS: u64 = 3_600_000_000_000;
-/// Two significant digits: 1 % precision at ~40 KiB per histogram.
+/// Two significant digits (1 % precision): the HDR histogram whose layout
+/// the counts use (the tests build it to check the layout and summaries).
+#[cfg(test)]
 const HIST_SIGFIG: u8 = 2;
 
 /// The bucket layout of an HDR histogram of `1..=HIST_HIGH_NS` with
 /// `HIST_SIGFIG` digits: 256 sub-buckets (128 new per power of two), 35
 /// buckets. [`StageHist`] counts in this layout itself (a record is one
-/// increment) and makes the `hdrhistogram` only to summarize; the tests check
-/// the layout against the crate's.
+/// increment) and summarizes as the `hdrhistogram` crate would; the tests
+/// check the layout and the summaries against the crate's.
 const SUB_BUCKET_MASK: u64 = 255;
 const SUB_BUCKET_HALF_MAGNITUDE: u32 = 7;
 const HIST_BUCKETS: usize = 35;
@@ -53,6 +53,12 @@ fn hist_value(index: usize) -> u64 {
         None => (0, index & (half - 1)),
     };
     (sub as u64) << bucket
+}
+
+/// The highest value of a slot (its lowest plus its width, less one).
+fn hist_high(index: usize) -> u64 {
+    let bucket = (index >> SUB_BUCKET_HALF_MAGNITUDE).saturating_sub(1);
+    hist_value(index) + (1u64 << bucket) - 1
 }
 
 /// Slots per chunk of a [`StageHist`]'s counts (one power of two of values).
@@ -133,20 +139,23 @@ impl StageHist {
         self.sum += other.sum;
     }
 
-    /// The values as an HDR histogram (each slot's count at its lowest value).
-    fn histogram(&self) -> Histogram<u64> {
-        let mut h = Histogram::new_with_bounds(1, HIST_HIGH_NS, HIST_SIGFIG)
-            .expect("static histogram bounds are valid");
-        for (i, c) in self.slots() {
-            h.saturating_record_n(hist_value(i), c);
-        }
-        h
-    }
-
-    /// Summary of the recorded values.
+    /// Summary of the recorded values: what an HDR histogram of them reports
+    /// (quantiles and max at the highest value of their slot), read off the
+    /// counts directly (the tests check it against the crate's).
     pub fn summary(&self) -> Summary {
-        let hist = self.histogram();
-        let count = hist.len();
+        let count = self.slots().fold(0u64, |n, (_, c)| n.saturating_add(c));
+        // hdrhistogram's value_at_quantile: the first slot whose running
+        // count reaches ceil(q * count), at least 1.
+        let at = |q: f64| {
+            let want = ((q * count as f64).ceil() as u64).max(1);
+            let mut seen = 0u64;
+            self.slots()
+                .find(|&(_, c)| {
+                    seen = seen.saturating_add(c);
+                    seen >= want
+                })
+                .map_or(0, |(i, _)| hist_high(i))
+        };
         Summary {
             count,
             mean_ns: if count == 0 {
@@ -154,9 +163,9 @@ impl StageHist {
             } else {
                 (self.sum / u128::from(count)) as u64
             },
-            p50_ns: hist.value_at_quantile(0.5),
-            p99_ns: hist.value_at_quantile(0.99),
-            max_ns: hist.max(),
+            p50_ns: at(0.5),
+            p99_ns: at(0.99),
+            max_ns: self.slots().last().map_or(0, |(i, _)| hist_high(i)),
         }
     }
 }

@@ -1,5 +1,6 @@
 //! Tests of stats.rs.
 use super::*;
+use hdrhistogram::Histogram;
 use proptest::prelude::*;
 
 fn hdr() -> Histogram<u64> {

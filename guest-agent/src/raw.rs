@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use thiserror::Error;
+use viotrace_shared::points::SlotMap;
 use viotrace_shared::record::{GuestIo, GuestRq, Name, OffCpu, Op, Point, Points, RqRef};
 
 use crate::bpf::types::{vt_io_event, vt_rq_event};
@@ -150,7 +151,7 @@ pub struct Decoder {
     /// The last disk named (records come in runs of one disk).
     last_disk: Option<(u32, Name)>,
     /// The point of each `ts[]` slot of a request record (from `C_POINTS`).
-    slots: Vec<Option<Point>>,
+    slots: SlotMap,
     /// The last record of each kind: decoding fills it in place (no
     /// allocation, no move of the record per decode).
     rq: GuestRq,
@@ -183,7 +184,7 @@ impl Decoder {
             tables_only: false,
             disks: HashMap::new(),
             last_disk: None,
-            slots: point_slots(),
+            slots: SlotMap::new(&point_slots()),
             rq: viotrace_shared::proto::rq::blank(),
             io: GuestIo {
                 syscall: Name::default(),
@@ -260,11 +261,7 @@ impl Decoder {
 
     fn decode_rq(&mut self, r: &vt_rq_event) {
         let mut ts = Points::new();
-        for (slot, &t) in r.ts.iter().enumerate() {
-            if let Some(Some(p)) = self.slots.get(slot) {
-                ts.set_nonzero(*p, t);
-            }
-        }
+        ts.set_nonzero_from(&self.slots, &r.ts);
         if self.rq_dev != Some(r.dev) {
             self.rq.disk = self.disk_name(r.dev);
             self.rq_dev = Some(r.dev);

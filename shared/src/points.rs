@@ -124,6 +124,28 @@ const fn slot(p: Point) -> usize {
     SLOT_OF_ID[p as usize & 63] as usize
 }
 
+/// Where each entry of a foreign array of timestamps goes in a [`Points`]
+/// set (the guest BPF side's `ts[]`), resolved once: filling a set from
+/// such an array is then a store per present entry
+/// ([`Points::set_nonzero_from`]).
+#[derive(Clone, Debug, Default)]
+pub struct SlotMap {
+    /// The set's slot of each entry, `u8::MAX` for one that is no point.
+    slots: Vec<u8>,
+}
+
+impl SlotMap {
+    /// `points[i]`: the point of entry `i`, if any.
+    pub fn new(points: &[Option<Point>]) -> Self {
+        SlotMap {
+            slots: points
+                .iter()
+                .map(|p| p.map_or(u8::MAX, |p| slot(p) as u8))
+                .collect(),
+        }
+    }
+}
+
 impl Points {
     pub fn new() -> Self {
         Self::default()
@@ -147,6 +169,17 @@ impl Points {
     pub fn set_nonzero(&mut self, p: Point, ns: u64) {
         if ns != 0 {
             self.set(p, ns);
+        }
+    }
+
+    /// Sets entry `i` of `ts` as `map`'s point `i`, for every non-zero
+    /// entry with a point (BPF uses 0 for "not seen").
+    #[inline]
+    pub fn set_nonzero_from(&mut self, map: &SlotMap, ts: &[u64]) {
+        for (&s, &t) in map.slots.iter().zip(ts) {
+            if t != 0 && usize::from(s) < SLOTS {
+                self.set_slot(usize::from(s), t);
+            }
         }
     }
 
@@ -412,6 +445,31 @@ mod tests {
             .filter(|(k, _)| bits & (1 << k) != 0)
             .map(|(k, p)| (*p, seed.wrapping_mul(k as u64 + 7) % 1_000_003))
             .collect()
+    }
+
+    #[test]
+    fn a_slot_map_fills_what_set_nonzero_would() {
+        let map = [
+            Some(Point::Kick),
+            None,
+            Some(Point::BioQueue),
+            Some(Point::Irq),
+        ];
+        let ts = [30u64, 99, 0, 70, 55];
+        let mut got = Points::new();
+        got.set_nonzero_from(&SlotMap::new(&map), &ts);
+        let mut want = Points::new();
+        for (p, &t) in map.iter().zip(&ts) {
+            if let Some(p) = p {
+                want.set_nonzero(*p, t);
+            }
+        }
+        assert_eq!(got, want);
+        assert_eq!(got.len(), 2);
+        assert_eq!(
+            (got.get(Point::Kick), got.get(Point::Irq)),
+            (Some(30), Some(70))
+        );
     }
 
     #[test]

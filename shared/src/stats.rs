@@ -265,18 +265,23 @@ impl LabelStats {
     /// Records the stages and total of a set of points; returns the total.
     fn record_points(&mut self, ts: &Points) -> Option<i64> {
         let p = self.plan(ts.mask());
-        let value = |(a, b, _): (u8, u8, u16)| {
-            crate::stages::diff(ts.at_slot(a as usize), ts.at_slot(b as usize))
+        // A stage's value as recorded: a negative one counts as 0 (as
+        // `diff(..).max(0)`, without its 128-bit clamp).
+        let gap = |(a, b, _): (u8, u8, u16)| {
+            let d = ts
+                .at_slot(b as usize)
+                .saturating_sub(ts.at_slot(a as usize));
+            d.min(i64::MAX as u64)
         };
         for &step in &p.steps[..p.n as usize] {
-            self.stages[step.2 as usize]
-                .1
-                .record(value(step).max(0) as u64);
+            self.stages[step.2 as usize].1.record(gap(step));
         }
         let t = p.total?;
-        let total = value(t);
-        self.stages[t.2 as usize].1.record(total.max(0) as u64);
-        Some(total)
+        self.stages[t.2 as usize].1.record(gap(t));
+        Some(crate::stages::diff(
+            ts.at_slot(t.0 as usize),
+            ts.at_slot(t.1 as usize),
+        ))
     }
 
     /// Index of stage `id` (added if new).

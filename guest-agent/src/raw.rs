@@ -101,6 +101,26 @@ fn cast<T: RawRecord>(b: &[u8]) -> Result<T, DecodeError> {
     Ok(unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) })
 }
 
+/// `f` of the record in `b` as its generated struct: read in place when `b`
+/// is aligned for it (the ring buffer's records are 8-byte aligned), else
+/// copied out first.
+fn with_cast<T: RawRecord, R>(b: &[u8], f: impl FnOnce(&T) -> R) -> Result<R, DecodeError> {
+    let need = std::mem::size_of::<T>();
+    if b.len() < need {
+        return Err(DecodeError::Short { got: b.len(), need });
+    }
+    let p = b.as_ptr().cast::<T>();
+    if p.is_aligned() {
+        // SAFETY: `b` holds at least `size_of::<T>()` bytes (checked above),
+        // `p` is aligned for `T`, any bit pattern is a valid `T`
+        // (`RawRecord`), and the reference lives only as long as the borrow
+        // of `b`.
+        Ok(f(unsafe { &*p }))
+    } else {
+        Ok(f(&cast::<T>(b)?))
+    }
+}
+
 /// NUL-terminated string in a fixed-size `char` field (lossy UTF-8).
 fn cstr(f: &[i8]) -> Name {
     let mut n = Name::default();
@@ -248,11 +268,11 @@ impl Decoder {
         }
         match u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) {
             K_RQ => {
-                self.decode_rq(&cast(b)?);
+                with_cast(b, |r| self.decode_rq(r))?;
                 Ok(Record::Rq(&self.rq))
             }
             K_IO => {
-                self.decode_io(&cast(b)?);
+                with_cast(b, |r| self.decode_io(r))?;
                 Ok(Record::Io(&mut self.io))
             }
             k => Err(DecodeError::Kind(k)),
@@ -492,6 +512,25 @@ mod tests {
             panic!()
         };
         assert_eq!((r.op, r.sector), (Op::Flush, 0));
+    }
+
+    #[test]
+    fn a_misaligned_record_decodes_as_an_aligned_one() {
+        let raw = raw_rq();
+        let mut buf = vec![0u8; raw.len() + 16];
+        let o = buf.as_ptr().align_offset(8);
+        buf[o..o + raw.len()].copy_from_slice(&raw);
+        let mut d = decoder();
+        let aligned = match d.decode(&buf[o..o + raw.len()]).unwrap() {
+            Record::Rq(r) => r.clone(),
+            _ => panic!(),
+        };
+        buf.copy_within(o..o + raw.len(), o + 1);
+        let Record::Rq(r) = d.decode(&buf[o + 1..o + 1 + raw.len()]).unwrap() else {
+            panic!()
+        };
+        assert_eq!(*r, aligned);
+        assert_eq!((r.sector, r.ts.len()), (2048, 4));
     }
 
     #[test]

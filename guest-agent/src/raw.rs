@@ -280,8 +280,9 @@ impl Decoder {
     }
 
     fn decode_rq(&mut self, r: &vt_rq_event) {
-        let mut ts = Points::new();
-        ts.set_nonzero_from(&self.slots, &r.ts);
+        // (filled where it stays: a set built aside is 176 bytes to copy)
+        self.rq.ts = Points::new();
+        self.rq.ts.set_nonzero_from(&self.slots, &r.ts);
         if self.rq_dev != Some(r.dev) {
             self.rq.disk = self.disk_name(r.dev);
             self.rq_dev = Some(r.dev);
@@ -289,7 +290,7 @@ impl Decoder {
         let op = Op::from_linux_req_op(r.cmd_flags);
         let q = &mut self.rq;
         if !self.tables_only {
-            q.time = viotrace_shared::walltime::of_points(&ts);
+            q.time = viotrace_shared::walltime::of_points(&q.ts);
             set_cstr(&mut q.comm, &r.comm);
         }
         q.op = op;
@@ -306,7 +307,6 @@ impl Decoder {
         q.kicked = kicked(r.kicked);
         q.bios = r.bios;
         q.error = blk_status_errno(r.status);
-        q.ts = ts;
     }
 
     fn decode_io(&mut self, r: &vt_io_event) {

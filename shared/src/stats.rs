@@ -1,7 +1,8 @@
 //! Latency aggregation and rendering shared by the agents.
 //!
-//! [`Aggregator`] keeps one histogram per `(label, stage)` in an HDR histogram's layout — a label is
-//! typically a disk (`vda`) or a VM/device, a stage one of the names of
+//! [`Aggregator`] keeps one histogram per `(label, stage)`, in an HDR
+//! histogram's layout — a label is typically a disk (`vda`) or a VM/device,
+//! a stage one of the names of
 //! [`crate::stages`] (the only place stages are named and derived), so the
 //! agents' own tables and the joined table use one vocabulary, plus
 //! [`TOTAL_STAGE`]. [`render_waterfall`] draws one record's points on a time line.

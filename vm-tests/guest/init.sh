@@ -57,6 +57,9 @@ while [ -z "$RESULTS" ]; do
 	[ -z "$RESULTS" ] && sleep 0.1
 done
 
+# Booted: kernel, modules and disks up, nothing of the run's own started yet (the lab
+# boots again once when this line does not come: a boot that hung under emulation).
+echo "VIOTRACE-BOOTED"
 sh /viotrace/setup.sh </dev/null >/out/setup.log 2>&1 || fail "setup script failed: $(tail -n 5 /out/setup.log)"
 
 AGENT_PID=

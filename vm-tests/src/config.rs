@@ -158,6 +158,9 @@ pub struct VmConfig {
     /// run's private directory). Guest connections to port P arrive on `<path>_P`.
     pub vsock_uds: Option<PathBuf>,
     pub timeout: Duration,
+    /// A guest whose init has not said it booted (kernel, modules and disks up) this long
+    /// after it started has hung: the run stops and boots it again, once (see `Lab::run`).
+    pub boot_timeout: Duration,
     pub vsock: VsockMode,
     pub accel: Accel,
     /// Echo the guest console (and agents' stdout when not captured) live.
@@ -217,6 +220,7 @@ impl Default for VmConfig {
             guest_tools: Vec::new(),
             vsock_uds: None,
             timeout: Duration::from_secs(600),
+            boot_timeout: crate::vm::BOOT_DEADLINE,
             vsock: VsockMode::Auto,
             accel: Accel::Auto,
             console: false,

@@ -26,8 +26,8 @@ use crate::proc::Guarded;
 use crate::qmp::Qmp;
 use crate::result::{write_summary, RunResult};
 use crate::vm::{
-    mono_at, tail, Lab, MARK_AGENT_EXIT, MARK_AGENT_FAILED, MARK_DONE, MARK_END, MARK_ERROR,
-    MARK_HOST_RESTART, MARK_QEMU_IO, MARK_START,
+    mono_at, tail, Lab, MARK_AGENT_EXIT, MARK_AGENT_FAILED, MARK_BOOTED, MARK_DONE, MARK_END,
+    MARK_ERROR, MARK_HOST_RESTART, MARK_QEMU_IO, MARK_START,
 };
 
 mod setup;
@@ -43,6 +43,8 @@ type Sample = (Option<ProcSample>, Option<ProcSample>);
 /// What the console said so far, and the host agent's incarnations.
 #[derive(Default)]
 struct Console {
+    /// Init said the guest booted (`MARK_BOOTED`).
+    booted: bool,
     t_start: Option<Instant>,
     t_end: Option<Instant>,
     rc: Option<i32>,
@@ -76,6 +78,8 @@ enum Ended {
     Exited(ExitStatus),
     /// The deadline passed or the run was interrupted.
     Stopped { interrupted: bool },
+    /// The guest did not boot within `boot_timeout`.
+    BootHang,
 }
 
 pub(crate) struct Run<'a> {
@@ -169,10 +173,18 @@ impl Run<'_> {
         let on_line = |con: &mut Console, t: Instant, line: &str| -> Result<()> {
             self.on_line(con, t, line, qemu_pid, host_bin.as_deref(), &attach)
         };
-        let ended = self.console_loop(&mut con, &rx, &mut qemu, t_resume + cfg.timeout, on_line)?;
+        let deadlines = (
+            t_resume + cfg.timeout.min(cfg.boot_timeout),
+            t_resume + cfg.timeout,
+        );
+        let ended = self.console_loop(&mut con, &rx, &mut qemu, deadlines, on_line)?;
         let qemu_status = match ended {
             Ended::Exited(st) => st,
-            Ended::Stopped { interrupted } => {
+            Ended::Stopped { .. } | Ended::BootHang => {
+                let (interrupted, hang) = match ended {
+                    Ended::Stopped { interrupted } => (interrupted, false),
+                    _ => (false, true),
+                };
                 let virtio = (!interrupted).then(|| self.virtio_state());
                 qemu.stop(Signal::SIGTERM, Duration::from_secs(2))?;
                 if let Some(mut h) = con.host_agent.take() {
@@ -182,9 +194,20 @@ impl Run<'_> {
                     let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
                 }
                 let _ = reader.join();
-                let mut msg = self.stopped_message(interrupted, con.t_start.is_some());
+                let mut msg = if hang {
+                    format!(
+                        "the guest did not boot within {} (no {MARK_BOOTED} line); QEMU and helpers stopped. Last serial lines:\n{}",
+                        humantime::format_duration(cfg.boot_timeout),
+                        crate::vm::serial_tail(&self.out.join("serial.log"), 40)
+                    )
+                } else {
+                    self.stopped_message(interrupted, con.t_start.is_some())
+                };
                 if let Some(v) = virtio {
                     msg += &format!("\nQEMU's virtio-blk queues then (virtio-state.json):\n{v}");
+                }
+                if hang {
+                    return Err(anyhow::Error::new(crate::vm::BootHang(msg)));
                 }
                 bail!(msg);
             }
@@ -239,13 +262,14 @@ impl Run<'_> {
         Ok(result)
     }
 
-    /// Reads the console until QEMU exits, the deadline passes or the run is interrupted.
+    /// Reads the console until QEMU exits, the deadline passes (the first: to boot; the
+    /// second: the run's) or the run is interrupted.
     fn console_loop(
         &self,
         con: &mut Console,
         rx: &mpsc::Receiver<Event>,
         qemu: &mut Guarded,
-        deadline: Instant,
+        (boot_deadline, deadline): (Instant, Instant),
         mut on_line: impl FnMut(&mut Console, Instant, &str) -> Result<()>,
     ) -> Result<Ended> {
         let mut eof = false;
@@ -264,6 +288,9 @@ impl Run<'_> {
                 }
             }
             let interrupted = self.lab.interrupt.load(Ordering::SeqCst);
+            if !con.booted && !interrupted && Instant::now() >= boot_deadline {
+                return Ok(Ended::BootHang);
+            }
             if Instant::now() >= deadline || interrupted {
                 return Ok(Ended::Stopped { interrupted });
             }
@@ -315,7 +342,10 @@ impl Run<'_> {
             procs.extend(con.backend_pid.map(|p| ("vsock-backend", p)));
             host_threads::snapshot(&procs)
         };
-        if line.contains(MARK_START) {
+        if line.contains(MARK_BOOTED) {
+            con.booted = true;
+        } else if line.contains(MARK_START) {
+            con.booted = true;
             con.t_start = Some(t);
             con.mono.0 = mono_at(t);
             if let (Some(hb), HostAttach::Running) = (host_bin, self.cfg.host_attach) {

@@ -15,6 +15,12 @@ pub use crate::config::{Accel, Agents, Aio, DiskFormat, HostAttach, VmConfig, Vs
 use crate::proc::Guarded;
 pub use crate::result::{read_jsonl, RunResult};
 
+/// Init's line once the kernel, its modules and the disks are up, before anything of the
+/// run's own (set-up, agents, workload) starts.
+pub(crate) const MARK_BOOTED: &str = "VIOTRACE-BOOTED";
+/// The default `boot_timeout`: a guest that has not booted ([`MARK_BOOTED`]) this long
+/// after QEMU resumed it has hung (it takes 3–15 s under TCG).
+pub const BOOT_DEADLINE: Duration = Duration::from_secs(180);
 pub(crate) const MARK_START: &str = "VIOTRACE-WORKLOAD-START";
 pub(crate) const MARK_END: &str = "VIOTRACE-WORKLOAD-END";
 pub(crate) const MARK_DONE: &str = "VIOTRACE-DONE";
@@ -170,8 +176,27 @@ impl Lab {
     pub fn run(&self, cfg: &VmConfig, workload: &str, out_dir: &Path) -> Result<RunResult> {
         let kept = out_dir.join("serial.boot-panic.log");
         let _ = fs::remove_file(&kept);
+        let kept_hang = out_dir.join("serial.boot-hang.log");
+        let _ = fs::remove_file(&kept_hang);
         let res = self.run_once(cfg, workload, out_dir);
         let serial = out_dir.join("serial.log");
+        if let Some(h) = res
+            .as_ref()
+            .err()
+            .and_then(|e| e.downcast_ref::<BootHang>())
+        {
+            // Seen once in CI: two TCG vCPUs, two queues, guest 6.1 on QEMU 7.2: the data
+            // disk's first request completed in QEMU, its interrupt never came, and init
+            // waited in the module's probe. Nothing of the run's own had started.
+            let _ = fs::rename(&serial, &kept_hang);
+            eprintln!(
+                "viotrace-vm: the guest did not boot within {} ({}); booting it again once",
+                humantime::format_duration(cfg.boot_timeout),
+                kept_hang.display()
+            );
+            let _ = fs::write(out_dir.join("boot-hang.txt"), format!("{h}\n"));
+            return self.run_once(cfg, workload, out_dir);
+        }
         if res.is_err() && panicked_while_booting(&fs::read_to_string(&serial).unwrap_or_default())
         {
             // Seen once in CI: guest 7.2 on two TCG vCPUs took an int3 Oops in boot-time
@@ -223,6 +248,19 @@ impl Lab {
         res
     }
 }
+
+/// A run stopped because the guest did not boot within its `boot_timeout` (its message
+/// says what QEMU's queues held then).
+#[derive(Debug)]
+pub(crate) struct BootHang(pub String);
+
+impl std::fmt::Display for BootHang {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BootHang {}
 
 /// Whether a guest console shows a kernel panic before init printed anything of the
 /// lab's (every init line starts `VIOTRACE-`): the guest died before any of our code

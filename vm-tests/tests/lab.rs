@@ -66,6 +66,32 @@ fn random_direct_writes_verify_one_queue() {
     check_verify_run(&cfg, "verify-1q");
 }
 
+/// A guest that never boots (QEMU started with `-S`: its CPUs never run) is a boot hang:
+/// the run stops at `boot_timeout`, not the run's timeout, boots it again once, and then
+/// fails saying so, the first boot's console kept.
+#[test]
+fn a_guest_that_never_boots_is_booted_again_once_then_reported() {
+    let _g = lab_lock();
+    let out = out_dir("boot-hang");
+    let cfg = VmConfig {
+        name: "vt-boot-hang".into(),
+        qemu_args: vec!["-S".into()],
+        boot_timeout: Duration::from_secs(15),
+        ..VmConfig::default()
+    };
+    let t = std::time::Instant::now();
+    let e = lab()
+        .run(&cfg, "echo never\n", &out)
+        .expect_err("a guest that never runs never boots");
+    let msg = format!("{e:#}");
+    assert!(msg.contains("did not boot within 15s"), "{msg}");
+    assert!(out.join("serial.boot-hang.log").exists());
+    let first = std::fs::read_to_string(out.join("boot-hang.txt")).expect("boot-hang.txt");
+    assert!(first.contains("did not boot within 15s"), "{first}");
+    // Two boots of 15 s each, and the runs around them: far from the 10-minute timeout.
+    assert!(t.elapsed() < Duration::from_secs(150), "{:?}", t.elapsed());
+}
+
 #[test]
 fn random_direct_writes_verify_two_vcpus_two_queues() {
     let cfg = VmConfig {

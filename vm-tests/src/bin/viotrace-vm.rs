@@ -156,6 +156,10 @@ struct VmArgs {
     /// Hard timeout for the whole VM run.
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
     timeout: Duration,
+    /// A guest that has not booted (kernel, modules and disks up) this long after it
+    /// started has hung: the run boots it again, once.
+    #[arg(long, default_value = "3m", value_parser = humantime::parse_duration)]
+    boot_timeout: Duration,
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 1024)]
     memory: u32,
@@ -238,6 +242,7 @@ impl VmArgs {
             host_args: split(&self.host_args, "host-args")?,
             host_env: Vec::new(),
             timeout: self.timeout,
+            boot_timeout: self.boot_timeout,
             vsock: self.vsock,
             accel: self.accel,
             console: !self.quiet,

@@ -76,10 +76,9 @@ struct Console {
 enum Ended {
     /// QEMU exited (its console closed first).
     Exited(ExitStatus),
-    /// The deadline passed or the run was interrupted.
-    Stopped { interrupted: bool },
-    /// The guest did not boot within `boot_timeout`.
-    BootHang,
+    /// A deadline passed (`boot_hang`: the guest did not boot within `boot_timeout`) or
+    /// the run was interrupted.
+    Stopped { interrupted: bool, boot_hang: bool },
 }
 
 pub(crate) struct Run<'a> {
@@ -180,11 +179,10 @@ impl Run<'_> {
         let ended = self.console_loop(&mut con, &rx, &mut qemu, deadlines, on_line)?;
         let qemu_status = match ended {
             Ended::Exited(st) => st,
-            Ended::Stopped { .. } | Ended::BootHang => {
-                let (interrupted, hang) = match ended {
-                    Ended::Stopped { interrupted } => (interrupted, false),
-                    _ => (false, true),
-                };
+            Ended::Stopped {
+                interrupted,
+                boot_hang,
+            } => {
                 let virtio = (!interrupted).then(|| self.virtio_state());
                 qemu.stop(Signal::SIGTERM, Duration::from_secs(2))?;
                 if let Some(mut h) = con.host_agent.take() {
@@ -194,19 +192,11 @@ impl Run<'_> {
                     let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
                 }
                 let _ = reader.join();
-                let mut msg = if hang {
-                    format!(
-                        "the guest did not boot within {} (no {MARK_BOOTED} line); QEMU and helpers stopped. Last serial lines:\n{}",
-                        humantime::format_duration(cfg.boot_timeout),
-                        crate::vm::serial_tail(&self.out.join("serial.log"), 40)
-                    )
-                } else {
-                    self.stopped_message(interrupted, con.t_start.is_some())
-                };
+                let mut msg = self.stopped_message(interrupted, boot_hang, con.t_start.is_some());
                 if let Some(v) = virtio {
                     msg += &format!("\nQEMU's virtio-blk queues then (virtio-state.json):\n{v}");
                 }
-                if hang {
+                if boot_hang {
                     return Err(anyhow::Error::new(crate::vm::BootHang(msg)));
                 }
                 bail!(msg);
@@ -288,11 +278,12 @@ impl Run<'_> {
                 }
             }
             let interrupted = self.lab.interrupt.load(Ordering::SeqCst);
-            if !con.booted && !interrupted && Instant::now() >= boot_deadline {
-                return Ok(Ended::BootHang);
-            }
-            if Instant::now() >= deadline || interrupted {
-                return Ok(Ended::Stopped { interrupted });
+            let boot_hang = !con.booted && !interrupted && Instant::now() >= boot_deadline;
+            if boot_hang || Instant::now() >= deadline || interrupted {
+                return Ok(Ended::Stopped {
+                    interrupted,
+                    boot_hang,
+                });
             }
         }
     }
@@ -424,9 +415,14 @@ impl Run<'_> {
         }
     }
 
-    fn stopped_message(&self, interrupted: bool, started: bool) -> String {
+    fn stopped_message(&self, interrupted: bool, boot_hang: bool, started: bool) -> String {
         let what = if interrupted {
             "interrupted".to_string()
+        } else if boot_hang {
+            format!(
+                "did not boot within {} (no {MARK_BOOTED} line)",
+                humantime::format_duration(self.cfg.boot_timeout)
+            )
         } else {
             format!(
                 "timed out after {} ({})",

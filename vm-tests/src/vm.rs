@@ -174,38 +174,38 @@ impl Lab {
 
     /// Boots a VM, runs `workload` (shell script text) inside it, and collects results into `out_dir`.
     pub fn run(&self, cfg: &VmConfig, workload: &str, out_dir: &Path) -> Result<RunResult> {
-        let kept = out_dir.join("serial.boot-panic.log");
-        let _ = fs::remove_file(&kept);
+        let kept_panic = out_dir.join("serial.boot-panic.log");
         let kept_hang = out_dir.join("serial.boot-hang.log");
+        let _ = fs::remove_file(&kept_panic);
         let _ = fs::remove_file(&kept_hang);
         let res = self.run_once(cfg, workload, out_dir);
         let serial = out_dir.join("serial.log");
-        if let Some(h) = res
-            .as_ref()
-            .err()
-            .and_then(|e| e.downcast_ref::<BootHang>())
-        {
+        // Boots that failed before anything of the run's own started in the guest are
+        // booted again once; the first boot's console is kept.
+        let retry = match &res {
             // Seen once in CI: two TCG vCPUs, two queues, guest 6.1 on QEMU 7.2: the data
             // disk's first request completed in QEMU, its interrupt never came, and init
-            // waited in the module's probe. Nothing of the run's own had started.
-            let _ = fs::rename(&serial, &kept_hang);
-            eprintln!(
-                "viotrace-vm: the guest did not boot within {} ({}); booting it again once",
-                humantime::format_duration(cfg.boot_timeout),
-                kept_hang.display()
-            );
-            let _ = fs::write(out_dir.join("boot-hang.txt"), format!("{h}\n"));
-            return self.run_once(cfg, workload, out_dir);
-        }
-        if res.is_err() && panicked_while_booting(&fs::read_to_string(&serial).unwrap_or_default())
-        {
+            // waited in the module's probe.
+            Err(e) if e.downcast_ref::<BootHang>().is_some() => {
+                let _ = fs::write(out_dir.join("boot-hang.txt"), format!("{e}\n"));
+                let why = format!(
+                    "the guest did not boot within {}",
+                    humantime::format_duration(cfg.boot_timeout)
+                );
+                Some((kept_hang, why))
+            }
             // Seen once in CI: guest 7.2 on two TCG vCPUs took an int3 Oops in boot-time
-            // code patching, 1.3 s in, before init ran. Nothing of ours had run in the
-            // guest, so the run is booted again once; the first boot's console is kept.
+            // code patching, 1.3 s in, before init ran.
+            Err(_) if panicked_while_booting(&fs::read_to_string(&serial).unwrap_or_default()) => {
+                let why = "the guest kernel panicked while booting, before init ran";
+                Some((kept_panic, why.to_string()))
+            }
+            _ => None,
+        };
+        if let Some((kept, why)) = retry {
             let _ = fs::rename(&serial, &kept);
             eprintln!(
-                "viotrace-vm: the guest kernel panicked while booting, before init ran ({}); \
-                 booting it again once",
+                "viotrace-vm: {why} ({}); booting it again once",
                 kept.display()
             );
             return self.run_once(cfg, workload, out_dir);

@@ -327,19 +327,6 @@ impl LabelStats {
     }
 }
 
-/// `a == b`, without a `memcmp` call for the short labels of the per-record
-/// path (a disk, a VM and a disk).
-#[inline]
-fn same(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    a.len() == b.len()
-        && if a.len() <= 16 {
-            a.iter().zip(b).all(|(x, y)| x == y)
-        } else {
-            a == b
-        }
-}
-
 /// Per-`(label, stage)` latency histograms. Stages keep their first-seen order.
 #[derive(Clone, Debug, Default)]
 pub struct Aggregator {
@@ -362,11 +349,7 @@ impl Aggregator {
     }
 
     fn label_mut(&mut self, label: &str) -> &mut LabelStats {
-        if self
-            .labels
-            .get(self.last)
-            .is_some_and(|(l, _)| same(l, label))
-        {
+        if self.labels.get(self.last).is_some_and(|(l, _)| l == label) {
             return &mut self.labels[self.last].1;
         }
         let i = match self.position(label) {

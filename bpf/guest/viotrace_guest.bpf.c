@@ -8,7 +8,8 @@
  *   guest_task.h    – syscall entry/exit (raw syscall tracepoints, every mode),
  *                     per-request files of io_uring (tracepoint) and io_submit
  *                     (io_submit_one: fentry or kprobe)
- *   guest_block.h   – block layer tracepoints (raw_tp, every mode)
+ *   guest_bio.h     – bios queued/split/merged: attribution (raw_tp, every mode)
+ *   guest_block.h   – requests inserted/issued/completed (raw_tp, every mode)
  *   guest_virtio.h  – virtio-blk / virtio_ring hooks: fentry/fexit ("?fentry"
  *                     optional programs) or kprobes ("?kprobe"), chosen at start
  *
@@ -26,6 +27,7 @@
 #include "guest_core_fixes.h"
 #include "guest_common.h"
 #include "guest_task.h"
+#include "guest_bio.h"
 #include "guest_block.h"
 #include "guest_virtio.h"
 #include "guest_sched.h"

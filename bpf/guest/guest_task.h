@@ -1,27 +1,11 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /*
- * Task side: entry and exit of the I/O syscalls (x86-64 numbers), through the
+ * Task side: entry and exit of the I/O syscalls (guest_io_summary.h), through the
  * raw syscall tracepoints, which every mode can use. The file (inode, offset,
  * direct or buffered) is resolved from the fd at entry.
  */
 #ifndef VIOTRACE_GUEST_TASK_H
 #define VIOTRACE_GUEST_TASK_H
-
-#define NR_read 0
-#define NR_write 1
-#define NR_pread64 17
-#define NR_pwrite64 18
-#define NR_readv 19
-#define NR_writev 20
-#define NR_fsync 74
-#define NR_fdatasync 75
-#define NR_io_submit 209
-#define NR_sync_file_range 277
-#define NR_preadv 295
-#define NR_pwritev 296
-#define NR_preadv2 327
-#define NR_pwritev2 328
-#define NR_io_uring_enter 426
 
 #define VT_O_DIRECT 040000
 #define VT_S_IFMT 00170000
@@ -517,103 +501,6 @@ int uring_submit_sqe(unsigned long long *ctx)
 {
 	uring_req(TP_ARG(ctx, tp_uring_sqe_req_pos, 1));
 	return 0;
-}
-
-/* floor(log2(v)) of v > 0 (BPF has no count of leading zeros): halving steps. */
-static __always_inline __u32 log2_u64(__u64 v)
-{
-	__u32 r = 0;
-
-#pragma unroll
-	for (__u32 sh = 32; sh > 1; sh >>= 1) {
-		if (v >> sh) {
-			v >>= sh;
-			r += sh;
-		}
-	}
-	return r + (__u32)(v >> 1);
-}
-
-/* The slot of `ns` (1 <= ns < 2^41) in the stage histograms' layout: the
- * agent's hist_index (shared/src/stats.rs), which a unit test mirrors. */
-static __always_inline __u32 hist_slot(__u64 ns)
-{
-	__u32 bucket = log2_u64(ns | 255) - 7;
-
-	return ((bucket + 1) << 7) + (__u32)(ns >> bucket) - 128;
-}
-
-/*
- * io_hist's common case without a hash lookup: the slots below IO_ROW_SLOTS
- * (latencies under 2^31 ns) of the traced syscalls, as rows of plain counters
- * in .bss (row i: syscall io_row_nrs[i]; io_row_counts[i]: what row i holds),
- * which the agent reads through the skeleton's mapping. The rest goes to
- * io_hist (io_hashed counts it). Slots are 32-bit (200 KiB of .bss, which
- * libbpf's load copies once more at the agent's memory peak): the agent takes
- * differences, which wrap correctly, every interval.
- */
-#define IO_ROWS 16
-#define IO_ROW_SLOTS 3200
-const volatile __u32 io_row_nrs[IO_ROWS] = {
-	NR_read, NR_write, NR_pread64, NR_pwrite64, NR_readv, NR_writev, NR_fsync, NR_fdatasync,
-	NR_io_submit, NR_sync_file_range, NR_preadv, NR_pwritev, NR_preadv2, NR_pwritev2,
-	NR_io_uring_enter, ~0U,	/* (unused) */
-};
-__u32 io_rows[IO_ROWS][IO_ROW_SLOTS];
-__u64 io_row_counts[IO_ROWS];
-__u64 io_hashed;
-
-/* The row of syscall `nr`, or IO_ROWS. */
-static __always_inline __u32 io_row_of(__u32 nr)
-{
-#pragma unroll
-	for (__u32 i = 0; i < IO_ROWS; i++) {
-		if (io_row_nrs[i] == nr)
-			return i;
-	}
-	return IO_ROWS;
-}
-
-/*
- * A syscall faster than io_detail_ns is counted in io_rows or io_hist, and
- * io_sum, and sends no record; false: it sends its record (slow, io_hist
- * full, or not measurable).
- */
-static __always_inline bool sys_summarized(__u32 nr, __u64 enter, __u64 exit)
-{
-	__u64 ns = exit - enter, one = 1, *c, *sum;
-	__u32 key, slot, row;
-
-	if (!enter || exit <= enter || ns >= io_detail_ns || ns >> 41 || nr >= IO_SUM_NRS)
-		return false;
-	sum = bpf_map_lookup_elem(&io_sum, &nr);
-	if (!sum)
-		return false;
-	slot = hist_slot(ns);
-	row = io_row_of(nr);
-	if (row < IO_ROWS && slot < IO_ROW_SLOTS) {
-		__sync_fetch_and_add(&io_rows[row][slot], 1);
-		__sync_fetch_and_add(&io_row_counts[row], 1);
-		goto counted;
-	}
-	key = IO_HIST_KEY(nr, slot);
-	c = bpf_map_lookup_elem(&io_hist, &key);
-	if (c) {
-		__sync_fetch_and_add(c, 1);
-	} else if (bpf_map_update_elem(&io_hist, &key, &one, BPF_NOEXIST)) {
-		/* another CPU may have inserted it meanwhile */
-		c = bpf_map_lookup_elem(&io_hist, &key);
-		if (!c) {
-			stat_inc(S_IO_HIST_FULL);
-			return false;
-		}
-		__sync_fetch_and_add(c, 1);
-	}
-	__sync_fetch_and_add(&io_hashed, 1);
-counted:
-	__sync_fetch_and_add(sum, ns);
-	stat_inc(S_IO_SUMMARIZED);
-	return true;
 }
 
 /* Exit of a traced syscall: its record, or its latency summarized. */

@@ -5,6 +5,7 @@
  * Loaded once. Programs are grouped by concern in the headers below:
  *   guest_core_fixes.h – kernel differences (5.10 … 7.x), resolved by CO-RE
  *   guest_common.h  – configuration (filters), maps, stats, shared helpers
+ *   guest_io_summary.h – the traced syscalls; latencies of those sending no record
  *   guest_task.h    – syscall entry/exit (raw syscall tracepoints, every mode),
  *                     per-request files of io_uring (tracepoint) and io_submit
  *                     (io_submit_one: fentry or kprobe)
@@ -13,10 +14,10 @@
  *   guest_virtio.h  – virtio-blk / virtio_ring hooks: fentry/fexit ("?fentry"
  *                     optional programs) or kprobes ("?kprobe"), chosen at start
  *
- * State lives in hash maps keyed by kernel object pointers (bio, request,
- * virtqueue) or by thread id for in-flight syscalls, and is deleted when the
- * object completes. One ring buffer record per finished request and one per
- * finished syscall.
+ * State lives in kernel maps keyed by kernel object pointers (bio, request,
+ * virtqueue) or by thread id: direct-mapped arrays first, hash maps for the
+ * rest (guest_common.h). One ring buffer record per finished request and one
+ * per finished syscall that is not counted in the kernel (guest_io_summary.h).
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -26,6 +27,7 @@
 #include "viotrace_guest.h"
 #include "guest_core_fixes.h"
 #include "guest_common.h"
+#include "guest_io_summary.h"
 #include "guest_task.h"
 #include "guest_bio.h"
 #include "guest_block.h"

@@ -1,7 +1,7 @@
 //! The syscalls that sent no record: their latencies, counted by the BPF side
 //! in the stage histograms' bucket layout (`io_rows` in .bss for the common
 //! slots, `io_hist` for the rest, `io_sum`; see `sys_summarized` in
-//! bpf/guest/guest_task.h), read once an interval.
+//! bpf/guest/guest_io_summary.h), read once an interval.
 
 use std::collections::HashMap;
 use std::sync::atomic::{compiler_fence, Ordering};
@@ -165,7 +165,7 @@ fn ne_u64(b: &[u8]) -> Option<u64> {
     Some(u64::from_ne_bytes(b.get(..8)?.try_into().ok()?))
 }
 
-/// `hist_slot` of bpf/guest/guest_task.h, transcribed step by step (its
+/// `hist_slot` of bpf/guest/guest_io_summary.h, transcribed step by step (its
 /// `log2_u64` has no count of leading zeros to use).
 #[cfg(test)]
 fn bpf_hist_slot(ns: u64) -> usize {

@@ -1,3 +1,4 @@
+use super::fit::median;
 use super::*;
 use proptest::prelude::*;
 

@@ -24,6 +24,8 @@ pub struct RunFacts {
     pub qemu: String,
     /// The lab's name for that build (`--qemu 7.2|10.0|11.x|PATH`), when recorded.
     pub qemu_build: Option<String>,
+    /// The host's kernel release, when recorded (runs since 2026-12-04).
+    pub host_kernel: Option<String>,
     /// An agent ran (a run with `agents: None` only boots the guest).
     pub agents: bool,
     /// The workload exited 0 and the lab did not record a failure.
@@ -254,15 +256,38 @@ pub fn render(runs: &[RunFacts], skipped: &[Skipped]) -> String {
         _ => String::new(),
     };
     out += &format!(
-        "\n{} lab run(s){when}{}.\n",
+        "\n{} lab run(s){when}{}.{}\n",
         runs.len(),
         if skipped.is_empty() {
             String::new()
         } else {
             format!("; {} run director(ies) skipped", skipped.len())
-        }
+        },
+        host_kernels_line(runs)
     );
     out
+}
+
+/// " Host kernel(s): R (N runs), …": the kernel that verified the host agent's BPF in
+/// each run, and how many runs did not record one.
+fn host_kernels_line(runs: &[RunFacts]) -> String {
+    let mut by: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in runs {
+        *by.entry(r.host_kernel.as_deref().unwrap_or(""))
+            .or_default() += 1;
+    }
+    let unknown = by.remove("").unwrap_or(0);
+    if by.is_empty() {
+        return String::new();
+    }
+    let mut parts: Vec<String> = by
+        .iter()
+        .map(|(k, n)| format!("{k} ({n} run(s))"))
+        .collect();
+    if unknown > 0 {
+        parts.push(format!("not recorded ({unknown} run(s))"));
+    }
+    format!(" Host kernel(s): {}.", parts.join(", "))
 }
 
 mod run;

@@ -28,6 +28,8 @@ pub struct RunResult {
     pub kernel_release: String,
     /// QEMU's version (`x.y.z`).
     pub qemu_version: String,
+    /// The host's kernel release (the host agent's BPF is verified by it); empty if unreadable.
+    pub host_kernel: String,
     pub qemu_pid: u32,
     pub guest_agent_rc: Option<i32>,
     pub host_agent_rc: Option<i32>,

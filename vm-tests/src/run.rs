@@ -225,6 +225,9 @@ impl Run<'_> {
             vsock: format!("{:?}", vs.mode),
             kernel_release: guest.kernel.release.clone(),
             qemu_version: qemu_build.version.clone(),
+            host_kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default(),
             qemu_pid,
             guest_agent_rc: con.guest_agent_rc,
             host_agent_rc,

@@ -34,6 +34,7 @@ pub fn read_run(dir: &Path) -> Result<RunFacts> {
         let inner = q.split_once('(')?.1.strip_suffix(')')?;
         Some(inner.to_string())
     });
+    let host_kernel = s(&json["host_kernel"]);
     let agents = match s(&json["config"]["agents"]) {
         Some(a) => a != "none",
         None => line_value(&txt, "agents:").is_some_and(|a| !a.starts_with("None")),
@@ -78,6 +79,7 @@ pub fn read_run(dir: &Path) -> Result<RunFacts> {
         kernel,
         qemu,
         qemu_build,
+        host_kernel,
         agents,
         workload_ok: workload_rc == 0,
         guest,

@@ -309,3 +309,27 @@ fn an_agent_restart_counts_every_incarnation() {
     write(d, "guest.old.jsonl", r#"{"kind":"guest_rq","disk":"vdb"}"#);
     assert_eq!(read_run(d).unwrap().joined, Some((2, 3)));
 }
+
+#[test]
+fn the_host_kernels_of_the_runs_are_named_with_those_that_recorded_none() {
+    let t = tempfile::tempdir().unwrap();
+    let a = t.path().join("new");
+    joined_run(&a);
+    let mut j: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(a.join("summary.json")).unwrap()).unwrap();
+    j["host_kernel"] = "6.18.44-fc-v1252".into();
+    write(&a, "summary.json", &j.to_string());
+    let new = read_run(&a).unwrap();
+    assert_eq!(new.host_kernel.as_deref(), Some("6.18.44-fc-v1252"));
+    let b = t.path().join("old");
+    joined_run(&b);
+    let old = read_run(&b).unwrap();
+    assert_eq!(old.host_kernel, None);
+    let md = render(&[new.clone(), new.clone(), old.clone()], &[]);
+    assert!(
+        md.contains(" Host kernel(s): 6.18.44-fc-v1252 (2 run(s)), not recorded (1 run(s)).\n"),
+        "{md}"
+    );
+    // No run recorded one: no line, rather than one that says nothing.
+    assert!(!render(&[old], &[]).contains("Host kernel"));
+}

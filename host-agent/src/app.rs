@@ -69,6 +69,8 @@ pub struct App<'obj> {
     qemu_execs: Option<u64>,
     /// Discovery scans of /proc so far.
     discoveries: u64,
+    /// The verifier's instructions at load: all programs', the largest one's.
+    verified: Option<(u64, u32)>,
     /// The agent's own cost from the moment its programs were loaded.
     cost: SelfCost,
     /// That cost at the stop, with the programs' run time (for the last publication).
@@ -83,6 +85,13 @@ impl<'obj> App<'obj> {
         let sched =
             cli.threshold.is_some() && (!cli.listen_uds.is_empty() || cli.listen_vsock.is_some());
         let tracer = Tracer::open(storage, cli.pop, cli.submit, cli.irq, sched)?;
+        let verified = tracer.verified_insns();
+        if let Some((sum, (name, top))) = &verified {
+            eprintln!(
+                "viotrace-host: BPF loaded, verifier: {sum} instructions \
+                 (largest program {name}: {top}, the kernel's limit 1000000)"
+            );
+        }
         for (what, e) in &tracer.missing_kernel {
             eprintln!("viotrace-host: warning: kernel probe {what} not attached: {e}");
         }
@@ -126,6 +135,7 @@ impl<'obj> App<'obj> {
             scans: 0,
             qemu_execs: None,
             discoveries: 0,
+            verified: verified.map(|(sum, (_, top))| (sum, top)),
             cli,
             tracer,
             sink,
@@ -474,6 +484,10 @@ impl<'obj> App<'obj> {
             .collect();
         if self.explicit.is_empty() {
             stats.push(("discovery_scans".into(), self.discoveries));
+        }
+        if let Some((sum, top)) = self.verified {
+            stats.push(("startup_verified_insns".into(), sum));
+            stats.push(("startup_verified_insns_max".into(), u64::from(top)));
         }
         let mut transport = Vec::new();
         if let Some(mut j) = self.sink.joined.take() {

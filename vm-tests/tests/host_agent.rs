@@ -256,6 +256,16 @@ fn agent_started_before_qemu_discovers_it() {
         "{scans} discovery scans in {:.0} s (at most {bound}): {c:?}",
         r.total_secs
     );
+    // The verifier's work is reported, and the largest program keeps most of the
+    // kernel's 1 M limit free (on 6.18.44 `push` once went past it: not loadable).
+    let (verified, top) = (
+        counter("startup_verified_insns"),
+        counter("startup_verified_insns_max"),
+    );
+    assert!(
+        top > 0 && top <= verified && top <= 500_000,
+        "largest program: {top} of {verified} verified instructions (limit 1 M)"
+    );
     // What the agent says it cost covers what the lab measured over the workload
     // (from /proc; 10 ms ticks), and its peak RSS is the kernel's high-water mark.
     let lab = r

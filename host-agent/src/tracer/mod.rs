@@ -342,22 +342,43 @@ impl<'obj> Tracer<'obj> {
         !self.missing_kernel.iter().any(|m| m.0.starts_with(prog))
     }
 
-    /// The kernel's run time and run count of this agent's programs, summed (both 0
-    /// while the kernel does not measure them: `kernel.bpf_stats_enabled`).
-    pub fn bpf_runs(&self) -> BpfRuns {
+    /// The kernel's ids of this agent's loaded programs.
+    fn prog_ids(&self) -> FxHashSet<u32> {
         use std::os::fd::AsFd;
-        let ids: FxHashSet<u32> = self
-            .skel
+        self.skel
             .object()
             .progs()
             .filter_map(|p| libbpf_rs::Program::id_from_fd(p.as_fd()).ok())
-            .collect();
+            .collect()
+    }
+
+    /// The kernel's run time and run count of this agent's programs, summed (both 0
+    /// while the kernel does not measure them: `kernel.bpf_stats_enabled`).
+    pub fn bpf_runs(&self) -> BpfRuns {
+        let ids = self.prog_ids();
         libbpf_rs::query::ProgInfoIter::default()
             .filter(|i| ids.contains(&i.id))
             .fold(BpfRuns::default(), |a, i| BpfRuns {
                 ns: a.ns + i.run_time_ns,
                 runs: a.runs + i.run_cnt,
             })
+    }
+
+    /// The verifier's work at load: instructions processed, summed over this agent's
+    /// programs, and the largest program's (name, instructions). None before Linux
+    /// 5.16, which does not report it. A program is refused past 1 M: the largest
+    /// one's distance from that is the margin a kernel's verifier change eats.
+    pub fn verified_insns(&self) -> Option<(u64, (String, u32))> {
+        let ids = self.prog_ids();
+        let mut sum = 0u64;
+        let mut top = (String::new(), 0u32);
+        for i in libbpf_rs::query::ProgInfoIter::default().filter(|i| ids.contains(&i.id)) {
+            sum += u64::from(i.verified_insns);
+            if i.verified_insns > top.1 {
+                top = (i.name.to_string_lossy().into_owned(), i.verified_insns);
+            }
+        }
+        (sum > 0).then_some((sum, top))
     }
 
     /// Reads the kernel-side counters.

@@ -395,8 +395,11 @@ fn qemu_throttling_is_named_as_the_cause_and_a_clean_run_is_not_flagged() {
         slow.len()
     );
     // On this 2-CPU host QEMU's threads sometimes really wait for a CPU for
-    // milliseconds (held by its own vCPU thread, or by a kernel thread such as
-    // kdamond): such a read is rightly named qemu_starved, with the wait as evidence.
+    // milliseconds (held by its own vCPU thread, by a kernel thread such as
+    // kdamond, or by the sandbox's own processes): such a read is rightly named
+    // qemu_starved, with the wait as evidence. The agent names it when the wait
+    // is at least half the stage's excess, which on these reads (excess 0.8–3 ms)
+    // can be 0.6 ms (seen in CI on 2026-12-04: 2 of 28 slow reads).
     let starved_with_evidence = slow
         .iter()
         .filter(|j| {
@@ -404,13 +407,13 @@ fn qemu_throttling_is_named_as_the_cause_and_a_clean_run_is_not_flagged() {
                 && j.interference
                     .as_ref()
                     .and_then(|i| i.qemu_wait_ns)
-                    .is_some_and(|w| w >= 1_000_000)
+                    .is_some_and(|w| w >= 500_000)
         })
         .count();
     assert!(
         (named + starved_with_evidence) * 10 >= slow.len() * 9 && named * 3 >= slow.len() * 2,
         "{named} of {} slow reads named qemu_queue, {starved_with_evidence} qemu_starved \
-         with ≥ 1 ms of QEMU CPU wait: {kinds:?}",
+         with ≥ 0.5 ms of QEMU CPU wait: {kinds:?}",
         slow.len()
     );
     let example = slow

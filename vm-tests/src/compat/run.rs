@@ -62,11 +62,14 @@ pub fn read_run(dir: &Path) -> Result<RunFacts> {
     } else {
         (0, None)
     };
-    let joined = if linked && dir.join("joined.jsonl").is_file() {
-        joined_ratio(dir)?
-    } else {
-        None
-    };
+    // Always-on (no `--json`), the host writes only slow and sampled joined records, and
+    // tables instead of JSON lines: no join figure can be made from such a run.
+    let joined =
+        if linked && dir.join("joined.jsonl").is_file() && is_json_lines(&dir.join("host.jsonl")) {
+            joined_ratio(dir)?
+        } else {
+            None
+        };
     let uplink_balanced = fs::read_to_string(dir.join("guest.log"))
         .ok()
         .and_then(|l| {
@@ -135,17 +138,35 @@ pub fn requested_mode(guest_args: &str) -> String {
     "auto".to_string()
 }
 
-/// Calls `f` with each JSON line of `p` (a missing file: no lines).
+/// Whether `p` starts with a JSON object (an agent's `--json` output, not its tables).
+fn is_json_lines(p: &Path) -> bool {
+    let Ok(f) = File::open(p) else {
+        return false;
+    };
+    BufReader::new(f)
+        .lines()
+        .map_while(Result::ok)
+        .find(|l| !l.trim().is_empty())
+        .is_some_and(|l| l.trim_start().starts_with('{'))
+}
+
+/// Calls `f` with each JSON line of `p`; false, with no lines, for a missing file and for
+/// an agent's text output (its tables: a first line that is not a JSON object, as when it ran
+/// without `--json`). A JSON file with a bad line later is an error.
 fn each_line(p: &Path, mut f: impl FnMut(&Value)) -> Result<bool> {
     let file = match File::open(p) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e).with_context(|| format!("open {}", p.display())),
     };
+    let mut first = true;
     for (i, line) in BufReader::new(file).lines().enumerate() {
         let line = line?;
         if line.trim().is_empty() {
             continue;
+        }
+        if std::mem::take(&mut first) && !line.trim_start().starts_with('{') {
+            return Ok(false);
         }
         let v: Value = serde_json::from_str(&line)
             .with_context(|| format!("{}:{}: bad JSON", p.display(), i + 1))?;
@@ -177,9 +198,13 @@ fn guest_facts(dir: &Path, requested: String) -> Result<Option<GuestFacts>> {
                 .collect(),
         }));
     }
-    let Ok(log) = fs::read_to_string(dir.join("guest.log")) else {
+    // Tables-only runs: the agent's stderr, and its stdout when that is text (the tables).
+    let Ok(mut log) = fs::read_to_string(dir.join("guest.log")) else {
         return Ok(None);
     };
+    if !is_json_lines(&dir.join("guest.jsonl")) {
+        log += &fs::read_to_string(dir.join("guest.jsonl")).unwrap_or_default();
+    }
     let Some(attached) = log.lines().find_map(|l| {
         let rest = l.strip_prefix("viotrace-guest: ")?;
         let (mode, tail) = rest.split_once(" mode on Linux ")?;

@@ -333,3 +333,33 @@ fn the_host_kernels_of_the_runs_are_named_with_those_that_recorded_none() {
     // No run recorded one: no line, rather than one that says nothing.
     assert!(!render(&[old], &[]).contains("Host kernel"));
 }
+
+/// Always-on runs print tables on stdout (the run's guest.jsonl and host.jsonl hold text):
+/// the guest's facts come from its start-up line and totals, and no join figure is made from
+/// the host's sample of joined records.
+#[test]
+fn tables_only_runs_prove_their_attach_mode_and_no_join_ratio() {
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path();
+    joined_run(d);
+    write(
+        d,
+        "guest.log",
+        "viotrace-guest: fentry mode on Linux 6.1.0-57-cloud-amd64, attached in 2.40s\n\
+         viotrace-guest: fentry mode blind points: none\n",
+    );
+    write(
+        d,
+        "guest.jsonl",
+        "--- interval ending at 1.1s ---\n  syscalls\n\
+         === viotrace-guest totals (fentry mode, 2.4s, 600 requests, 760 syscalls) ===\n",
+    );
+    write(d, "host.jsonl", "== viotrace-host: totals over 3.0s\n");
+    let r = read_run(d).unwrap();
+    let g = r.guest.expect("the guest's facts from its text output");
+    assert_eq!(g.attached, "fentry");
+    assert_eq!((r.joined, r.host_elems, r.transport), (None, 0, None));
+    // A JSON file with a bad line later is still an error, not a table.
+    write(d, "guest.jsonl", "{\"kind\":\"guest_rq\"}\nnot json\n");
+    assert!(read_run(d).unwrap_err().to_string().contains("bad JSON"));
+}

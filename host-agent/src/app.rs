@@ -485,10 +485,7 @@ impl<'obj> App<'obj> {
         if self.explicit.is_empty() {
             stats.push(("discovery_scans".into(), self.discoveries));
         }
-        if let Some((sum, top)) = self.verified {
-            stats.push(("startup_verified_insns".into(), sum));
-            stats.push(("startup_verified_insns_max".into(), u64::from(top)));
-        }
+        stats.extend(self.startup_counters());
         let mut transport = Vec::new();
         if let Some(mut j) = self.sink.joined.take() {
             let notes = j.finish()?;
@@ -572,6 +569,18 @@ impl<'obj> App<'obj> {
         s.out.flush().context("writing stdout")
     }
 
+    /// The verifier's work at load (Linux 5.16+): all programs', the largest one's.
+    fn startup_counters(&self) -> Vec<(String, u64)> {
+        self.verified
+            .map(|(sum, top)| {
+                vec![
+                    ("startup_verified_insns".into(), sum),
+                    ("startup_verified_insns_max".into(), u64::from(top)),
+                ]
+            })
+            .unwrap_or_default()
+    }
+
     /// Publishes the counters of the final stats line (and each VM's clock
     /// uncertainty) to the metrics endpoint: once a second, not per record.
     fn publish_metrics(&self) {
@@ -607,6 +616,7 @@ impl<'obj> App<'obj> {
             .final_cost
             .unwrap_or_else(|| self.cost.report(None, s.records));
         c.extend(cost.counters().into_iter().map(|(k, v)| (k.to_string(), v)));
+        c.extend(self.startup_counters());
         m.set_counters(c);
         m.set_gauges(g);
     }

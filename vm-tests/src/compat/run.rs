@@ -150,29 +150,28 @@ fn is_json_lines(p: &Path) -> bool {
         .is_some_and(|l| l.trim_start().starts_with('{'))
 }
 
-/// Calls `f` with each JSON line of `p`; false, with no lines, for a missing file and for
-/// an agent's text output (its tables: a first line that is not a JSON object, as when it ran
-/// without `--json`). A JSON file with a bad line later is an error.
-fn each_line(p: &Path, mut f: impl FnMut(&Value)) -> Result<bool> {
+/// Calls `f` with each JSON line of `p`; no lines for a missing file and for an agent's text
+/// output (its tables: a first line that is not a JSON object, as when it ran without
+/// `--json`). A JSON file with a bad line later is an error.
+fn each_line(p: &Path, mut f: impl FnMut(&Value)) -> Result<()> {
     let file = match File::open(p) {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e).with_context(|| format!("open {}", p.display())),
     };
-    let mut first = true;
+    if !is_json_lines(p) {
+        return Ok(());
+    }
     for (i, line) in BufReader::new(file).lines().enumerate() {
         let line = line?;
         if line.trim().is_empty() {
             continue;
         }
-        if std::mem::take(&mut first) && !line.trim_start().starts_with('{') {
-            return Ok(false);
-        }
         let v: Value = serde_json::from_str(&line)
             .with_context(|| format!("{}:{}: bad JSON", p.display(), i + 1))?;
         f(&v);
     }
-    Ok(true)
+    Ok(())
 }
 
 /// The guest agent's attach mode and blind points: its final stats line in guest.jsonl, or

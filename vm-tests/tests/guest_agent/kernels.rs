@@ -1,0 +1,319 @@
+//! The guest agent on the other guest kernels (issue 9): 5.10 (bullseye), 6.12 (trixie) and
+//! the newest 7.x (sid), in each attach mode.
+
+use viotrace_shared::record::{Op, Point};
+use viotrace_vm_tests::assets::GuestKernel;
+use viotrace_vm_tests::{Agents, RunResult, VmConfig, VsockMode};
+
+use super::common::{known_io_shape, run_agents, Shape, KNOWN_IO};
+use super::{
+    assert_btf_mapped, check_io, check_two_queues, final_stats, guest_log, run_guest, vdb_rqs,
+};
+
+/// KNOWN_IO plus 20 random 4 KiB O_DIRECT reads through io_uring.
+fn known_io_uring() -> (String, Shape) {
+    let wl = format!(
+        "{KNOWN_IO}fio --name=u --filename=/dev/vdb --rw=randread --bs=4k --direct=1 \
+         --ioengine=io_uring --size=32M --number_ios=20 --randrepeat=0 --output=/dev/null\n"
+    );
+    let mut shape = known_io_shape();
+    *shape.entry(("read".into(), 4096)).or_default() += 20;
+    (wl, shape)
+}
+
+/// The points a mode cannot see on any kernel (no kernel-function hooks).
+const TRACEPOINT_BLIND: &[&str] = &[
+    "g.queue_rq",
+    "g.vq_add",
+    "g.kick",
+    "g.irq",
+    "g.driver_complete",
+    "g.bio_complete",
+];
+
+/// Runs KNOWN_IO + io_uring on `kernel` with `args`; checks the exact requests, the mode the
+/// agent ran in, that its blind-point report is exactly `blind`, and that the records carry
+/// every guest point except those (where the kernel fires them) and none of those.
+///
+/// Kprobe mode may lose a request's driver points now and then (a kprobe that fires while
+/// another BPF kprobe program runs is skipped by the kernel: 1 of 670 requests seen on 7.2),
+/// so there `exact` is false: each point must be in all records but as many as the agent
+/// counted skipped kprobe hits and program runs (`kprobe_hits_lost` + `bpf_runs_lost`, where
+/// the kernel tells), else all but 1 %.
+fn check_kernel_mode(
+    name: &str,
+    kernel: GuestKernel,
+    args: &str,
+    want_mode: &str,
+    blind: &[&str],
+    exact: bool,
+) -> RunResult {
+    let (wl, shape) = known_io_uring();
+    let r = run_guest(
+        name,
+        VmConfig {
+            guest_kernel: kernel,
+            guest_args: args.into(),
+            ..VmConfig::default()
+        },
+        &wl,
+    );
+    let stats = final_stats(&r);
+    assert_eq!(stats.mode.as_deref(), Some(want_mode), "{}", guest_log(&r));
+    assert_btf_mapped(&guest_log(&r));
+    let reported: Vec<&str> = stats
+        .blind_points
+        .as_ref()
+        .expect("blind_points")
+        .iter()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(reported, blind, "blind points on {}", r.kernel_release);
+    let rqs = check_io(&r, blind.is_empty() && exact, &shape);
+    // Kprobe hits and program runs the kernel skipped (counted where it can tell: 6.7+ and
+    // 5.12+) bound the records that may lack a point; elsewhere 1 %.
+    let c = stats.counters.clone().unwrap_or_default();
+    let runs_lost = c.get("bpf_runs_lost").copied().unwrap_or(0) as usize;
+    let lost = c
+        .get("kprobe_hits_lost")
+        .zip(c.get("bpf_runs_lost"))
+        .map(|(a, b)| a + b);
+    let need = match (exact, lost) {
+        (true, _) => rqs.len(),
+        (false, Some(n)) => rqs.len().saturating_sub(n as usize),
+        (false, None) => rqs.len() - rqs.len() / 100,
+    };
+    // Every point not reported blind is in every record (g.rq_insert only where the
+    // kernel's blk-mq inserts; 6.12+ issues directly), no reported one in any.
+    for &pt in Point::ALL.iter().filter(|p| p.name().starts_with("g.")) {
+        let p = pt.name();
+        let n = rqs.iter().filter(|v| v.ts.get(pt).is_some()).count();
+        if blind.contains(&p) {
+            assert_eq!(n, 0, "{p} reported blind but seen");
+        } else if !matches!(p, "g.rq_insert" | "g.syscall_exit") {
+            // Program runs the kernel skipped (one would have nested in another on the
+            // same CPU) are counted (bpf_runs_lost, 7.x): a record may lack a point only
+            // if such a skipped run accounts for it (seen: 2 of 670 without g.bio_queue).
+            let need = need.min(rqs.len().saturating_sub(runs_lost));
+            assert!(n >= need, "{p} in {n} of {} records", rqs.len());
+        }
+    }
+    if blind.is_empty() {
+        let heads = rqs.iter().filter(|v| v.head.is_some()).count();
+        assert!(heads >= need, "descriptor head in {heads} of {}", rqs.len());
+    }
+    // io_uring: each submission names its file offset (the tracepoint generation of this kernel).
+    let recs = r.records("guest.jsonl").unwrap();
+    let uring: Vec<_> = recs
+        .guest_ios()
+        .into_iter()
+        .filter(|v| v.syscall == "io_uring_enter")
+        .collect();
+    // (a skipped program run, counted, may cost one)
+    assert!(
+        uring.len() <= 20 && uring.len() + runs_lost >= 20,
+        "io_uring_enter records with requests: {} ({runs_lost} skipped runs)",
+        uring.len()
+    );
+    for v in uring {
+        assert_eq!(v.bytes, 4096, "{v:?}");
+        assert_eq!(
+            v.file_offset,
+            v.requests.first().map(|q| q.sector * 512),
+            "io_uring file offset = request sector × 512: {v:?}"
+        );
+    }
+    r
+}
+
+#[test]
+fn kernel_5_10_auto_mode_falls_back_to_kprobes_for_modules_and_sees_everything() {
+    let r = check_kernel_mode(
+        "guest-5.10-auto",
+        GuestKernel::V5_10,
+        "",
+        "fentry",
+        &[],
+        true,
+    );
+    assert!(
+        r.kernel_release.starts_with("5.10."),
+        "{}",
+        r.kernel_release
+    );
+    let log = guest_log(&r);
+    assert!(
+        log.contains("virtqueue_add_sgs: no BTF for virtio_ring"),
+        "the kprobe fallback is reported: {log}"
+    );
+    // io_submit's wrapper takes an untyped struct pt_regs in 5.10's BTF: known
+    // from the BTF, so the object loads once, with the syscall tracepoints.
+    assert!(
+        log.contains("__x64_sys_io_submit's struct pt_regs argument is untyped")
+            && log.contains("in 1 attempt(s)"),
+        "the untyped wrapper is planned around, not refused: {log}"
+    );
+}
+
+#[test]
+fn kernel_5_10_tracepoint_mode_reports_the_driver_points_blind() {
+    check_kernel_mode(
+        "guest-5.10-tracepoint",
+        GuestKernel::V5_10,
+        "--mode tracepoint",
+        "tracepoint",
+        TRACEPOINT_BLIND,
+        true,
+    );
+}
+
+#[test]
+fn kernel_6_12_auto_mode_sees_everything() {
+    let r = check_kernel_mode(
+        "guest-6.12-auto",
+        GuestKernel::V6_12,
+        "",
+        "fentry",
+        &[],
+        true,
+    );
+    assert!(
+        r.kernel_release.starts_with("6.12."),
+        "{}",
+        r.kernel_release
+    );
+}
+
+#[test]
+fn kernel_7_auto_mode_sees_everything() {
+    let r = check_kernel_mode("guest-7-auto", GuestKernel::V7, "", "fentry", &[], true);
+    assert!(r.kernel_release.starts_with("7."), "{}", r.kernel_release);
+}
+
+#[test]
+fn kernel_7_tracepoint_mode_reports_the_driver_points_blind() {
+    check_kernel_mode(
+        "guest-7-tracepoint",
+        GuestKernel::V7,
+        "--mode tracepoint",
+        "tracepoint",
+        TRACEPOINT_BLIND,
+        true,
+    );
+}
+
+#[test]
+fn kernel_5_10_kprobe_mode_sees_everything() {
+    check_kernel_mode(
+        "guest-5.10-kprobe",
+        GuestKernel::V5_10,
+        "--mode kprobe",
+        "kprobe",
+        &[],
+        false,
+    );
+}
+
+#[test]
+fn kernel_7_kprobe_mode_sees_everything() {
+    let r = check_kernel_mode(
+        "guest-7-kprobe",
+        GuestKernel::V7,
+        "--mode kprobe",
+        "kprobe",
+        &[],
+        false,
+    );
+    // 7.x tells how many kprobe hits it skipped: the agent reports it as a loss counter.
+    let stats = final_stats(&r);
+    assert!(
+        stats
+            .counters
+            .as_ref()
+            .is_some_and(|c| c.contains_key("kprobe_hits_lost")),
+        "{stats:?}"
+    );
+}
+
+/// 7.x: virtio_queue_rqs(struct rq_list *), read through bpf_get_func_arg in fentry mode.
+#[test]
+fn kernel_7_two_queues_use_the_batched_submit_path() {
+    let r = check_two_queues("guest-7-2q", GuestKernel::V7);
+    let queued = vdb_rqs(&r)
+        .iter()
+        .filter(|v| v.ts.get(Point::QueueRq).is_some())
+        .count() as u64;
+    // The kernel skips a BPF program run that would nest in another on the same CPU
+    // (2 vCPUs, interrupts during the submit path): such a request lacks g.queue_rq,
+    // and the agent counts every skipped run. Every request has the point or is
+    // accounted for by that counter (a lab run: 387 + 13 skipped).
+    let stats = final_stats(&r);
+    let skipped = stats
+        .counters
+        .as_ref()
+        .and_then(|c| c.get("bpf_runs_lost").copied())
+        .unwrap_or(0);
+    assert!(
+        queued + skipped >= 400 && skipped <= 20,
+        "g.queue_rq on {queued} of 400 requests, {skipped} BPF runs skipped (counted)"
+    );
+    assert_eq!(stats.mode.as_deref(), Some("fentry"));
+}
+
+/// On 5.10 (no module BTF) the descriptor head is read at an assumed vring_virtqueue offset;
+/// QEMU's own view of the same requests (host agent) proves it, with queue depth so heads vary.
+/// QEMU throttles the drive (400 IOPS) so that fio's queue stays full however fast this
+/// host completes a read: unthrottled, a slow TCG guest submits so slowly that QEMU has
+/// finished each request before the next arrives, and only heads 0-3 were ever used.
+#[test]
+fn kernel_5_10_descriptor_heads_equal_qemus() {
+    let wl = "set -e\n\
+        fio --name=q --filename=/dev/vdb --rw=randread --bs=4k --direct=1 --ioengine=libaio \
+        --iodepth=8 --size=32M --number_ios=300 --randrepeat=0 --output=/dev/null\n\
+        fio --name=w --filename=/dev/vdb --rw=randwrite --bs=8k --direct=1 --ioengine=libaio \
+        --iodepth=16 --size=32M --number_ios=200 --randrepeat=0 --output=/dev/null\n";
+    let r = run_agents(
+        "guest-5.10-heads",
+        Agents::Both,
+        VmConfig {
+            guest_kernel: GuestKernel::V5_10,
+            guest_args: "--mode kprobe".into(),
+            // Both agents write their own records; no link is needed for this comparison.
+            vsock: VsockMode::None,
+            qemu_args: vec![
+                "-set".into(),
+                "drive.extra.throttling.iops-total=400".into(),
+            ],
+            ..VmConfig::default()
+        },
+        wl,
+    );
+    assert_eq!(r.guest_agent_rc, Some(0));
+    let host = r.records("host.jsonl").unwrap();
+    let mut qemu: std::collections::HashMap<(Op, u64, u32), Vec<(u16, u16)>> = Default::default();
+    for v in host
+        .host_elems()
+        .into_iter()
+        .filter(|v| v.device == "vextra")
+    {
+        qemu.entry((v.op, v.sector, v.bytes))
+            .or_default()
+            .push((v.queue, v.head));
+    }
+    let rqs = vdb_rqs(&r);
+    assert_eq!(rqs.len(), 500, "300 reads + 200 writes");
+    let mut heads = std::collections::BTreeSet::new();
+    for v in &rqs {
+        let qh = (v.queue.expect("queue"), v.head.expect("head"));
+        heads.insert(qh.1);
+        let seen = qemu
+            .get(&(v.op, v.sector, v.bytes))
+            .unwrap_or_else(|| panic!("QEMU never saw {v:?}"));
+        assert!(seen.contains(&qh), "guest {qh:?}, QEMU {seen:?}: {v:?}");
+    }
+    // The writes keep 16 requests queued in QEMU's throttle: 16 heads at least.
+    assert!(
+        heads.len() >= 16,
+        "queue depth 8-16 spreads the heads: {heads:?}"
+    );
+}

@@ -60,6 +60,16 @@ fn verdicts_compare_with_the_anchor_within_the_run() {
     assert!(get_in(&v, "both: host agent RSS at the end").pass);
     assert!(!get_in(&v, "both: host agent userspace µs CPU").pass);
     assert!(render(&res).contains("1.50 (u 1.20)"));
+    // With QEMU's worker threads measured, their CPU per I/O is named beside it.
+    assert!(!render(&res).contains("QEMU's I/O workers"));
+    let c = res.costs.entry("both".into()).or_default();
+    c.qemu_worker_us_per_io = vec![12.0, 61.0, 11.0];
+    let v = verdicts(&res);
+    let check = get_in(&v, "both: host agent userspace µs CPU").check;
+    assert!(
+        check.ends_with("per I/O (QEMU's I/O workers: 12.0)"),
+        "{check}"
+    );
     assert!(!get_in(&v, "both: drops").pass);
 }
 

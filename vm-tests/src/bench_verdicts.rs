@@ -180,10 +180,16 @@ pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
             );
         }
         // The bound is on the agent's userspace; the table shows the whole.
+        // Beside it, what QEMU's own per-request threads took on this machine in
+        // the same runs (their price moves with the machine's hour, as the agent's).
         if !c.host_agent_user_us_per_io.is_empty() {
             let value = median(&c.host_agent_user_us_per_io);
+            let reference = match c.qemu_worker_us_per_io.as_slice() {
+                [] => String::new(),
+                w => format!(" (QEMU's I/O workers: {:.1})", median(w)),
+            };
             bound(
-                format!("{cond}: host agent userspace µs CPU per I/O"),
+                format!("{cond}: host agent userspace µs CPU per I/O{reference}"),
                 value,
                 1.0,
             );

@@ -4,6 +4,7 @@
 use anyhow::{Context, Result};
 use libbpf_rs::RingBuffer;
 use viotrace_shared::record::Stats;
+use viotrace_shared::selfcost::CostReport;
 
 use super::App;
 
@@ -56,16 +57,6 @@ impl App<'_> {
             self.detach(pid, "agent stopping");
         }
         self.drain(rb);
-        let mut stats: Vec<(String, u64)> = self
-            .tracer
-            .stats()
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
-        if self.explicit.is_empty() {
-            stats.push(("discovery_scans".into(), self.discoveries));
-        }
-        stats.extend(self.startup_counters());
         let mut transport = Vec::new();
         if let Some(mut j) = self.sink.joined.take() {
             let notes = j.finish()?;
@@ -83,7 +74,6 @@ impl App<'_> {
                 j.out.records
             ));
             self.sink.human(&t);
-            stats.extend(j.counters());
             // The final metrics publication below still reports the join's counters;
             // its slow-I/O trace sender is closed first, or the OTLP exporter's
             // finish would wait for it.
@@ -93,16 +83,15 @@ impl App<'_> {
         let cost = self
             .cost
             .report(Some(self.tracer.bpf_runs()), self.sink.records);
-        stats.extend(cost.counters().into_iter().map(|(k, v)| (k.to_string(), v)));
         self.final_cost = Some(cost);
         if self.otlp.is_some() {
             // The last push carries the final counters.
             self.publish_metrics();
             if let Some(o) = self.otlp.as_mut() {
                 o.finish();
-                stats.extend(o.stats.counters());
             }
         }
+        let stats = self.counters(&cost);
         self.final_lines(&stats, transport, why)?;
         self.sink
             .human(&format!("viotrace-host: {}\n", cost.line("request")));
@@ -149,16 +138,31 @@ impl App<'_> {
         s.out.flush().context("writing stdout")
     }
 
-    /// The verifier's work at load (Linux 5.16+): all programs', the largest one's.
-    pub(super) fn startup_counters(&self) -> Vec<(String, u64)> {
-        self.verified
-            .map(|(sum, top)| {
-                vec![
-                    ("startup_verified_insns".into(), sum),
-                    ("startup_verified_insns_max".into(), u64::from(top)),
-                ]
-            })
-            .unwrap_or_default()
+    /// The counters of the final stats line and of the metrics endpoint besides
+    /// `records` and `unattributed`: one list for both, so neither lacks one.
+    fn counters(&self, cost: &CostReport) -> Vec<(String, u64)> {
+        let mut c: Vec<(String, u64)> = self
+            .tracer
+            .stats()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        if self.explicit.is_empty() {
+            c.push(("discovery_scans".into(), self.discoveries));
+        }
+        // The verifier's work at load (Linux 5.16+): all programs', the largest one's.
+        if let Some((sum, top)) = self.verified {
+            c.push(("startup_verified_insns".into(), sum));
+            c.push(("startup_verified_insns_max".into(), u64::from(top)));
+        }
+        if let Some(j) = self.sink.joined.as_ref() {
+            c.extend(j.counters());
+        }
+        c.extend(cost.counters().into_iter().map(|(k, v)| (k.to_string(), v)));
+        if let Some(o) = &self.otlp {
+            c.extend(o.stats.counters());
+        }
+        c
     }
 
     /// Publishes the counters of the final stats line (and each VM's clock
@@ -171,15 +175,8 @@ impl App<'_> {
             ("records".into(), s.records),
             ("unattributed".into(), unattributed),
         ];
-        c.extend(
-            self.tracer
-                .stats()
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v)),
-        );
         let mut g = Vec::new();
         if let Some(j) = s.joined.as_ref() {
-            c.extend(j.counters());
             for (vm, u) in &j.out.clock_uncertainty {
                 g.push((
                     "viotrace_clock_uncertainty_seconds".to_string(),
@@ -188,15 +185,11 @@ impl App<'_> {
                 ));
             }
         }
-        if let Some(o) = &self.otlp {
-            c.extend(o.stats.counters());
-        }
         // The agent's own cost: live without the BPF run time, final with it.
         let cost = self
             .final_cost
             .unwrap_or_else(|| self.cost.report(None, s.records));
-        c.extend(cost.counters().into_iter().map(|(k, v)| (k.to_string(), v)));
-        c.extend(self.startup_counters());
+        c.extend(self.counters(&cost));
         m.set_counters(c);
         m.set_gauges(g);
     }

@@ -4,17 +4,24 @@
 //! Older kernels refuse, and libbpf then reads the file into a buffer and copies
 //! it: two private copies of 4–6 MB at once, each time the BTF is loaded (the
 //! agent's start-up facts, then the BPF object), and the agent's peak memory.
-//! Here, for start-up only, the agent sees a copy of the file on a private
-//! tmpfs, bound over that path in its own mount namespace. libbpf maps it, and
+//! Here, for start-up only, the agent sees another file at that path: on a
+//! private tmpfs, bound over it in its own mount namespace. libbpf maps it, and
 //! the BTF is in memory once, as shared pages, freed when the tmpfs goes.
+//!
+//! That file is the part of the BTF the agent uses ([`crate::btf_min`]): every
+//! type at its own id, but only the wanted ones whole, 1.5–2 MB instead of
+//! 4–6. If it cannot be made, or `--full-btf` asks, it is a copy of the whole.
 //!
 //! Nothing outside the agent sees the change. The mount namespace is the
 //! agent's own (mounts from the host still propagate into it, none leave it),
 //! and the bind mount is removed once the BPF programs are loaded.
 
+use std::collections::HashSet;
 use std::fs::File;
+use std::io::Seek;
 use std::path::{Path, PathBuf};
 
+use crate::btf_min;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sched::{unshare, CloneFlags};
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
@@ -42,19 +49,29 @@ impl Drop for MappableBtf {
     }
 }
 
+/// What is bound over the kernel's BTF.
+pub enum BtfCopy {
+    /// The part the agent uses.
+    Minimized(btf_min::Summary),
+    /// The whole of it: asked for, or why the minimized copy could not be made.
+    Whole(Option<String>),
+}
+
 /// What [`mappable_vmlinux_btf`] did.
 pub enum Outcome {
     /// The kernel maps its BTF itself (or has none): nothing to do.
     NotNeeded,
     /// The copy is in place until the guard is dropped.
-    Bound(MappableBtf),
+    Bound(MappableBtf, BtfCopy),
     /// Left as it is (libbpf reads and copies the BTF), and why.
     Skipped(String),
 }
 
-/// Must run before the process has a second thread (a mount namespace is
-/// per process: `unshare` refuses a multi-threaded caller).
-pub fn mappable_vmlinux_btf() -> Outcome {
+/// Binds the part of the kernel's BTF that has the types named `want` (the
+/// whole BTF if None) over it, for this process. Must run before the process
+/// has a second thread (a mount namespace is per process: `unshare` refuses a
+/// multi-threaded caller).
+pub fn mappable_vmlinux_btf(want: Option<&HashSet<String>>) -> Outcome {
     let Ok(f) = File::open(VMLINUX_BTF) else {
         return Outcome::NotNeeded;
     };
@@ -76,8 +93,8 @@ pub fn mappable_vmlinux_btf() -> Outcome {
         tmpfs: false,
         bound: false,
     };
-    match bind_copy(f, &mut guard) {
-        Ok(()) => Outcome::Bound(guard),
+    match bind_copy(f, want, &mut guard) {
+        Ok(copy) => Outcome::Bound(guard, copy),
         Err(e) => Outcome::Skipped(e), // (the guard undoes what was done)
     }
 }
@@ -101,8 +118,12 @@ fn kernel_maps(f: &File) -> std::io::Result<bool> {
 }
 
 /// In a mount namespace of this process: a tmpfs on the guard's directory,
-/// the BTF copied into it, and the copy bound over the kernel's file.
-fn bind_copy(mut src: File, g: &mut MappableBtf) -> Result<(), String> {
+/// the BTF (minimized for `want`) written into it, and bound over the kernel's file.
+fn bind_copy(
+    mut src: File,
+    want: Option<&HashSet<String>>,
+    g: &mut MappableBtf,
+) -> Result<BtfCopy, String> {
     let dir = g.dir.clone();
     unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("own mount namespace: {e}"))?;
     // Nothing mounted here may reach the host's namespace.
@@ -120,10 +141,34 @@ fn bind_copy(mut src: File, g: &mut MappableBtf) -> Result<(), String> {
     g.tmpfs = true;
     let copy = dir.join("vmlinux");
     let mut dst = File::create(&copy).map_err(|e| format!("{}: {e}", copy.display()))?;
-    std::io::copy(&mut src, &mut dst).map_err(|e| format!("copying {VMLINUX_BTF}: {e}"))?;
+    let made = match want {
+        Some(names) => {
+            let min = btf_min::minimize(Path::new(VMLINUX_BTF), &module_btfs(), names, &dst);
+            min.map(BtfCopy::Minimized)
+                .or_else(|e| dst.set_len(0).map(|()| BtfCopy::Whole(Some(e.to_string()))))
+        }
+        None => Ok(BtfCopy::Whole(None)),
+    };
+    let made = made.map_err(|e| format!("{}: {e}", copy.display()))?;
+    if let BtfCopy::Whole(_) = made {
+        dst.rewind()
+            .map_err(|e| format!("{}: {e}", copy.display()))?;
+        std::io::copy(&mut src, &mut dst).map_err(|e| format!("copying {VMLINUX_BTF}: {e}"))?;
+    }
     drop(dst);
     mount(Some(&copy), VMLINUX_BTF, none, MsFlags::MS_BIND, none)
         .map_err(|e| format!("binding the copy over {VMLINUX_BTF}: {e}"))?;
     g.bound = true;
-    Ok(())
+    Ok(made)
+}
+
+/// The module BTFs the kernel has now (split BTF on top of vmlinux's).
+fn module_btfs() -> Vec<PathBuf> {
+    let Ok(dir) = std::fs::read_dir("/sys/kernel/btf") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok())
+        .filter(|e| e.file_name() != "vmlinux")
+        .map(|e| e.path())
+        .collect()
 }

@@ -4,6 +4,7 @@
 //! memory. They are handed back before the load, where the agent's memory peaks
 //! (libbpf then also maps the kernel's BTF, 4 MiB and more).
 
+use std::collections::HashSet;
 use std::fs::File;
 
 use object::elf::{PF_W, PT_LOAD};
@@ -13,9 +14,10 @@ use object::{Object, ObjectSection};
 
 const SECTION: &str = ".bpf.objs";
 
-/// Why the pages could not be handed back (the agent works the same).
+/// Why the embedded object could not be read, or its pages handed back (the
+/// agent works the same).
 #[derive(Debug, thiserror::Error)]
-pub enum ReleaseError {
+pub enum ObjectError {
     #[error("reading /proc/self/exe: {0}")]
     Io(#[from] std::io::Error),
     #[error("parsing /proc/self/exe: {0}")]
@@ -24,17 +26,19 @@ pub enum ReleaseError {
     Layout(&'static str),
     #[error("madvise: {0}")]
     Madvise(nix::errno::Errno),
+    #[error("the BPF object's BTF: {0}")]
+    Btf(#[from] crate::btf_min::MinError),
 }
 
 /// Hands the embedded object's whole pages back to the kernel; returns the
 /// bytes released. The section lies in a read-only segment mapped from the
 /// binary: a later read would fault the same bytes back in from the file.
-pub fn release_object_pages() -> Result<usize, ReleaseError> {
+pub fn release_object_pages() -> Result<usize, ObjectError> {
     let cache = ReadCache::new(File::open("/proc/self/exe")?);
     let elf = ElfFile64::<object::Endianness, _>::parse(&cache)?;
     let sec = elf
         .section_by_name(SECTION)
-        .ok_or(ReleaseError::Layout("no .bpf.objs section"))?;
+        .ok_or(ObjectError::Layout("no .bpf.objs section"))?;
     let (addr, size) = (sec.address(), sec.size());
     let endian = elf.endian();
     let phoff = elf.elf_header().e_phoff(endian);
@@ -55,17 +59,17 @@ pub fn release_object_pages() -> Result<usize, ReleaseError> {
     }
     // Discarding pages of a writable segment would lose what was written.
     if !read_only {
-        return Err(ReleaseError::Layout(
+        return Err(ObjectError::Layout(
             ".bpf.objs is not in a read-only loaded segment",
         ));
     }
-    let phdr_vaddr = phdr_vaddr.ok_or(ReleaseError::Layout(
+    let phdr_vaddr = phdr_vaddr.ok_or(ObjectError::Layout(
         "program headers not in a loaded segment",
     ))?;
     // SAFETY: getauxval only reads the process's auxiliary vector.
     let at_phdr = unsafe { libc::getauxval(libc::AT_PHDR) };
     if at_phdr == 0 {
-        return Err(ReleaseError::Layout("no AT_PHDR"));
+        return Err(ObjectError::Layout("no AT_PHDR"));
     }
     let bias = at_phdr.wrapping_sub(phdr_vaddr);
     let page = 4096u64;
@@ -81,9 +85,44 @@ pub fn release_object_pages() -> Result<usize, ReleaseError> {
     // file. No Rust value lives there other than the skeleton's constant bytes.
     let r = unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_DONTNEED) };
     if r != 0 {
-        return Err(ReleaseError::Madvise(nix::errno::Errno::last()));
+        return Err(ObjectError::Madvise(nix::errno::Errno::last()));
     }
     Ok(len)
+}
+
+/// What the embedded object looks up in the kernel's BTF, by name: its own
+/// named types (flavours stripped, as its CO-RE relocations match them), the
+/// function of each fentry/fexit program and the `btf_trace_*` typedef of each
+/// tp_btf and raw_tp one. Read from the binary's file, not its mapped pages.
+pub fn btf_names() -> Result<HashSet<String>, ObjectError> {
+    let cache = ReadCache::new(File::open("/proc/self/exe")?);
+    let elf = ElfFile64::<object::Endianness, _>::parse(&cache)?;
+    let (off, size) = elf
+        .section_by_name(SECTION)
+        .and_then(|s| s.file_range())
+        .ok_or(ObjectError::Layout("no .bpf.objs section in the file"))?;
+    let obj = ElfFile64::<object::Endianness, _>::parse(cache.range(off, size))?;
+    let btf = obj
+        .section_by_name(".BTF")
+        .ok_or(ObjectError::Layout("the BPF object has no .BTF"))?
+        .data()?;
+    let mut names = crate::btf_min::local_type_names(btf)?;
+    for sec in obj.sections() {
+        let name = sec.name()?.trim_start_matches('?');
+        let Some((kind, target)) = name.split_once('/') else {
+            continue;
+        };
+        match kind {
+            "fentry" | "fexit" | "fmod_ret" | "fentry.s" | "fexit.s" => {
+                names.insert(target.to_string());
+            }
+            "tp_btf" | "raw_tp" | "raw_tracepoint" => {
+                names.insert(format!("btf_trace_{target}"));
+            }
+            _ => {}
+        }
+    }
+    Ok(names)
 }
 
 #[cfg(test)]

@@ -25,6 +25,16 @@ pub const TRACEPOINTS: &[&str] = &[
     "irq_handler_entry",
 ];
 
+/// The names [`Facts::gather`] looks up in the kernel's BTF: the `btf_trace_*`
+/// typedef of each of [`TRACEPOINTS`], and the hooked and syscall functions.
+pub fn btf_names() -> impl Iterator<Item = String> {
+    TRACEPOINTS
+        .iter()
+        .map(|tp| format!("btf_trace_{tp}"))
+        .chain(HOOKS.iter().map(|h| h.target.to_string()))
+        .chain(SYSCALLS.iter().map(|s| s.target.to_string()))
+}
+
 /// One tracepoint argument: the struct a pointer argument points to, if any
 /// (`void *` and scalars have none).
 pub type TpArg = Option<String>;

@@ -164,10 +164,16 @@ fn verified_insns(skel: &ViotraceGuestSkel<'_>) -> Option<u64> {
 /// Programs libbpf reported as failing to load during the current attempt.
 static LOAD_FAILED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
+/// `--libbpf-log`: libbpf's debug messages go to stderr too.
+pub static LIBBPF_DEBUG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// libbpf's messages go to stderr, except the expected failure of an optional
 /// tracepoint (reported once, in our words); load failures are also noted.
 pub fn libbpf_print(level: libbpf_rs::PrintLevel, msg: String) {
     if level == libbpf_rs::PrintLevel::Debug {
+        if LIBBPF_DEBUG.load(std::sync::atomic::Ordering::Relaxed) {
+            eprint!("{msg}");
+        }
         return;
     }
     if let Some(name) = msg

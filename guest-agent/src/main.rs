@@ -6,6 +6,7 @@ mod bpf {
     include!(concat!(env!("OUT_DIR"), "/viotrace_guest.skel.rs"));
 }
 mod btf_file;
+mod btf_min;
 mod embedded;
 mod io_hist;
 mod kernel;
@@ -98,6 +99,51 @@ struct Cli {
     /// join does not use them; each request record carries its syscall's entry).
     #[arg(long, value_name = "ENDPOINT")]
     connect: Option<viotrace_shared::transport::Endpoint>,
+    /// Before 6.16, where the kernel's BTF file cannot be mapped, libbpf maps a
+    /// copy of the part the agent uses while loading; this copies all of it
+    /// instead (3–4 MB more at start), for comparison.
+    #[arg(long)]
+    full_btf: bool,
+    /// Print libbpf's debug log on stderr (BTF loading, CO-RE relocations,
+    /// attach targets).
+    #[arg(long)]
+    libbpf_log: bool,
+}
+
+/// The names of the kernel types the agent looks up (None: `--full-btf`, or
+/// they could not be read, then noted).
+fn btf_names(full: bool) -> Option<std::collections::HashSet<String>> {
+    if full {
+        return None;
+    }
+    match embedded::btf_names() {
+        Ok(mut names) => {
+            names.extend(kernel::btf_names());
+            Some(names)
+        }
+        Err(e) => {
+            eprintln!("viotrace-guest: note: the whole BTF is copied: {e}");
+            None
+        }
+    }
+}
+
+fn note_btf_copy(copy: &btf_file::BtfCopy) {
+    match copy {
+        btf_file::BtfCopy::Minimized(s) => eprintln!(
+            "viotrace-guest: note: libbpf mapped the part of the kernel's BTF the agent uses: \
+             {} of {} types whole, {} hollow; {} of {} KiB",
+            s.whole,
+            s.types,
+            s.hollow,
+            s.bytes_out / 1024,
+            s.bytes_in / 1024
+        ),
+        btf_file::BtfCopy::Whole(Some(why)) => eprintln!(
+            "viotrace-guest: note: libbpf mapped a copy of the kernel's whole BTF ({why})"
+        ),
+        btf_file::BtfCopy::Whole(None) => {}
+    }
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -313,9 +359,12 @@ fn main() -> Result<()> {
     transport::one_heap_arena();
     // (before the agent has a mount namespace of its own: mounted for everyone)
     kernel::ensure_tracefs();
-    // While the BPF programs load, libbpf maps the kernel's BTF instead of
-    // copying it twice (this needs the process still single-threaded).
-    let btf_copy = btf_file::mappable_vmlinux_btf();
+    // While the BPF programs load, libbpf maps the kernel's BTF (the part the
+    // agent uses) instead of copying it twice (this needs the process still
+    // single-threaded).
+    let want = btf_names(cli.full_btf);
+    let btf_copy = btf_file::mappable_vmlinux_btf(want.as_ref());
+    drop(want);
 
     // Block SIGINT/SIGTERM before any thread exists; one thread waits for them.
     let mut sigs = SigSet::empty();
@@ -335,11 +384,20 @@ fn main() -> Result<()> {
             .context("spawning signal thread")?;
     }
 
-    libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Warn, load::libbpf_print)));
+    let level = if cli.libbpf_log {
+        load::LIBBPF_DEBUG.store(true, Ordering::Relaxed);
+        libbpf_rs::PrintLevel::Debug
+    } else {
+        libbpf_rs::PrintLevel::Warn
+    };
+    libbpf_rs::set_print(Some((level, load::libbpf_print)));
     let facts = kernel::Facts::gather()?;
     let run = load::start_any(&load::candidate_modes(cli.mode, &facts), &facts, &filters)?;
     match btf_copy {
-        btf_file::Outcome::Bound(guard) => drop(guard),
+        btf_file::Outcome::Bound(guard, copy) => {
+            drop(guard);
+            note_btf_copy(&copy);
+        }
         btf_file::Outcome::Skipped(why) => {
             eprintln!("viotrace-guest: note: libbpf copies the kernel's BTF while loading ({why})")
         }

@@ -317,3 +317,75 @@ fn kernel_5_10_descriptor_heads_equal_qemus() {
         "queue depth 8-16 spreads the heads: {heads:?}"
     );
 }
+
+/// In the guest: the agent run with the part of the kernel's BTF it uses (the default) and
+/// with a copy of the whole (`--full-btf`), each once with libbpf's log (its CO-RE
+/// relocations kept) and once without (its peak memory).
+const BTF_CHECK: &str = r#"G=$(command -v viotrace-guest || echo /bin/viotrace-guest)
+for v in min full; do
+  a=; [ $v = full ] && a=--full-btf
+  $G --duration 1s --libbpf-log $a > /dev/null 2> /tmp/$v.log || echo "BTFCHECK $v failed"
+  grep ': relo #' /tmp/$v.log > /tmp/$v.relo
+  $G --duration 1s $a > /tmp/$v.cost 2>&1 || echo "BTFCHECK $v failed"
+  echo "BTFCHECK $v relo $(wc -l < /tmp/$v.relo) $(grep -o 'peak RSS [0-9.]* MiB' /tmp/$v.cost)"
+  grep "kernel's BTF" /tmp/$v.cost
+done
+if cmp -s /tmp/min.relo /tmp/full.relo; then echo "BTFCHECK same relocations"; else
+  diff /tmp/full.relo /tmp/min.relo | head -20; fi
+"#;
+
+/// Where the kernel's BTF cannot be mapped (before 6.16), the agent maps the part it uses:
+/// every CO-RE relocation of every program resolves as on the whole BTF (libbpf's log, line
+/// for line), and its peak memory is under the 8 MiB bound, where the whole BTF's was not on
+/// 6.12 (issue 11).
+fn check_minimized_btf(name: &str, kernel: GuestKernel) {
+    let cfg = VmConfig {
+        guest_kernel: kernel,
+        guest_json: false,
+        ..VmConfig::default()
+    };
+    let r = run_agents(name, Agents::Guest, cfg, BTF_CHECK);
+    let log = r.workload_log();
+    let line = |v: &str| {
+        log.lines()
+            .find(|l| l.starts_with(&format!("BTFCHECK {v} relo ")))
+            .unwrap_or_else(|| panic!("no {v} line:\n{log}"))
+            .split_whitespace()
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    let (min, full) = (line("min"), line("full"));
+    // BTFCHECK v relo N peak RSS X MiB
+    let relos = |l: &[String]| l[3].parse::<usize>().unwrap();
+    let peak = |l: &[String]| {
+        l.get(6)
+            .and_then(|p| p.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no peak in {l:?}:\n{log}"))
+    };
+    assert!(!log.contains("failed"), "{log}");
+    assert!(relos(&min) > 1000, "{log}");
+    assert!(log.contains("BTFCHECK same relocations"), "{log}");
+    assert!(
+        log.contains("libbpf mapped the part of the kernel's BTF the agent uses"),
+        "{log}"
+    );
+    assert!(peak(&min) < 8.0, "peak {} MiB:\n{log}", peak(&min));
+    assert!(peak(&full) > peak(&min) + 1.5, "{log}");
+    eprintln!(
+        "{}",
+        log.lines()
+            .filter(|l| l.contains("BTF"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[test]
+fn kernel_6_12_minimized_btf_relocates_as_the_whole_and_keeps_the_peak_under_8_mib() {
+    check_minimized_btf("guest-6.12-btf", GuestKernel::V6_12);
+}
+
+#[test]
+fn kernel_5_10_minimized_btf_relocates_as_the_whole_and_keeps_the_peak_under_8_mib() {
+    check_minimized_btf("guest-5.10-btf", GuestKernel::V5_10);
+}

@@ -278,7 +278,8 @@ struct Source {
 }
 
 impl Source {
-    fn open(path: &Path, names: &HashSet<String>) -> Result<Source, MinError> {
+    /// Indexes the BTF at `path`; returns it with the types named one of `names`.
+    fn open(path: &Path, names: &HashSet<String>) -> Result<(Source, Vec<u32>), MinError> {
         let f = File::open(path)?;
         let h = read_header(&f)?;
         let section = |off: u32, len: u32| -> Result<_, MinError> {
@@ -292,16 +293,21 @@ impl Source {
                 wanted.insert(off);
             }
         })?;
-        let mut offs = Vec::new();
+        let (mut offs, mut roots) = (Vec::new(), Vec::new());
         each_record(
             section(h.type_off, h.type_len)?,
             h.type_len,
             1,
-            |_, pos, _| offs.push(pos),
+            |id, pos, rec| {
+                offs.push(pos);
+                if wanted.contains(&rec.name_off()) {
+                    roots.push(id);
+                }
+            },
         )?;
         offs.push(h.type_len);
         let n = offs.len();
-        Ok(Source {
+        let src = Source {
             f,
             h,
             offs,
@@ -310,7 +316,8 @@ impl Source {
             wanted,
             strings: Vec::new(),
             buf: Vec::new(),
-        })
+        };
+        Ok((src, roots))
     }
 
     /// The number of types (ids 1..=n).
@@ -326,25 +333,6 @@ impl Source {
         let at = HDR_LEN as u64 + u64::from(self.h.type_off) + u64::from(a);
         self.f.read_exact_at(&mut self.buf, at)?;
         Ok(())
-    }
-
-    /// Seeds: every type with a wanted name.
-    fn named_roots(&mut self) -> Result<Vec<u32>, MinError> {
-        let mut roots = Vec::new();
-        let f = self.f.try_clone()?;
-        let mut r = BufReader::with_capacity(64 << 10, f);
-        r.seek(SeekFrom::Start(HDR_LEN as u64 + u64::from(self.h.type_off)))?;
-        each_record(
-            r.take(u64::from(self.h.type_len)),
-            self.h.type_len,
-            1,
-            |id, _, rec| {
-                if self.wanted.contains(&rec.name_off()) {
-                    roots.push(id);
-                }
-            },
-        )?;
-        Ok(roots)
     }
 
     /// Marks what `seeds` reach: whole, or hollow for unwanted named structs and unions.
@@ -484,8 +472,7 @@ pub fn minimize(
     names: &HashSet<String>,
     out: &File,
 ) -> Result<Summary, MinError> {
-    let mut src = Source::open(vmlinux, names)?;
-    let mut seeds = src.named_roots()?;
+    let (mut src, mut seeds) = Source::open(vmlinux, names)?;
     for m in modules {
         src.module_seeds(m, &mut seeds)?;
     }

@@ -9,8 +9,9 @@
 //! the BTF is in memory once, as shared pages, freed when the tmpfs goes.
 //!
 //! That file is the part of the BTF the agent uses ([`crate::btf_min`]): every
-//! type at its own id, but only the wanted ones whole, 1.5–2 MB instead of
-//! 4–6. If it cannot be made, or `--full-btf` asks, it is a copy of the whole.
+//! type at its own id, but only the wanted ones whole: 1.0–1.4 MB instead of
+//! 3.3–4.6 on Debian's 5.10–6.12. If it cannot be made, or `--full-btf` asks,
+//! it is a copy of the whole.
 //!
 //! Nothing outside the agent sees the change. The mount namespace is the
 //! agent's own (mounts from the host still propagate into it, none leave it),

@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -24,6 +24,7 @@ use viotrace_vm_tests::{assets, Agents, VmConfig};
 
 mod common;
 use common::checks::{check_run_joined, check_transport};
+use common::http::{free_port, http_get};
 use common::{lab, out_dir, run_agents, KNOWN_IO};
 
 /// How many joined records have each stage (and a total): what the per-stage
@@ -44,13 +45,6 @@ fn stage_counts(ios: &[&JoinedIo]) -> BTreeMap<String, f64> {
 /// A record's descriptor head as the span attribute shows it.
 fn head(j: &JoinedIo) -> String {
     j.head.map_or_else(String::new, |h| h.to_string())
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
 }
 
 /// A Prometheus child process, killed on drop.
@@ -160,18 +154,6 @@ impl Prometheus {
             })
             .collect()
     }
-}
-
-/// The body of `GET path` (HTTP/1.0), if the server answered 200.
-fn http_get(port: u16, path: &str) -> Option<String> {
-    let mut c = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    c.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(c, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
-    let mut s = String::new();
-    c.read_to_string(&mut s).ok()?;
-    let (head, body) = s.split_once("\r\n\r\n")?;
-    // Go's server answers in the request's version (HTTP/1.0 here).
-    (head.split_whitespace().nth(1) == Some("200")).then(|| body.to_string())
 }
 
 #[test]

@@ -9,6 +9,7 @@ use viotrace_vm_tests::{Agents, Aio, DiskFormat, HostAttach, RunResult, VmConfig
 
 mod common;
 use common::checks::{elems, known_io_device};
+use common::http::{free_port, Scraper};
 use common::{host, lab, lab_lock, out_dir, run_agents, KNOWN_IO};
 
 fn run_host(name: &str, cfg: VmConfig, workload: &str) -> RunResult {
@@ -230,16 +231,24 @@ fn check_merged(name: &str, host_args: Vec<String>) {
 #[test]
 fn agent_started_before_qemu_discovers_it() {
     let wl = format!("sleep 3\n{KNOWN_IO}");
+    let port = free_port();
+    let scraper = Scraper::start(port, "/metrics");
     let r = run_host(
         "host-before",
         VmConfig {
             host_attach: HostAttach::BeforeQemu,
             // Discovery follows only this VM (other QEMUs may run on the machine).
-            host_args: vec!["--vm".into(), "vt-host-before".into()],
+            host_args: vec![
+                "--vm".into(),
+                "vt-host-before".into(),
+                "--metrics-listen".into(),
+                format!("127.0.0.1:{port}"),
+            ],
             ..VmConfig::default()
         },
         &wl,
     );
+    let scraped = scraper.finish().expect("the metrics endpoint answered");
     check_known_io(&r, Backend::Threads);
     // Discovery waited for the kernel to see a QEMU start: one scan at the
     // start, one per QEMU exec, one per 30 s, not one a second.
@@ -256,6 +265,17 @@ fn agent_started_before_qemu_discovers_it() {
         "{scans} discovery scans in {:.0} s (at most {bound}): {c:?}",
         r.total_secs
     );
+    // The metrics endpoint publishes the discovery mode's counters too (one list
+    // for the stats line and the endpoint, since b5b267a).
+    for name in ["discovery_scans", "qemu_execs", "startup_verified_insns"] {
+        let series = format!("name=\"{name}\"}} ");
+        let v: u64 = scraped
+            .lines()
+            .find_map(|l| l.split_once(&series).map(|(_, v)| v.trim()))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in the scraped metrics:\n{scraped}"));
+        assert!(v >= 1, "{name} = {v} in the scraped metrics");
+    }
     // The verifier's work is reported, and the largest program keeps most of the
     // kernel's 1 M limit free (on 6.18.44 `push` once went past it: not loadable).
     let (verified, top) = (

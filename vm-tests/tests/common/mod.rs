@@ -9,6 +9,7 @@ use viotrace_vm_tests::{assets, Agents, Lab, RunResult, VmConfig};
 pub mod checks;
 pub mod guest;
 pub mod host;
+pub mod http;
 
 /// The lab, prepared once per test binary.
 pub fn lab() -> &'static Lab {

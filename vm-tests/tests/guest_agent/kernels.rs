@@ -325,7 +325,7 @@ const BTF_CHECK: &str = r#"G=$(command -v viotrace-guest || echo /bin/viotrace-g
 for v in min full; do
   a=; [ $v = full ] && a=--full-btf
   $G --duration 1s --libbpf-log $a > /dev/null 2> /tmp/$v.log || echo "BTFCHECK $v failed"
-  grep ': relo #' /tmp/$v.log > /tmp/$v.relo
+  grep "prog '.*': relo #" /tmp/$v.log > /tmp/$v.relo
   $G --duration 1s $a > /tmp/$v.cost 2>&1 || echo "BTFCHECK $v failed"
   echo "BTFCHECK $v relo $(wc -l < /tmp/$v.relo) $(grep -o 'peak RSS [0-9.]* MiB' /tmp/$v.cost)"
   grep "kernel's BTF" /tmp/$v.cost

@@ -101,7 +101,7 @@ struct Cli {
     connect: Option<viotrace_shared::transport::Endpoint>,
     /// Before 6.16, where the kernel's BTF file cannot be mapped, libbpf maps a
     /// copy of the part the agent uses while loading; this copies all of it
-    /// instead (3–4 MB more at start), for comparison.
+    /// instead (1–2.5 MB more at the peak), for comparison.
     #[arg(long)]
     full_btf: bool,
     /// Print libbpf's debug log on stderr (BTF loading, CO-RE relocations,

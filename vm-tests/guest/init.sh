@@ -90,6 +90,7 @@ agent_sample() {
 	[ -n "$AGENT_PID" ] || return 0
 	cat /proc/$AGENT_PID/stat >/out/guest-agent.$1.stat 2>/dev/null
 	cat /proc/$AGENT_PID/status >/out/guest-agent.$1.status 2>/dev/null
+	cat /proc/$AGENT_PID/smaps_rollup >/out/guest-agent.$1.smaps_rollup 2>/dev/null
 }
 agent_sample start
 # A workload still running near the run's deadline leaves evidence on the console:

@@ -124,7 +124,8 @@ fn accounting_sides(vm: &VmConfig) -> (bool, bool) {
 /// Samples of the anchor process, written where the lab reads the guest agent's.
 const ANCHOR_SAMPLE: &str = "if [ -e /run/anchor.pid ]; then \
 cat /proc/$(cat /run/anchor.pid)/stat >/out/guest-agent.$1.stat; \
-cat /proc/$(cat /run/anchor.pid)/status >/out/guest-agent.$1.status; fi\n";
+cat /proc/$(cat /run/anchor.pid)/status >/out/guest-agent.$1.status; \
+cat /proc/$(cat /run/anchor.pid)/smaps_rollup >/out/guest-agent.$1.smaps_rollup; fi\n";
 
 /// Bench parameters.
 #[derive(Clone, Debug, Serialize)]

@@ -480,9 +480,12 @@ fn the_agent_reports_what_it_costs() {
         "the verifier processed {insns} instructions at start-up"
     );
     assert!(get("startup_ms") > 0, "{c:?}");
-    // Its peak is the kernel's high-water mark, later than the lab's reading.
+    // Its peak is the kernel's high-water mark, later than the lab's reading, or
+    // the RSS the page tables hold (smaps_rollup) if higher, as the lab's is (before
+    // 6.2 the high-water mark lags): two moments a few pages apart.
+    const SLACK_KIB: u64 = 512;
     assert!(
-        peak_kib >= lab.peak_rss_kib && peak_kib < 64 * 1024,
+        peak_kib + SLACK_KIB >= lab.peak_rss_kib && peak_kib < 64 * 1024,
         "peak {peak_kib} KiB, the lab's {} KiB",
         lab.peak_rss_kib
     );

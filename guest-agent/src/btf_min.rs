@@ -529,6 +529,43 @@ mod tests {
         assert_eq!(essential(b"___x"), b"___x");
     }
 
+    /// A damaged or foreign BTF is an error (the agent then copies the whole), not a panic.
+    #[test]
+    fn bad_btf_is_an_error() {
+        let dir = std::env::temp_dir();
+        let (src, out) = (
+            dir.join(format!("viotrace-bad-btf.{}", std::process::id())),
+            dir.join(format!("viotrace-bad-btf-out.{}", std::process::id())),
+        );
+        let mut hdr = vec![0x9f, 0xeb, 1, 0, 24, 0, 0, 0];
+        // types 0..40 (one INT claims 16 bytes, then a record runs past), strings 40..44
+        for v in [0u32, 40, 40, 4] {
+            hdr.extend_from_slice(&v.to_le_bytes());
+        }
+        let mut rec = Vec::new();
+        for v in [0u32, 1 << 24, 4, 32] {
+            rec.extend_from_slice(&v.to_le_bytes()); // INT
+        }
+        for v in [0u32, 4 << 24 | 3, 8] {
+            rec.extend_from_slice(&v.to_le_bytes()); // STRUCT of 3 members: 48 bytes
+        }
+        rec.resize(40, 0);
+        let cases: [(&str, Vec<u8>); 3] = [
+            ("magic", b"not btf at all, not at all".to_vec()),
+            ("short", hdr[..10].to_vec()),
+            ("past", [hdr.clone(), rec, b"\0ab\0".to_vec()].concat()),
+        ];
+        let names = HashSet::from(["x".to_string()]);
+        for (what, bytes) in cases {
+            std::fs::write(&src, bytes).unwrap();
+            let o = File::create(&out).unwrap();
+            let r = minimize(&src, &[], &names, &o);
+            assert!(r.is_err(), "{what}: {r:?}");
+        }
+        let _ = std::fs::remove_file(&src);
+        let _ = std::fs::remove_file(&out);
+    }
+
     #[test]
     fn the_object_asks_for_its_types_and_attach_targets() {
         let n = names();

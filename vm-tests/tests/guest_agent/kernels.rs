@@ -336,8 +336,8 @@ if cmp -s /tmp/min.relo /tmp/full.relo; then echo "BTFCHECK same relocations"; e
 
 /// Where the kernel's BTF cannot be mapped (before 6.16), the agent maps the part it uses:
 /// every CO-RE relocation of every program resolves as on the whole BTF (libbpf's log, line
-/// for line), and its peak memory is under the 8 MiB bound, where the whole BTF's was not on
-/// 6.12 (issue 11).
+/// for line), and its peak memory is under the 8 MiB bound and the whole BTF's (which was
+/// over it on 6.12; issue 11).
 fn check_minimized_btf(name: &str, kernel: GuestKernel) {
     let cfg = VmConfig {
         guest_kernel: kernel,
@@ -370,7 +370,9 @@ fn check_minimized_btf(name: &str, kernel: GuestKernel) {
         "{log}"
     );
     assert!(peak(&min) < 8.0, "peak {} MiB:\n{log}", peak(&min));
-    assert!(peak(&full) > peak(&min) + 1.5, "{log}");
+    // (Where the whole copy set the peak at load, the part moves it to tracing, when the
+    // 2 MiB ring buffer is mapped: 5.9 against 6.8 MiB on 5.10, 6.0 against 8.3 on 6.12.)
+    assert!(peak(&full) > peak(&min), "{log}");
     eprintln!(
         "{}",
         log.lines()

@@ -10,32 +10,45 @@ use nix::sys::resource::{getrusage, UsageWho};
 use nix::sys::time::TimeVal;
 
 /// The process's CPU time so far (user + system, every thread) and its peak
-/// RSS in KiB. The kernel keeps the sum exact (the run time of the threads);
-/// only its split into user and system time is estimated. The peak is the
-/// kernel's high-water mark, or the RSS now counted from the page tables if
-/// that is higher: before 6.2 a thread's page counts reach the process's only
-/// every 64 faults or at its exit (a 2 MiB ring buffer mapped by the main
-/// thread stayed out of VmRSS and VmHWM until then on 6.1).
+/// RSS in KiB ([`peak_rss_kib`]).
 pub fn usage() -> Option<(Duration, u64)> {
+    Some((cpu_time()?, peak_rss_kib()))
+}
+
+/// The process's CPU time so far (user + system, every thread). The kernel
+/// keeps the sum exact (the run time of the threads); only its split into user
+/// and system time is estimated.
+pub fn cpu_time() -> Option<Duration> {
     let u = getrusage(UsageWho::RUSAGE_SELF).ok()?;
     let d = |t: TimeVal| {
         Duration::from_secs(t.tv_sec().max(0) as u64)
             + Duration::from_micros(t.tv_usec().max(0) as u64)
     };
+    Some(d(u.user_time()) + d(u.system_time()))
+}
+
+/// The process's peak RSS in KiB: the kernel's high-water mark, or the RSS now
+/// counted from the page tables if that is higher: before 6.2 a thread's page
+/// counts reach the process's only every 64 faults or at its exit (a 2 MiB ring
+/// buffer mapped by the main thread stayed out of VmRSS and VmHWM until then on
+/// 6.1). Walks the page tables: for reports, not for every metrics scrape.
+pub fn peak_rss_kib() -> u64 {
+    let hwm = getrusage(UsageWho::RUSAGE_SELF).map_or(0, |u| u.max_rss().max(0) as u64);
     let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").ok();
     let mapped = rollup.as_deref().and_then(rollup_rss_kib).unwrap_or(0);
-    Some((
-        d(u.user_time()) + d(u.system_time()),
-        (u.max_rss().max(0) as u64).max(mapped),
-    ))
+    hwm.max(mapped)
 }
 
 /// The `Rss:` of a `/proc/PID/smaps_rollup` text, KiB: resident pages counted
 /// from the page tables (exact on every kernel, unlike `VmRSS`).
 pub fn rollup_rss_kib(rollup: &str) -> Option<u64> {
-    rollup
-        .lines()
-        .find_map(|l| l.strip_prefix("Rss:"))
+    proc_kib(rollup, "Rss:")
+}
+
+/// The value of the `key` line (e.g. `VmHWM:`) of a /proc text in `kB`.
+pub fn proc_kib(text: &str, key: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
 }
@@ -72,7 +85,7 @@ impl SelfCost {
     /// Starts measuring now; `bpf`: the programs' counters now.
     pub fn start(bpf: BpfRuns) -> Self {
         SelfCost {
-            cpu0: usage().map(|u| u.0).unwrap_or_default(),
+            cpu0: cpu_time().unwrap_or_default(),
             t0: Instant::now(),
             bpf0: bpf,
         }

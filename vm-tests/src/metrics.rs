@@ -86,12 +86,7 @@ fn thread_times(pid: u32) -> Option<(u64, u64)> {
 }
 
 fn status_kib(status: &str, key: &str) -> u64 {
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+    viotrace_shared::selfcost::proc_kib(status, key).unwrap_or(0)
 }
 
 impl ProcSample {

@@ -164,9 +164,9 @@ impl Collector for MetricsCollector {
 }
 
 /// (CPU seconds, RSS bytes) of this process: its exact CPU time
-/// ([`selfcost::usage`](crate::selfcost::usage)) and its RSS now (`/proc/self/statm`).
+/// ([`selfcost::cpu_time`](crate::selfcost::cpu_time)) and its RSS now (`/proc/self/statm`).
 pub fn self_usage() -> (f64, f64) {
-    let cpu = crate::selfcost::usage().map_or(0.0, |u| u.0.as_secs_f64());
+    let cpu = crate::selfcost::cpu_time().map_or(0.0, |d| d.as_secs_f64());
     let rss = std::fs::read_to_string("/proc/self/statm")
         .ok()
         .and_then(|s| s.split_whitespace().nth(1)?.parse::<f64>().ok())

@@ -13,11 +13,18 @@
 //! 3.3–4.6 on Debian's 5.10–6.12. If it cannot be made, or `--full-btf` asks,
 //! it is a copy of the whole.
 //!
+//! libbpf reads the BTF of each loaded module as split BTF on top of that
+//! file. The part keeps every vmlinux type and string the modules present at
+//! the minimizing refer to; a module loaded between the minimizing and the end
+//! of the load would be read with names missing. The agent checks the modules
+//! after the load ([`MappableBtf::modules_added`]) and, if any came, makes the
+//! part again and loads again ([`MappableBtf::remake`]).
+//!
 //! Nothing outside the agent sees the change. The mount namespace is the
 //! agent's own (mounts from the host still propagate into it, none leave it),
 //! and the bind mount is removed once the BPF programs are loaded.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::fs::File;
 use std::io::Seek;
 use std::path::{Path, PathBuf};
@@ -36,6 +43,36 @@ pub struct MappableBtf {
     /// What is mounted, in this process's own namespace only: only that is undone.
     tmpfs: bool,
     bound: bool,
+    /// The modules whose BTF the part was made for (`Some` for a part only).
+    modules: Option<BTreeSet<PathBuf>>,
+    /// Copies made (each a new file: a mapping of the last one, if any were
+    /// left, must not see it truncated).
+    made: u32,
+}
+
+impl MappableBtf {
+    /// The modules with BTF that the kernel has now and the part was not made for
+    /// (none when the whole BTF is bound).
+    pub fn modules_added(&self) -> Vec<String> {
+        match &self.modules {
+            Some(had) => added_since(had, &module_btfs()),
+            None => Vec::new(),
+        }
+    }
+
+    /// Makes the part again, for the modules the kernel has now, and binds it in
+    /// place of the last one (the programs loaded over that one must be gone:
+    /// libbpf keeps no mapping of it past a load). The process already has its
+    /// own mount namespace, so this works with threads running.
+    pub fn remake(&mut self, want: &HashSet<String>) -> Result<BtfCopy, String> {
+        if self.bound {
+            umount2(VMLINUX_BTF, MntFlags::MNT_DETACH)
+                .map_err(|e| format!("unbinding the part from {VMLINUX_BTF}: {e}"))?;
+            self.bound = false;
+        }
+        let src = File::open(VMLINUX_BTF).map_err(|e| format!("{VMLINUX_BTF}: {e}"))?;
+        write_and_bind(src, Some(want), self)
+    }
 }
 
 impl Drop for MappableBtf {
@@ -93,6 +130,8 @@ pub fn mappable_vmlinux_btf(want: Option<&HashSet<String>>) -> Outcome {
         dir,
         tmpfs: false,
         bound: false,
+        modules: None,
+        made: 0,
     };
     match bind_copy(f, want, &mut guard) {
         Ok(copy) => Outcome::Bound(guard, copy),
@@ -121,7 +160,7 @@ fn kernel_maps(f: &File) -> std::io::Result<bool> {
 /// In a mount namespace of this process: a tmpfs on the guard's directory,
 /// the BTF (minimized for `want`) written into it, and bound over the kernel's file.
 fn bind_copy(
-    mut src: File,
+    src: File,
     want: Option<&HashSet<String>>,
     g: &mut MappableBtf,
 ) -> Result<BtfCopy, String> {
@@ -140,13 +179,34 @@ fn bind_copy(
     )
     .map_err(|e| format!("tmpfs on {}: {e}", dir.display()))?;
     g.tmpfs = true;
-    let copy = dir.join("vmlinux");
+    write_and_bind(src, want, g)
+}
+
+/// The BTF (minimized for `want`, for the modules the kernel has now) written
+/// into the guard's tmpfs and bound over the kernel's file.
+fn write_and_bind(
+    mut src: File,
+    want: Option<&HashSet<String>>,
+    g: &mut MappableBtf,
+) -> Result<BtfCopy, String> {
+    if g.made > 0 {
+        let _ = std::fs::remove_file(g.dir.join(format!("vmlinux.{}", g.made - 1)));
+    }
+    let copy = g.dir.join(format!("vmlinux.{}", g.made));
+    g.made += 1;
     let mut dst = File::create(&copy).map_err(|e| format!("{}: {e}", copy.display()))?;
+    g.modules = None;
     let made = match want {
         Some(names) => {
-            let min = btf_min::minimize(Path::new(VMLINUX_BTF), &module_btfs(), names, &dst);
-            min.map(BtfCopy::Minimized)
-                .or_else(|e| dst.set_len(0).map(|()| BtfCopy::Whole(Some(e.to_string()))))
+            let modules = module_btfs();
+            let paths: Vec<PathBuf> = modules.iter().cloned().collect();
+            match btf_min::minimize(Path::new(VMLINUX_BTF), &paths, names, &dst) {
+                Ok(s) => {
+                    g.modules = Some(modules);
+                    Ok(BtfCopy::Minimized(s))
+                }
+                Err(e) => dst.set_len(0).map(|()| BtfCopy::Whole(Some(e.to_string()))),
+            }
         }
         None => Ok(BtfCopy::Whole(None)),
     };
@@ -157,19 +217,49 @@ fn bind_copy(
         std::io::copy(&mut src, &mut dst).map_err(|e| format!("copying {VMLINUX_BTF}: {e}"))?;
     }
     drop(dst);
+    let none: Option<&str> = None;
     mount(Some(&copy), VMLINUX_BTF, none, MsFlags::MS_BIND, none)
         .map_err(|e| format!("binding the copy over {VMLINUX_BTF}: {e}"))?;
     g.bound = true;
     Ok(made)
 }
 
+/// The names of the modules in `now` that `had` lacks.
+fn added_since(had: &BTreeSet<PathBuf>, now: &BTreeSet<PathBuf>) -> Vec<String> {
+    now.difference(had)
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect()
+}
+
 /// The module BTFs the kernel has now (split BTF on top of vmlinux's).
-fn module_btfs() -> Vec<PathBuf> {
+fn module_btfs() -> BTreeSet<PathBuf> {
     let Ok(dir) = std::fs::read_dir("/sys/kernel/btf") else {
-        return Vec::new();
+        return BTreeSet::new();
     };
     dir.filter_map(|e| e.ok())
         .filter(|e| e.file_name() != "vmlinux")
         .map(|e| e.path())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_modules_the_part_was_not_made_for_count_as_added() {
+        let set = |v: &[&str]| -> BTreeSet<PathBuf> {
+            v.iter()
+                .map(|m| Path::new("/sys/kernel/btf").join(m))
+                .collect()
+        };
+        let had = set(&["virtio_blk", "virtio_ring"]);
+        assert!(added_since(&had, &had).is_empty());
+        // (a module gone since is no harm: libbpf does not read it)
+        assert!(added_since(&had, &set(&["virtio_blk"])).is_empty());
+        assert_eq!(
+            added_since(&had, &set(&["virtio_blk", "vsock", "virtio_ring", "nbd"])),
+            ["nbd", "vsock"]
+        );
+    }
 }

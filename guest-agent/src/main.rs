@@ -146,6 +146,69 @@ fn note_btf_copy(copy: &btf_file::BtfCopy) {
     }
 }
 
+/// Loads made again over a new part of the BTF at most, before loading over the
+/// kernel's own file (modules coming all along: a boot's module loads).
+const BTF_REMAKES: u64 = 3;
+
+/// Loads and attaches the programs while `btf` is bound over the kernel's BTF,
+/// then unbinds it. If a module came while they loaded, its BTF was read over a
+/// part made without it, which libbpf refuses where the module refers to a type
+/// the part left out (and with it the CO-RE relocations: fentry and kprobe mode
+/// fail). The part is made again with every module there is now, and the load
+/// done again. Returns the programs and the number of loads done again.
+fn load_over_btf(
+    modes: &[probe::Mode],
+    facts: &kernel::Facts,
+    filters: &Filters,
+    btf: btf_file::Outcome,
+) -> Result<(load::Running, u64)> {
+    let (mut guard, mut copy) = match btf {
+        btf_file::Outcome::Bound(guard, copy) => (guard, copy),
+        btf_file::Outcome::Skipped(why) => {
+            eprintln!("viotrace-guest: note: libbpf copies the kernel's BTF while loading ({why})");
+            return Ok((load::start_any(modes, facts, filters)?, 0));
+        }
+        btf_file::Outcome::NotNeeded => return Ok((load::start_any(modes, facts, filters)?, 0)),
+    };
+    let mut again = 0;
+    loop {
+        // (a failed load too may be the module's doing)
+        let run = load::start_any(modes, facts, filters);
+        let added = guard.modules_added();
+        if added.is_empty() {
+            drop(guard);
+            note_btf_copy(&copy);
+            return Ok((run?, again));
+        }
+        drop(run);
+        again += 1;
+        let remade = if again > BTF_REMAKES {
+            Err(format!("{BTF_REMAKES} parts made already"))
+        } else {
+            btf_names(false)
+                .ok_or_else(|| "the names it needs could not be read".to_string())
+                .and_then(|want| guard.remake(&want))
+        };
+        eprintln!(
+            "viotrace-guest: note: module(s) {} loaded while the programs loaded: loading \
+             again over {}",
+            added.join(", "),
+            match &remade {
+                Ok(_) => "a part of the BTF made with them".to_string(),
+                Err(e) => format!("the kernel's own BTF ({e})"),
+            }
+        );
+        match remade {
+            Ok(c) => copy = c,
+            Err(_) => {
+                // Unbound: libbpf reads the kernel's own file (and copies it).
+                drop(guard);
+                return Ok((load::start_any(modes, facts, filters)?, again));
+            }
+        }
+    }
+}
+
 #[derive(clap::Subcommand, Debug)]
 enum Cmd {
     /// Print a capture file (`--capture`) as the JSON lines `--json` prints:
@@ -392,17 +455,12 @@ fn main() -> Result<()> {
     };
     libbpf_rs::set_print(Some((level, load::libbpf_print)));
     let facts = kernel::Facts::gather()?;
-    let run = load::start_any(&load::candidate_modes(cli.mode, &facts), &facts, &filters)?;
-    match btf_copy {
-        btf_file::Outcome::Bound(guard, copy) => {
-            drop(guard);
-            note_btf_copy(&copy);
-        }
-        btf_file::Outcome::Skipped(why) => {
-            eprintln!("viotrace-guest: note: libbpf copies the kernel's BTF while loading ({why})")
-        }
-        btf_file::Outcome::NotNeeded => {}
-    }
+    let (run, btf_reloads) = load_over_btf(
+        &load::candidate_modes(cli.mode, &facts),
+        &facts,
+        &filters,
+        btf_copy,
+    )?;
     for n in &run.report.notes {
         eprintln!("viotrace-guest: note: {n}");
     }
@@ -503,6 +561,7 @@ fn main() -> Result<()> {
     let cost = cost.report(Some(run.bpf_runs()), s.rqs);
     stats.extend(cost.counters());
     let startup = run.startup.load + run.startup.attach;
+    stats.push(("startup_btf_reloads", btf_reloads));
     stats.push((
         "startup_ms",
         startup.as_millis().min(u128::from(u64::MAX)) as u64,

@@ -391,3 +391,60 @@ fn kernel_6_12_minimized_btf_relocates_as_the_whole_and_keeps_the_peak_under_8_m
 fn kernel_5_10_minimized_btf_relocates_as_the_whole_and_keeps_the_peak_under_8_mib() {
     check_minimized_btf("guest-5.10-btf", GuestKernel::V5_10);
 }
+
+/// A module is taken out, and put back while a second agent loads its programs
+/// (at libbpf's first log line; the load takes seconds under TCG).
+const BTF_RACE: &str = r#"G=$(command -v viotrace-guest || echo /bin/viotrace-guest)
+M=vmw_vsock_virtio_transport
+rmmod $M || echo "RACE rmmod failed"
+[ -e /sys/kernel/btf/$M ] && echo "RACE $M still there"
+$G --duration 2s --libbpf-log > /tmp/race.out 2> /tmp/race.log &
+P=$!
+i=0
+while ! grep -q '^libbpf: ' /tmp/race.log 2>/dev/null; do
+  i=$((i + 1)); [ $i -gt 3000 ] && break; sleep 0.01
+done
+insmod /lib/modules/$M.ko || echo "RACE insmod failed"
+dd if=/dev/vdb of=/dev/null bs=4k count=64 iflag=direct 2>/dev/null
+wait $P
+echo "RACE rc=$?"
+grep -v '^libbpf: ' /tmp/race.log
+grep -o 'startup_btf_reloads=[0-9]*' /tmp/race.out /tmp/race.log
+"#;
+
+/// A module that comes while the agent loads its programs over the part of the BTF (its
+/// split BTF read on top of a part made without it) makes the agent make the part again
+/// and load again, and say so; the second load sees every point.
+#[test]
+fn a_module_loaded_during_the_load_makes_the_agent_load_again_over_a_new_part() {
+    let r = run_agents(
+        "guest-btf-race",
+        Agents::Guest,
+        VmConfig::default(),
+        BTF_RACE,
+    );
+    let log = r.workload_log();
+    assert!(!log.contains("RACE rmmod failed"), "{log}");
+    assert!(!log.contains("still there"), "{log}");
+    assert!(!log.contains("RACE insmod failed"), "{log}");
+    assert!(log.contains("RACE rc=0"), "{log}");
+    assert!(
+        log.contains("module(s) vmw_vsock_virtio_transport loaded while the programs loaded"),
+        "{log}"
+    );
+    assert!(log.contains("startup_btf_reloads=1"), "{log}");
+    // Loaded again: in fentry mode, every point seen. (Over the part made without the
+    // module, the first load refused fentry and kprobe mode, EINVAL, and fell back to
+    // tracepoint mode: six points blind.)
+    let loads: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" mode on Linux "))
+        .collect();
+    assert_eq!(loads.len(), 2, "{log}");
+    assert!(loads[1].contains("fentry mode on Linux"), "{log}");
+    assert!(
+        log.contains("libbpf mapped the part of the kernel's BTF the agent uses"),
+        "{log}"
+    );
+    assert!(log.contains("fentry mode blind points: none"), "{log}");
+}

@@ -15,8 +15,10 @@
 //!
 //! libbpf reads the BTF of each loaded module as split BTF on top of that
 //! file. The part keeps every vmlinux type and string the modules present at
-//! the minimizing refer to; a module loaded between the minimizing and the end
-//! of the load would be read with names missing. The agent checks the modules
+//! the minimizing refer to. A module loaded between the minimizing and the end
+//! of the load is read over a part made without it: libbpf refuses its BTF where
+//! it refers to a type the part left out, and with it every CO-RE relocation
+//! (fentry and kprobe mode fail). The agent checks the modules
 //! after the load ([`MappableBtf::modules_added`]) and, if any came, makes the
 //! part again and loads again ([`MappableBtf::remake`]).
 //!

@@ -171,16 +171,26 @@ fn load_over_btf(
         btf_file::Outcome::NotNeeded => return Ok((load::start_any(modes, facts, filters)?, 0)),
     };
     let mut again = 0;
+    // (the loads done in vain count in the start-up's load time)
+    let mut in_vain = Duration::ZERO;
+    let counted = |r: Result<load::Running>, t: Duration| {
+        r.map(|mut r| {
+            r.startup.load += t;
+            r
+        })
+    };
     loop {
+        let t0 = Instant::now();
         // (a failed load too may be the module's doing)
         let run = load::start_any(modes, facts, filters);
         let added = guard.modules_added();
         if added.is_empty() {
             drop(guard);
             note_btf_copy(&copy);
-            return Ok((run?, again));
+            return Ok((counted(run, in_vain)?, again));
         }
         drop(run);
+        in_vain += t0.elapsed();
         again += 1;
         let remade = if again > BTF_REMAKES {
             Err(format!("{BTF_REMAKES} parts made already"))
@@ -203,7 +213,10 @@ fn load_over_btf(
             Err(_) => {
                 // Unbound: libbpf reads the kernel's own file (and copies it).
                 drop(guard);
-                return Ok((load::start_any(modes, facts, filters)?, again));
+                return Ok((
+                    counted(load::start_any(modes, facts, filters), in_vain)?,
+                    again,
+                ));
             }
         }
     }

@@ -20,13 +20,15 @@
 //! it refers to a type the part left out, and with it every CO-RE relocation
 //! (fentry and kprobe mode fail). The agent checks the modules
 //! after the load ([`MappableBtf::modules_added`]) and, if any came, makes the
-//! part again and loads again ([`MappableBtf::remake`]).
+//! part again and loads again ([`MappableBtf::remake`]). A module unloaded and
+//! loaded again under its name counts as come: its BTF is a new file (a new
+//! inode in sysfs), maybe of another build.
 //!
 //! Nothing outside the agent sees the change. The mount namespace is the
 //! agent's own (mounts from the host still propagate into it, none leave it),
 //! and the bind mount is removed once the BPF programs are loaded.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
 use std::io::Seek;
 use std::path::{Path, PathBuf};
@@ -45,8 +47,9 @@ pub struct MappableBtf {
     /// What is mounted, in this process's own namespace only: only that is undone.
     tmpfs: bool,
     bound: bool,
-    /// The modules whose BTF the part was made for (`Some` for a part only).
-    modules: Option<BTreeSet<PathBuf>>,
+    /// The modules whose BTF the part was made for, with their files' inodes
+    /// (`Some` for a part only).
+    modules: Option<ModuleBtfs>,
     /// Copies made (each a new file: a mapping of the last one, if any were
     /// left, must not see it truncated).
     made: u32,
@@ -62,18 +65,20 @@ impl MappableBtf {
         }
     }
 
-    /// Makes the part again, for the modules the kernel has now, and binds it in
-    /// place of the last one (the programs loaded over that one must be gone:
-    /// libbpf keeps no mapping of it past a load). The process already has its
-    /// own mount namespace, so this works with threads running.
-    pub fn remake(&mut self, want: &HashSet<String>) -> Result<BtfCopy, String> {
+    /// Makes the part again, for the modules the kernel has now (`want`: the
+    /// names it keeps whole; None: a copy of the whole BTF, which no module can
+    /// outdate), and binds it in place of the last one (the programs loaded over
+    /// that one must be gone: libbpf keeps no mapping of it past a load). The
+    /// process already has its own mount namespace, so this works with threads
+    /// running.
+    pub fn remake(&mut self, want: Option<&HashSet<String>>) -> Result<BtfCopy, String> {
         if self.bound {
             umount2(VMLINUX_BTF, MntFlags::MNT_DETACH)
                 .map_err(|e| format!("unbinding the part from {VMLINUX_BTF}: {e}"))?;
             self.bound = false;
         }
         let src = File::open(VMLINUX_BTF).map_err(|e| format!("{VMLINUX_BTF}: {e}"))?;
-        write_and_bind(src, Some(want), self)
+        write_and_bind(src, want, self)
     }
 }
 
@@ -201,7 +206,7 @@ fn write_and_bind(
     let made = match want {
         Some(names) => {
             let modules = module_btfs();
-            let paths: Vec<PathBuf> = modules.iter().cloned().collect();
+            let paths: Vec<PathBuf> = modules.keys().cloned().collect();
             match btf_min::minimize(Path::new(VMLINUX_BTF), &paths, names, &dst) {
                 Ok(s) => {
                     g.modules = Some(modules);
@@ -226,21 +231,27 @@ fn write_and_bind(
     Ok(made)
 }
 
-/// The names of the modules in `now` that `had` lacks.
-fn added_since(had: &BTreeSet<PathBuf>, now: &BTreeSet<PathBuf>) -> Vec<String> {
-    now.difference(had)
-        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+/// Module BTF files (split BTF on top of vmlinux's) and their inodes.
+type ModuleBtfs = BTreeMap<PathBuf, u64>;
+
+/// The names of the modules in `now` that `had` lacks, or had as another file
+/// (unloaded and loaded again).
+fn added_since(had: &ModuleBtfs, now: &ModuleBtfs) -> Vec<String> {
+    now.iter()
+        .filter(|(p, ino)| had.get(*p) != Some(*ino))
+        .filter_map(|(p, _)| p.file_name().map(|n| n.to_string_lossy().into_owned()))
         .collect()
 }
 
-/// The module BTFs the kernel has now (split BTF on top of vmlinux's).
-fn module_btfs() -> BTreeSet<PathBuf> {
+/// The module BTFs the kernel has now.
+fn module_btfs() -> ModuleBtfs {
+    use std::os::unix::fs::DirEntryExt;
     let Ok(dir) = std::fs::read_dir("/sys/kernel/btf") else {
-        return BTreeSet::new();
+        return ModuleBtfs::new();
     };
     dir.filter_map(|e| e.ok())
         .filter(|e| e.file_name() != "vmlinux")
-        .map(|e| e.path())
+        .map(|e| (e.path(), e.ino()))
         .collect()
 }
 
@@ -250,9 +261,9 @@ mod tests {
 
     #[test]
     fn only_modules_the_part_was_not_made_for_count_as_added() {
-        let set = |v: &[&str]| -> BTreeSet<PathBuf> {
+        let set = |v: &[&str]| -> ModuleBtfs {
             v.iter()
-                .map(|m| Path::new("/sys/kernel/btf").join(m))
+                .map(|m| (Path::new("/sys/kernel/btf").join(m), m.len() as u64))
                 .collect()
         };
         let had = set(&["virtio_blk", "virtio_ring"]);
@@ -263,5 +274,9 @@ mod tests {
             added_since(&had, &set(&["virtio_blk", "vsock", "virtio_ring", "nbd"])),
             ["nbd", "vsock"]
         );
+        // unloaded and loaded again: a new file under the same name
+        let mut again = had.clone();
+        again.insert(Path::new("/sys/kernel/btf/virtio_ring").to_path_buf(), 99);
+        assert_eq!(added_since(&had, &again), ["virtio_ring"]);
     }
 }

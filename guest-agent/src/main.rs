@@ -104,6 +104,12 @@ struct Cli {
     /// instead (1–2.5 MB more at the peak), for comparison.
     #[arg(long)]
     full_btf: bool,
+    /// When modules come while the programs load over that part (a boot's
+    /// module loads), the part is made again with them and the load done
+    /// again, at most this many times; then over a copy of the whole BTF, as
+    /// `--full-btf` makes.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    btf_remakes: u64,
     /// Print libbpf's debug log on stderr (BTF loading, CO-RE relocations,
     /// attach targets).
     #[arg(long)]
@@ -146,21 +152,20 @@ fn note_btf_copy(copy: &btf_file::BtfCopy) {
     }
 }
 
-/// Loads made again over a new part of the BTF at most, before loading over the
-/// kernel's own file (modules coming all along: a boot's module loads).
-const BTF_REMAKES: u64 = 3;
-
 /// Loads and attaches the programs while `btf` is bound over the kernel's BTF,
 /// then unbinds it. If a module came while they loaded, its BTF was read over a
 /// part made without it, which libbpf refuses where the module refers to a type
 /// the part left out (and with it the CO-RE relocations: fentry and kprobe mode
 /// fail). The part is made again with every module there is now, and the load
-/// done again. Returns the programs and the number of loads done again.
+/// done again, up to `remakes` times; then over a copy of the whole BTF (which no
+/// module outdates), or, if that cannot be made, over the kernel's own file.
+/// Returns the programs and the number of loads done again.
 fn load_over_btf(
     modes: &[probe::Mode],
     facts: &kernel::Facts,
     filters: &Filters,
     btf: btf_file::Outcome,
+    remakes: u64,
 ) -> Result<(load::Running, u64)> {
     let (mut guard, mut copy) = match btf {
         btf_file::Outcome::Bound(guard, copy) => (guard, copy),
@@ -192,23 +197,27 @@ fn load_over_btf(
         drop(run);
         in_vain += t0.elapsed();
         again += 1;
-        let remade = if again > BTF_REMAKES {
-            Err(format!("{BTF_REMAKES} parts made already"))
+        let whole = again > remakes;
+        let why = format!("the part made again {remakes} times already, --btf-remakes");
+        let remade = if whole {
+            guard.remake(None)
         } else {
             btf_names(false)
                 .ok_or_else(|| "the names it needs could not be read".to_string())
-                .and_then(|want| guard.remake(&want))
+                .and_then(|want| guard.remake(Some(&want)))
         };
         eprintln!(
             "viotrace-guest: note: module(s) {} loaded while the programs loaded: loading \
              again over {}",
             added.join(", "),
             match &remade {
+                Ok(_) if whole => format!("a copy of the whole BTF ({why})"),
                 Ok(_) => "a part of the BTF made with them".to_string(),
                 Err(e) => format!("the kernel's own BTF ({e})"),
             }
         );
         match remade {
+            Ok(_) if whole => copy = btf_file::BtfCopy::Whole(Some(why)),
             Ok(c) => copy = c,
             Err(_) => {
                 // Unbound: libbpf reads the kernel's own file (and copies it).
@@ -473,6 +482,7 @@ fn main() -> Result<()> {
         &facts,
         &filters,
         btf_copy,
+        cli.btf_remakes,
     )?;
     for n in &run.report.notes {
         eprintln!("viotrace-guest: note: {n}");

@@ -104,10 +104,10 @@ struct Cli {
     /// instead (1–2.5 MB more at the peak), for comparison.
     #[arg(long)]
     full_btf: bool,
-    /// When modules come while the programs load over that part (a boot's
-    /// module loads), the part is made again with them and the load done
-    /// again, at most this many times; then over a copy of the whole BTF, as
-    /// `--full-btf` makes.
+    /// Before 6.16 (see `--full-btf`): when modules come while the programs
+    /// load over the part of the BTF (a boot's module loads), the part is made
+    /// again with them and the load done again, at most this many times; then
+    /// over a copy of the whole BTF, as `--full-btf` makes.
     #[arg(long, value_name = "N", default_value_t = 3)]
     btf_remakes: u64,
     /// Print libbpf's debug log on stderr (BTF loading, CO-RE relocations,

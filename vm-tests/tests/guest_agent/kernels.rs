@@ -486,18 +486,7 @@ fn with_no_part_made_again_a_module_loaded_during_the_load_sends_the_agent_to_th
 
 #[test]
 fn a_module_unloaded_and_loaded_again_during_the_load_counts_as_come() {
-    let log = run_btf_race(
-        "guest-btf-race-reload",
-        GuestKernel::V6_1,
-        Race {
-            reload: true,
-            args: "",
-        },
-    );
-    assert!(
-        log.contains("libbpf mapped the part of the kernel's BTF the agent uses"),
-        "{log}"
-    );
+    check_btf_race("guest-btf-race-reload", GuestKernel::V6_1, true);
 }
 
 /// A module that comes while the agent loads its programs over the part of the BTF (its
@@ -505,16 +494,10 @@ fn a_module_unloaded_and_loaded_again_during_the_load_counts_as_come() {
 /// and load again, and say so; the second load sees every point. (Over the part made
 /// without the module, the first load refused fentry and kprobe mode on 6.1, EINVAL, and
 /// fell back to tracepoint mode, six points blind; on 6.12 the kernel refused fe_queue_rq
-/// and fe_queue_rqs, on virtio_blk's functions: g.queue_rq blind.)
-fn check_btf_race(name: &str, kernel: GuestKernel) {
-    let log = run_btf_race(
-        name,
-        kernel,
-        Race {
-            reload: false,
-            args: "",
-        },
-    );
+/// and fe_queue_rqs, on virtio_blk's functions: g.queue_rq blind.) With `reload`, the
+/// module was there and came again: it counts as come.
+fn check_btf_race(name: &str, kernel: GuestKernel, reload: bool) {
+    let log = run_btf_race(name, kernel, Race { reload, args: "" });
     assert!(
         log.contains("libbpf mapped the part of the kernel's BTF the agent uses"),
         "{log}"
@@ -523,10 +506,10 @@ fn check_btf_race(name: &str, kernel: GuestKernel) {
 
 #[test]
 fn a_module_loaded_during_the_load_makes_the_agent_load_again_over_a_new_part() {
-    check_btf_race("guest-btf-race", GuestKernel::V6_1);
+    check_btf_race("guest-btf-race", GuestKernel::V6_1, false);
 }
 
 #[test]
 fn kernel_6_12_a_module_loaded_during_the_load_makes_the_agent_load_again() {
-    check_btf_race("guest-6.12-btf-race", GuestKernel::V6_12);
+    check_btf_race("guest-6.12-btf-race", GuestKernel::V6_12, false);
 }

@@ -157,8 +157,9 @@ fn note_btf_copy(copy: &btf_file::BtfCopy) {
 /// part made without it, which libbpf refuses where the module refers to a type
 /// the part left out (and with it the CO-RE relocations: fentry and kprobe mode
 /// fail). The part is made again with every module there is now, and the load
-/// done again, up to `remakes` times; then over a copy of the whole BTF (which no
-/// module outdates), or, if that cannot be made, over the kernel's own file.
+/// done again, up to `remakes` times; then (or sooner, when the names to keep
+/// cannot be read) over a copy of the whole BTF, which no module outdates; if
+/// that cannot be made either, over the kernel's own file.
 /// Returns the programs and the number of loads done again.
 fn load_over_btf(
     modes: &[probe::Mode],
@@ -197,27 +198,39 @@ fn load_over_btf(
         drop(run);
         in_vain += t0.elapsed();
         again += 1;
-        let whole = again > remakes;
-        let why = format!("the part made again {remakes} times already, --btf-remakes");
-        let remade = if whole {
-            guard.remake(None)
+        // (names that cannot be read make no part: a whole copy then, as
+        // after the last remake, rather than the kernel's own file)
+        let (want, why) = if again > remakes {
+            (
+                None,
+                format!("the part made again {remakes} times already, --btf-remakes"),
+            )
         } else {
-            btf_names(false)
-                .ok_or_else(|| "the names it needs could not be read".to_string())
-                .and_then(|want| guard.remake(Some(&want)))
+            match btf_names(false) {
+                Some(w) => (Some(w), String::new()),
+                None => (
+                    None,
+                    "the names the agent needs could not be read".to_string(),
+                ),
+            }
         };
+        let remade = guard.remake(want.as_ref()).map(|c| match c {
+            btf_file::BtfCopy::Whole(None) => btf_file::BtfCopy::Whole(Some(why)),
+            c => c,
+        });
         eprintln!(
             "viotrace-guest: note: module(s) {} loaded while the programs loaded: loading \
              again over {}",
             added.join(", "),
             match &remade {
-                Ok(_) if whole => format!("a copy of the whole BTF ({why})"),
-                Ok(_) => "a part of the BTF made with them".to_string(),
+                Ok(btf_file::BtfCopy::Minimized(_)) => "a part of the BTF made with them".into(),
+                Ok(btf_file::BtfCopy::Whole(why)) => {
+                    format!("a copy of the whole BTF ({})", why.as_deref().unwrap_or(""))
+                }
                 Err(e) => format!("the kernel's own BTF ({e})"),
             }
         );
         match remade {
-            Ok(_) if whole => copy = btf_file::BtfCopy::Whole(Some(why)),
             Ok(c) => copy = c,
             Err(_) => {
                 // Unbound: libbpf reads the kernel's own file (and copies it).

@@ -313,7 +313,7 @@ static __always_inline void emit_rq(struct rq_state *st)
 {
 	struct vt_rq_event *e;
 
-	if (st->vq) {
+	if (have_kick && st->vq) {
 		__u64 vk = (__u64)st->vq;
 		struct vq_state *v = vq_find(&vk);
 

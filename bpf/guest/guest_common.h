@@ -17,6 +17,9 @@ const volatile __s32 filter_disk_minor = 0;
 const volatile __u8 emit_at_rq_complete = 0;
 /* 1: blk_mq_complete_request is hooked (g.driver_complete expected). */
 const volatile __u8 have_driver_complete = 0;
+/* 1: virtqueue_kick_prepare is hooked (g.kick; not with --skip-points g.kick):
+ * requests then wait for their queue's kick. */
+const volatile __u8 have_kick = 0;
 /* Address of vring_interrupt (kprobe mode: irq_handler_entry names its vq). */
 const volatile __u64 vring_interrupt_addr = 0;
 /* Wake the reader once this many bytes are pending (else it polls). */

@@ -155,6 +155,8 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 		st->ev.has_head = 1;
 	}
 	st->vq = vq;
+	if (!have_kick)
+		return;
 	v = vq_get_or_create(&vk);
 	st->kick_seq = v ? v->kick_seq : 0;
 	if (v)

@@ -220,6 +220,7 @@ fn set_config(open: &mut OpenViotraceGuestSkel<'_>, f: &Filters, p: &Plan) -> Re
     let has = |p: &str| enabled.contains(p);
     ro.emit_at_rq_complete = u8::from(!has("fx_update_request") && !has("kp_update_request"));
     ro.have_driver_complete = u8::from(has("fe_complete_request") || has("kp_complete_request"));
+    ro.have_kick = u8::from(has("fx_kick_prepare") || has("kp_kick_prepare"));
     let Variants {
         tp_bio_has_queue,
         tp_uring_sqe_req_pos,
@@ -267,6 +268,7 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
     let mut plan = plan::plan(mode, facts);
     plan.off_cpu = f.off_cpu;
     plan.exact_kick = f.exact_kick;
+    plan.skip_points(&f.skip_points);
     if f.sys_tracepoints {
         plan.sys_fallback("--syscall-tracepoints");
     }
@@ -311,7 +313,7 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
     for p in skel.object().progs_mut() {
         let name = p.name().to_string_lossy().into_owned();
         let optional = plan::is_optional(&name);
-        if optional && !plan.programs().contains(name.as_str()) {
+        if (optional && !plan.programs().contains(name.as_str())) || !plan.attaches_fixed(&name) {
             continue;
         }
         // The raw syscall tracepoints wait until the per-syscall programs are in,

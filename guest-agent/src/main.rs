@@ -81,6 +81,14 @@ struct Cli {
     /// before the driver notifies (one trap less per request).
     #[arg(long)]
     exact_kick: bool,
+    /// Leave out these points to trace for less (comma-separated): g.rq_insert,
+    /// g.queue_rq, g.kick, g.irq, g.driver_complete (g.irq goes with it),
+    /// g.bio_complete; `lean` is g.rq_insert,g.kick,g.driver_complete,g.bio_complete.
+    /// Their programs are not attached and the points are reported blind; the
+    /// record, its join with the host and its attribution stay. What each point
+    /// costs: docs/PERFORMANCE.md.
+    #[arg(long, value_name = "POINTS")]
+    skip_points: Option<plan::SkipPoints>,
     /// Attach mode.
     #[arg(long, value_enum, default_value_t = Mode::Auto)]
     mode: Mode,
@@ -315,6 +323,8 @@ pub(crate) struct Filters {
     sys_tracepoints: bool,
     /// Syscalls faster than this send no record, only their latency (0: all send one).
     io_detail_ns: u64,
+    /// Points whose programs are left out (`--skip-points`).
+    skip_points: Vec<viotrace_shared::record::Point>,
 }
 
 fn resolve_filters(cli: &Cli) -> Result<Filters> {
@@ -324,6 +334,7 @@ fn resolve_filters(cli: &Cli) -> Result<Filters> {
         off_cpu: cli.threshold.is_some(),
         exact_kick: cli.exact_kick,
         sys_tracepoints: cli.syscall_tracepoints,
+        skip_points: cli.skip_points.clone().map(|s| s.0).unwrap_or_default(),
         // Always-on (no --json, --capture or -t): the syscall table needs only
         // each syscall's latency, and the kernel counts it (io_hist). JSON
         // lines, the capture and the verdicts of -t (their baselines) need

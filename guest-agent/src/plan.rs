@@ -120,6 +120,9 @@ pub struct Plan {
     pub sys_fentry: Vec<&'static SysHook>,
     /// Bios are traced by `TYPED_BIO_QUEUE` (fentry mode, vmlinux BTF).
     pub typed_bio: bool,
+    /// Points left out by the user (`--skip-points`): their programs are not
+    /// attached.
+    pub skipped: Vec<Point>,
 }
 
 impl Plan {
@@ -201,6 +204,111 @@ impl Plan {
     /// The choice for hook `target`.
     pub fn choice(&self, target: &str) -> Option<&HookChoice> {
         self.hooks.iter().find(|c| c.hook.target == target)
+    }
+
+    /// Leaves out the programs of `points` (`--skip-points`, each one of
+    /// [`SKIPPABLE`]): those points go blind, and the report says why.
+    pub fn skip_points(&mut self, points: &[Point]) {
+        for &p in points {
+            let Some((_, targets)) = SKIPPABLE.iter().find(|(q, _)| *q == p) else {
+                continue;
+            };
+            for c in &mut self.hooks {
+                if targets.contains(&c.hook.target) {
+                    c.flavour = None;
+                    c.why = Some(format!("left out (--skip-points {p})"));
+                }
+            }
+            if targets.contains(&"vring_interrupt") {
+                self.variants.vring_interrupt_addr = 0;
+            }
+            if !self.skipped.contains(&p) {
+                self.skipped.push(p);
+            }
+        }
+    }
+
+    /// Whether program `prog`, always loaded, is attached (only `rq_insert`
+    /// can be left out).
+    pub fn attaches_fixed(&self, prog: &str) -> bool {
+        prog != RQ_INSERT_PROG || !self.skipped.contains(&Point::RqInsert)
+    }
+}
+
+/// The block_rq_insert program (always loaded; not attached with
+/// `--skip-points g.rq_insert`).
+pub const RQ_INSERT_PROG: &str = "rq_insert";
+
+/// The points `--skip-points` may leave out, with the hooks that serve only
+/// them (g.rq_insert: the `rq_insert` tracepoint program). The others carry the
+/// join key (g.vq_add), make the record (g.rq_issue, g.rq_complete) or attribute
+/// it (g.syscall_enter, g.bio_queue, g.syscall_exit). g.irq is taken when the
+/// driver completes the request: leaving out g.driver_complete leaves it out too.
+pub const SKIPPABLE: &[(Point, &[&str])] = &[
+    (Point::RqInsert, &[]),
+    (Point::QueueRq, &["virtio_queue_rq", "virtio_queue_rqs"]),
+    (Point::Kick, &["virtqueue_kick_prepare", EXACT_KICK_TARGET]),
+    (Point::Irq, &["vring_interrupt"]),
+    (
+        Point::DriverComplete,
+        &["blk_mq_complete_request", "vring_interrupt"],
+    ),
+    (Point::BioComplete, &["blk_update_request"]),
+];
+
+/// `--skip-points lean`: the four points whose programs cost the guest most
+/// after the ones the record needs (docs/PERFORMANCE.md).
+pub const LEAN: &[Point] = &[
+    Point::RqInsert,
+    Point::Kick,
+    Point::DriverComplete,
+    Point::BioComplete,
+];
+
+/// Points to leave out, as `--skip-points` reads them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SkipPoints(pub Vec<Point>);
+
+impl std::str::FromStr for SkipPoints {
+    type Err = String;
+
+    /// A comma-separated list of [`SKIPPABLE`] point names (`g.kick`, or
+    /// `kick`), or `lean` ([`LEAN`]); repeated names count once.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut v: Vec<Point> = Vec::new();
+        for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let points: Vec<Point> = if name == "lean" {
+                LEAN.to_vec()
+            } else {
+                let full = if name.contains('.') {
+                    name.to_string()
+                } else {
+                    format!("g.{name}")
+                };
+                let p = Point::from_name(&full).ok_or_else(|| format!("no point {name:?}"))?;
+                if !SKIPPABLE.iter().any(|(q, _)| *q == p) {
+                    return Err(format!(
+                        "{p} cannot be left out (it makes, joins or attributes the record); \
+                         these can: {}, or lean",
+                        SKIPPABLE
+                            .iter()
+                            .map(|(q, _)| q.name())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ));
+                }
+                vec![p]
+            };
+            for p in points {
+                if !v.contains(&p) {
+                    v.push(p);
+                }
+            }
+        }
+        if v.is_empty() {
+            return Err("no point named".into());
+        }
+        Ok(SkipPoints(v))
     }
 }
 
@@ -392,6 +500,7 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
         exact_kick: false,
         sys_fentry,
         typed_bio,
+        skipped: Vec::new(),
     }
 }
 
@@ -492,6 +601,12 @@ pub fn report(
         if !needs.iter().all(|t| satisfied(t)) {
             r.blind_points.push(*point);
         }
+    }
+    if !plan.attaches_fixed(RQ_INSERT_PROG) {
+        r.blind
+            .push("g.rq_insert: left out (--skip-points g.rq_insert)".into());
+        r.blind_points.push(Point::RqInsert);
+        r.blind_points.sort();
     }
     r
 }

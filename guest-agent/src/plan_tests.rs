@@ -472,3 +472,112 @@ fn bios_are_traced_on_a_typed_bio_in_fentry_mode_else_on_the_raw_tracepoint() {
             tracepoint instead"));
     assert!(is_optional(TYPED_BIO_QUEUE) && !is_optional(RAW_BIO_QUEUE));
 }
+
+#[test]
+fn skip_points_reads_names_short_names_and_lean_and_refuses_the_others() {
+    let read = |s: &str| s.parse::<SkipPoints>().map(|p| p.0);
+    assert_eq!(read("g.kick"), Ok(vec![Point::Kick]));
+    assert_eq!(
+        read("kick, g.irq,kick"),
+        Ok(vec![Point::Kick, Point::Irq]),
+        "short names, spaces, repeats"
+    );
+    assert_eq!(read("lean"), Ok(LEAN.to_vec()));
+    assert_eq!(
+        read("queue_rq,lean").unwrap().len(),
+        LEAN.len() + 1,
+        "lean and more"
+    );
+    for (bad, says) in [
+        ("g.vq_add", "cannot be left out"),
+        ("rq_issue", "cannot be left out"),
+        ("g.syscall_enter", "cannot be left out"),
+        ("h.pop", "cannot be left out"),
+        ("g.nope", "no point"),
+        ("", "no point named"),
+        (",", "no point named"),
+    ] {
+        let e = read(bad).expect_err(bad);
+        assert!(e.contains(says), "{bad}: {e}");
+    }
+}
+
+/// `--skip-points lean` on 6.1 in fentry mode: the four points' programs (and
+/// vring_interrupt's, whose g.irq is taken at the driver's completion) are not
+/// loaded, rq_insert is not attached, and the report names all five points
+/// blind, each with its reason; the virtqueue add (the join key) stays.
+#[test]
+fn skipped_points_leave_their_programs_out_and_are_reported_blind() {
+    let f = k6_1();
+    let mut p = plan(Mode::Fentry, &f);
+    p.skip_points(LEAN);
+    let progs = p.programs();
+    for gone in [
+        "fx_kick_prepare",
+        "fe_vring_interrupt",
+        "fe_complete_request",
+        "fx_update_request",
+    ] {
+        assert!(!progs.contains(gone), "{gone} in {progs:?}");
+    }
+    for kept in [
+        "fe_add_sgs",
+        "fe_queue_rq",
+        "fe_queue_rqs",
+        "fe_aio_prep_rw",
+    ] {
+        assert!(progs.contains(kept), "{kept} not in {progs:?}");
+    }
+    assert!(!p.attaches_fixed(RQ_INSERT_PROG));
+    assert!(p.attaches_fixed("rq_issue"));
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert_eq!(
+        r.blind_points,
+        [
+            Point::RqInsert,
+            Point::Kick,
+            Point::Irq,
+            Point::DriverComplete,
+            Point::BioComplete
+        ]
+    );
+    for why in [
+        "g.rq_insert: left out (--skip-points g.rq_insert)",
+        "g.kick and whether it notified or was suppressed: left out (--skip-points g.kick)",
+        "g.irq: left out (--skip-points g.driver_complete)",
+        "g.driver_complete: left out (--skip-points g.driver_complete)",
+        "g.bio_complete: left out (--skip-points g.bio_complete)",
+    ] {
+        assert!(
+            r.blind.iter().any(|l| l == why),
+            "{why} not in {:#?}",
+            r.blind
+        );
+    }
+    assert!(
+        !r.notes.iter().any(|n| n.starts_with("g.kick:")),
+        "{:?}",
+        r.notes
+    );
+    // Without it, the same plan leaves nothing out.
+    let full = plan(Mode::Fentry, &f);
+    assert!(full.attaches_fixed(RQ_INSERT_PROG));
+    assert!(report(&full, &f, &all_live(&full), &BTreeMap::new())
+        .blind_points
+        .is_empty());
+}
+
+/// In kprobe mode g.irq comes from the irq_handler_entry tracepoint: leaving
+/// g.irq out turns that program off too.
+#[test]
+fn skipping_g_irq_in_kprobe_mode_turns_the_irq_tracepoint_off() {
+    let f = k6_1();
+    let mut p = plan(Mode::Kprobe, &f);
+    assert!(p.programs().contains("irq_entry"));
+    p.skip_points(&[Point::Irq]);
+    assert!(!p.programs().contains("irq_entry"));
+    assert!(!p.programs().contains("kp_vring_interrupt"));
+    assert!(p.programs().contains("kp_complete_request"));
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert_eq!(r.blind_points, [Point::Irq]);
+}

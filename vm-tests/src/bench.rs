@@ -56,11 +56,24 @@ pub const JOBS: &[Job] = &[
 /// (`guest`: tables, no records written), in capture mode (`capture`: `--capture`, every
 /// record to a file, rendered as JSON after the run) and with live JSON lines (`json`:
 /// `--json`, every record as JSON as it comes), the host agent, both joined, both agents
-/// unjoined (`apart`: not in the default set; what joining adds), and the anchor: a
-/// biolatency-style bpftrace script in the guest.
+/// unjoined (`apart`: not in the default set; what joining adds), the guest agent without
+/// its four costliest optional points (`lean`: `--skip-points lean`) alone and joined
+/// (`lean-both`), and the anchor: a biolatency-style bpftrace script in the guest.
 pub const CONDITIONS: &[&str] = &[
-    "none", "guest", "capture", "json", "host", "both", "apart", "bpftrace",
+    "none",
+    "guest",
+    "capture",
+    "json",
+    "host",
+    "both",
+    "apart",
+    "lean",
+    "lean-both",
+    "bpftrace",
 ];
+
+/// What the `lean` conditions add to the guest agent's arguments.
+pub const LEAN_ARGS: &str = "--skip-points lean";
 
 /// Done-when bounds of issue 11, checked by [`verdicts`]: guest BPF run time per I/O as a
 /// multiple of the anchor's (always-on, capture), and IOPS ratio margins below the anchor's
@@ -77,9 +90,9 @@ tracepoint:block:block_rq_complete /@s[args->dev, args->sector]/ { \
 
 fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> VmConfig {
     let agents = match cond {
-        "guest" | "capture" | "json" => Agents::Guest,
+        "guest" | "capture" | "json" | "lean" => Agents::Guest,
         "host" => Agents::Host,
-        "both" => Agents::Both,
+        "both" | "lean-both" => Agents::Both,
         "apart" => Agents::Apart,
         _ => Agents::None,
     };
@@ -98,6 +111,11 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> V
         sample_host_cpu: matches!(agents, Agents::Host | Agents::Both | Agents::Apart),
         ..base.clone()
     };
+    if cond.starts_with("lean") {
+        vm.guest_args = format!("{} {LEAN_ARGS}", base.guest_args)
+            .trim()
+            .to_string();
+    }
     if cond == "bpftrace" {
         vm.guest_tools = vec!["bpftrace".into()];
         vm.setup = Some(format!(

@@ -207,6 +207,20 @@ fn capture_writes_the_binary_capture_and_json_the_live_lines() {
     assert_eq!(out("json"), (Agents::Guest, true, false));
     assert_eq!(out("both"), (Agents::Both, false, false));
     assert_eq!(out("apart"), (Agents::Apart, false, false));
+    assert_eq!(out("lean"), (Agents::Guest, false, false));
+    assert_eq!(out("lean-both"), (Agents::Both, false, false));
+    // the lean conditions add their points to the base's guest arguments
+    let base = VmConfig {
+        guest_args: "-c fio".into(),
+        ..base
+    };
+    for c in ["lean", "lean-both"] {
+        assert_eq!(
+            condition_vm(c, &base, false, 3).guest_args,
+            "-c fio --skip-points lean"
+        );
+    }
+    assert_eq!(condition_vm("guest", &base, false, 3).guest_args, "-c fio");
     // The bench checks the capture itself (bench_records): no JSON decode of it.
     assert!(!condition_vm("capture", &base, false, 3).decode_capture);
 }

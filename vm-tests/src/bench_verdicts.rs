@@ -108,6 +108,7 @@ pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
         for (cond, bound) in [
             ("guest", MAX_BPF_X_ALWAYS_ON),
             ("capture", MAX_BPF_X_CAPTURE),
+            ("lean", MAX_BPF_X_ALWAYS_ON),
         ] {
             if let Some(x) = bpf(cond) {
                 let value = x / anchor;
@@ -129,6 +130,8 @@ pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
         ("guest", GUEST_IOPS_MARGIN),
         ("capture", GUEST_IOPS_MARGIN),
         ("both", BOTH_IOPS_MARGIN),
+        ("lean", GUEST_IOPS_MARGIN),
+        ("lean-both", BOTH_IOPS_MARGIN),
         ("host", 0.0),
     ] {
         for j in JOBS {

@@ -270,3 +270,42 @@ fn restarting_either_agent_mid_run_recovers() {
         "guest agent reports its uplink: {g2}"
     );
 }
+
+/// The guest agent with `--skip-points lean` (no g.rq_insert, g.kick, g.irq,
+/// g.driver_complete, g.bio_complete): every request still joins on its
+/// descriptor head, the stages still partition it (the guest's virtqueue add
+/// stands in for its kick; push to completion is one merged stage), and the
+/// transport balances.
+#[test]
+fn lean_guest_points_still_join_every_request() {
+    use viotrace_shared::record::Point;
+    let r = run_both(
+        "joined-lean",
+        VmConfig {
+            guest_args: "--skip-points lean".into(),
+            ..VmConfig::default()
+        },
+        MIXED,
+    );
+    check_run_joined(&r, 0.999);
+    check_transport(&r, "vt-joined-lean");
+    let joined = r.records("joined.jsonl").unwrap();
+    let ios = joined.ios();
+    let vdb: Vec<_> = ios
+        .iter()
+        .filter(|j| j.joined && j.disk.as_deref() == Some("vdb"))
+        .collect();
+    assert!(vdb.len() > 500, "{} joined vdb records", vdb.len());
+    for j in vdb {
+        for p in [
+            Point::RqInsert,
+            Point::Kick,
+            Point::Irq,
+            Point::DriverComplete,
+            Point::BioComplete,
+        ] {
+            assert!(j.ts.get(p).is_none(), "{p} in {j:?}");
+        }
+        assert!(j.ts.get(Point::VqAdd).is_some() && j.ts.get(Point::HostPush).is_some());
+    }
+}

@@ -61,9 +61,10 @@ enum Cmd {
         /// guest) and the host agent's, in a pass of its own after each measured window.
         #[arg(long)]
         bpf_stats: bool,
-        /// Conditions to alternate (none, guest, capture, json, host, both, apart, bpftrace;
-        /// capture = the guest agent with --capture, json = with --json, apart = both
-        /// agents not joined).
+        /// Conditions to alternate (none, guest, capture, json, host, both, apart, lean,
+        /// lean-both, bpftrace; capture = the guest agent with --capture, json = with
+        /// --json, apart = both agents not joined, lean = the guest agent with
+        /// --skip-points lean, alone and joined).
         #[arg(
             long,
             value_delimiter = ',',

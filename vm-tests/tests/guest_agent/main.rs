@@ -500,3 +500,47 @@ fn the_agent_reports_what_it_costs() {
         "{line}"
     );
 }
+
+/// `--skip-points lean`: the four points' programs (and g.irq's) are left out and
+/// said so; every request is still recorded, on its virtqueue with its descriptor
+/// head (the join key), attributed to its task, with nothing counted lost.
+#[test]
+fn lean_points_leave_their_programs_out_and_keep_every_request_and_its_head() {
+    let r = run_known_io("guest-lean", "--mode fentry --skip-points lean");
+    let rqs = check_known_io(&r, false);
+    let skipped = [
+        Point::RqInsert,
+        Point::Kick,
+        Point::Irq,
+        Point::DriverComplete,
+        Point::BioComplete,
+    ];
+    for v in &rqs {
+        assert!(v.head.is_some_and(|h| h < 256), "head: {v:?}");
+        assert_eq!(v.queue, Some(0), "{v:?}");
+        assert_eq!(v.kicked, None, "{v:?}");
+        for p in [Point::BioQueue, Point::VqAdd, Point::RqComplete] {
+            assert!(v.ts.get(p).is_some(), "{p} missing in {v:?}");
+        }
+        for p in skipped {
+            assert!(v.ts.get(p).is_none(), "{p} in {v:?}");
+        }
+    }
+    let stats = final_stats(&r);
+    let names: Vec<String> = skipped.iter().map(|p| p.name().to_string()).collect();
+    assert_eq!(stats.blind_points, Some(names));
+    let c = stats.counters.expect("counters");
+    // the kick ring is not used: no request waits for a kick that never comes
+    for n in ["kick_after_completion", "kick_slot_lost", "ringbuf_drop_rq"] {
+        assert_eq!(c.get(n).copied().unwrap_or(0), 0, "{n}: {c:?}");
+    }
+    let log = guest_log(&r);
+    for why in [
+        "g.rq_insert: left out (--skip-points g.rq_insert)",
+        "left out (--skip-points g.kick)",
+        "g.driver_complete: left out (--skip-points g.driver_complete)",
+        "g.bio_complete: left out (--skip-points g.bio_complete)",
+    ] {
+        assert!(log.contains(why), "{why}: {log}");
+    }
+}

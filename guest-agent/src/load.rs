@@ -313,7 +313,7 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
     for p in skel.object().progs_mut() {
         let name = p.name().to_string_lossy().into_owned();
         let optional = plan::is_optional(&name);
-        if (optional && !plan.programs().contains(name.as_str())) || !plan.attaches_fixed(&name) {
+        if optional && !plan.programs().contains(name.as_str()) {
             continue;
         }
         // The raw syscall tracepoints wait until the per-syscall programs are in,

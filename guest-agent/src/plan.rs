@@ -227,25 +227,16 @@ impl Plan {
             }
         }
     }
-
-    /// Whether program `prog`, always loaded, is attached (only `rq_insert`
-    /// can be left out).
-    pub fn attaches_fixed(&self, prog: &str) -> bool {
-        prog != RQ_INSERT_PROG || !self.skipped.contains(&Point::RqInsert)
-    }
 }
 
-/// The block_rq_insert program (always loaded; not attached with
-/// `--skip-points g.rq_insert`).
-pub const RQ_INSERT_PROG: &str = "rq_insert";
-
 /// The points `--skip-points` may leave out, with the hooks that serve only
-/// them (g.rq_insert: the `rq_insert` tracepoint program). The others carry the
-/// join key (g.vq_add), make the record (g.rq_issue, g.rq_complete) or attribute
-/// it (g.syscall_enter, g.bio_queue, g.syscall_exit). g.irq is taken when the
-/// driver completes the request: leaving out g.driver_complete leaves it out too.
+/// them. The others carry the join key (g.vq_add), make the record (g.rq_issue,
+/// g.rq_complete) or attribute it: g.syscall_enter, g.bio_queue, g.syscall_exit,
+/// and g.rq_insert, where a request takes the identity of its first bio from the
+/// thread that queued it (issued later by a kworker, the request would find no
+/// task). g.irq is taken when the driver completes the request: leaving out
+/// g.driver_complete leaves it out too.
 pub const SKIPPABLE: &[(Point, &[&str])] = &[
-    (Point::RqInsert, &[]),
     (Point::QueueRq, &["virtio_queue_rq", "virtio_queue_rqs"]),
     (Point::Kick, &["virtqueue_kick_prepare", EXACT_KICK_TARGET]),
     (Point::Irq, &["vring_interrupt"]),
@@ -256,11 +247,11 @@ pub const SKIPPABLE: &[(Point, &[&str])] = &[
     (Point::BioComplete, &["blk_update_request"]),
 ];
 
-/// `--skip-points lean`: the four points whose programs cost the guest most
-/// after the ones the record needs (docs/PERFORMANCE.md).
+/// `--skip-points lean`: the costliest of them (docs/PERFORMANCE.md); g.queue_rq
+/// stays (it also tracks a request whose block_rq_issue run the kernel skipped).
 pub const LEAN: &[Point] = &[
-    Point::RqInsert,
     Point::Kick,
+    Point::Irq,
     Point::DriverComplete,
     Point::BioComplete,
 ];
@@ -601,12 +592,6 @@ pub fn report(
         if !needs.iter().all(|t| satisfied(t)) {
             r.blind_points.push(*point);
         }
-    }
-    if !plan.attaches_fixed(RQ_INSERT_PROG) {
-        r.blind
-            .push("g.rq_insert: left out (--skip-points g.rq_insert)".into());
-        r.blind_points.push(Point::RqInsert);
-        r.blind_points.sort();
     }
     r
 }

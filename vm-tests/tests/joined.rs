@@ -271,8 +271,8 @@ fn restarting_either_agent_mid_run_recovers() {
     );
 }
 
-/// The guest agent with `--skip-points lean` (no g.rq_insert, g.kick, g.irq,
-/// g.driver_complete, g.bio_complete): every request still joins on its
+/// The guest agent with `--skip-points lean` (no g.kick, g.irq, g.driver_complete,
+/// g.bio_complete): every request still joins on its
 /// descriptor head, the stages still partition it (the guest's virtqueue add
 /// stands in for its kick; push to completion is one merged stage), and the
 /// transport balances.
@@ -298,7 +298,6 @@ fn lean_guest_points_still_join_every_request() {
     assert!(vdb.len() > 500, "{} joined vdb records", vdb.len());
     for j in vdb {
         for p in [
-            Point::RqInsert,
             Point::Kick,
             Point::Irq,
             Point::DriverComplete,

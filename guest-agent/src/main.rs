@@ -466,6 +466,9 @@ fn main() -> Result<()> {
         .transpose()?;
 
     transport::one_heap_arena();
+    if let Err(e) = transport::no_huge_pages() {
+        eprintln!("viotrace-guest: note: transparent huge pages stay on for the agent: {e}");
+    }
     // (before the agent has a mount namespace of its own: mounted for everyone)
     kernel::ensure_tracefs();
     // While the BPF programs load, libbpf maps the kernel's BTF (the part the

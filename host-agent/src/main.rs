@@ -160,6 +160,9 @@ fn poll_set(rb: &RingBuffer, sigfd: &SignalFd, app: &App) -> Result<Epoll> {
 /// pass; a pass starts when something is ready or `POLL_EVERY` has passed.
 fn run() -> Result<()> {
     viotrace_shared::transport::one_heap_arena();
+    if let Err(e) = viotrace_shared::transport::no_huge_pages() {
+        eprintln!("viotrace-host: note: transparent huge pages stay on for the agent: {e}");
+    }
     let cli = Cli::parse();
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGINT);

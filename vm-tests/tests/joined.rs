@@ -297,12 +297,7 @@ fn lean_guest_points_still_join_every_request() {
         .collect();
     assert!(vdb.len() > 500, "{} joined vdb records", vdb.len());
     for j in vdb {
-        for p in [
-            Point::Kick,
-            Point::Irq,
-            Point::DriverComplete,
-            Point::BioComplete,
-        ] {
+        for p in common::LEAN_POINTS {
             assert!(j.ts.get(p).is_none(), "{p} in {j:?}");
         }
         assert!(j.ts.get(Point::VqAdd).is_some() && j.ts.get(Point::HostPush).is_some());

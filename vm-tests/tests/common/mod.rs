@@ -4,7 +4,16 @@
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+use viotrace_shared::record::Point;
 use viotrace_vm_tests::{assets, Agents, Lab, RunResult, VmConfig};
+
+/// The guest points `--skip-points lean` leaves out.
+pub const LEAN_POINTS: [Point; 4] = [
+    Point::Kick,
+    Point::Irq,
+    Point::DriverComplete,
+    Point::BioComplete,
+];
 
 pub mod checks;
 pub mod guest;

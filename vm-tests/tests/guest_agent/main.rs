@@ -489,6 +489,9 @@ fn the_agent_reports_what_it_costs() {
         "peak {peak_kib} KiB, the lab's {} KiB",
         lab.peak_rss_kib
     );
+    // No transparent huge page can inflate it (khugepaged collapsing the heap).
+    let status = std::fs::read_to_string(r.path("guest-agent.end.status")).unwrap();
+    assert!(status.contains("THP_enabled:\t0"), "{status}");
     let rqs = final_stats(&r).guest_rq.expect("guest_rq");
     let log = guest_log(&r);
     let line = log
@@ -508,12 +511,7 @@ fn the_agent_reports_what_it_costs() {
 fn lean_points_leave_their_programs_out_and_keep_every_request_and_its_head() {
     let r = run_known_io("guest-lean", "--mode fentry --skip-points lean");
     let rqs = check_known_io(&r, false);
-    let skipped = [
-        Point::Kick,
-        Point::Irq,
-        Point::DriverComplete,
-        Point::BioComplete,
-    ];
+    let skipped = common::LEAN_POINTS;
     for v in &rqs {
         assert!(v.head.is_some_and(|h| h < 256), "head: {v:?}");
         assert_eq!(v.queue, Some(0), "{v:?}");

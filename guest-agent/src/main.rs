@@ -81,12 +81,12 @@ struct Cli {
     /// before the driver notifies (one trap less per request).
     #[arg(long)]
     exact_kick: bool,
-    /// Leave out these points to trace for less (comma-separated): g.rq_insert,
-    /// g.queue_rq, g.kick, g.irq, g.driver_complete (g.irq goes with it),
-    /// g.bio_complete; `lean` is g.rq_insert,g.kick,g.driver_complete,g.bio_complete.
-    /// Their programs are not attached and the points are reported blind; the
-    /// record, its join with the host and its attribution stay. What each point
-    /// costs: docs/PERFORMANCE.md.
+    /// Leave out these points to trace for less (comma-separated): g.queue_rq,
+    /// g.kick, g.irq, g.driver_complete (g.irq goes with it), g.bio_complete;
+    /// `lean` is g.kick,g.irq,g.driver_complete,g.bio_complete. Their programs are
+    /// not attached and the points are reported blind; the record, its join with
+    /// the host and its attribution stay. What each point costs:
+    /// docs/PERFORMANCE.md.
     #[arg(long, value_name = "POINTS")]
     skip_points: Option<plan::SkipPoints>,
     /// Attach mode.

@@ -120,9 +120,6 @@ pub struct Plan {
     pub sys_fentry: Vec<&'static SysHook>,
     /// Bios are traced by `TYPED_BIO_QUEUE` (fentry mode, vmlinux BTF).
     pub typed_bio: bool,
-    /// Points left out by the user (`--skip-points`): their programs are not
-    /// attached.
-    pub skipped: Vec<Point>,
 }
 
 impl Plan {
@@ -221,9 +218,6 @@ impl Plan {
             }
             if targets.contains(&"vring_interrupt") {
                 self.variants.vring_interrupt_addr = 0;
-            }
-            if !self.skipped.contains(&p) {
-                self.skipped.push(p);
             }
         }
     }
@@ -491,7 +485,6 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
         exact_kick: false,
         sys_fentry,
         typed_bio,
-        skipped: Vec::new(),
     }
 }
 

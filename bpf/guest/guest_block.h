@@ -10,7 +10,7 @@
 #ifndef VIOTRACE_GUEST_BLOCK_H
 #define VIOTRACE_GUEST_BLOCK_H
 
-static __always_inline void emit_rq(struct rq_state *st, __u64 key, bool table);
+static __always_inline void emit_rq(struct rq_state *st, __u64 key);
 
 /* The task a request is attributed to, and the syscall that caused it. */
 static __always_inline void rq_owner(struct rq_state *st, const struct ident *id, __u32 owner_tid,
@@ -137,11 +137,9 @@ __noinline int rq_track_g(__u64 rq)
 	if (live) {
 		if (!live->ev.ts[P_RQ_COMPLETE])
 			return 1;
-		/* the tag was reused: the previous use completed unseen by the emitter
-		 * (rare: its record, so that the programs reaching here need not carry
-		 * the request table's counting, each verified once more per program) */
+		/* the tag was reused: the previous use completed unseen by the emitter */
 		stat_inc(S_RQ_LATE);
-		emit_rq(live, key, false);
+		emit_rq(live, key);
 	}
 	if (!rq_head_read((struct request *)rq, &h))
 		return 0;
@@ -311,9 +309,8 @@ int BPF_PROG(rq_merge, struct request *rq)
 	return 0;
 }
 
-/* Request `key` (state `st`) is done: counted in the kernel (`table`: when
- * the request table is on and can), or its record sent. */
-static __always_inline void emit_rq(struct rq_state *st, __u64 key, bool table)
+/* Request `key` (state `st`) is done: counted in the kernel, or its record sent. */
+static __always_inline void emit_rq(struct rq_state *st, __u64 key)
 {
 	struct vt_rq_event *e;
 
@@ -338,7 +335,7 @@ static __always_inline void emit_rq(struct rq_state *st, __u64 key, bool table)
 			}
 		}
 	}
-	if (table && rq_table_on && rq_tabled_g(key)) {
+	if (rq_table_on && rq_tabled_g(key)) {
 		st->active = 0;
 		return;
 	}
@@ -382,7 +379,7 @@ int BPF_PROG(rq_complete, struct request *rq, int error, unsigned int nr_bytes)
 	 * misses, bpf_runs_lost: this counts what it cost) */
 	if (unseen && st->ev.ts[P_VQ_ADD])
 		stat_inc(S_DRIVER_UNSEEN);
-	emit_rq(st, key, true);
+	emit_rq(st, key);
 	return 0;
 }
 
@@ -398,7 +395,7 @@ static __always_inline void update_done(__u64 key, bool more)
 		return;
 	if (st->ev.bios)
 		st->ev.ts[P_BIO_COMPLETE] = bpf_ktime_get_ns();
-	emit_rq(st, key, true);
+	emit_rq(st, key);
 }
 
 SEC("?fexit/blk_update_request")

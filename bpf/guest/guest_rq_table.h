@@ -113,20 +113,6 @@ static __always_inline __u32 hist_slot_flat(__u64 ns)
 	return (__u32)(((r - 6) << 7) + (ns >> (r - 7)) - 128);
 }
 
-/*
- * A plan's ts[] slot as an index the verifier can bound wherever it is used:
- * masked after a barrier (so the compiler keeps the mask), since a bound
- * checked in one register was lost when the value came back from a spill
- * (6.1). The plan's own check (slot < P_NR) is what makes it right.
- */
-static __always_inline __u32 ts_index(__u8 slot)
-{
-	__u32 x = slot;
-
-	asm volatile("" : "+r"(x));
-	return x & 15;
-}
-
 /* One stage value `v` (ns, < 2^26) into row `row`, in the slot of max(v, 1)
  * as the agent's histograms have it. Global: verified once, on its own. */
 __noinline int rq_count_g(__u32 row, __u64 v)
@@ -195,8 +181,8 @@ __noinline int rq_tabled_g(__u64 rq)
 			continue;	/* past the plan's steps */
 		if (a >= P_NR || b >= P_NR || r > RQ_TABLE_ROWS)
 			return 0;
-		ta = st->ev.ts[ts_index(a)];
-		tb = st->ev.ts[ts_index(b)];
+		ta = st->ev.ts[a];
+		tb = st->ev.ts[b];
 		if (tb > ta && (tb - ta) >> 26)
 			return 0;
 	}
@@ -208,8 +194,8 @@ __noinline int rq_tabled_g(__u64 rq)
 
 		if (!r || a >= P_NR || b >= P_NR)
 			continue;
-		ta = st->ev.ts[ts_index(a)];
-		tb = st->ev.ts[ts_index(b)];
+		ta = st->ev.ts[a];
+		tb = st->ev.ts[b];
 		rq_count_g(r - 1, tb > ta ? tb - ta : 0);
 	}
 	__sync_fetch_and_add(&rq_table_counts[disk & (RQ_TABLE_DISKS - 1)], 1);

@@ -76,57 +76,6 @@ struct rq_row *rq_row_btf;
 /* Requests counted here, per disk index (after their rows; .bss, read by the agent). */
 __u64 rq_table_counts[RQ_TABLE_DISKS];
 
-/* 1 when y != 0, for y < 2^63, without a branch (the barrier keeps the
- * compiler from making it a compare and jump). */
-static __always_inline __u64 nonzero_flat(__u64 y)
-{
-	__u64 m = 0 - y;
-
-	asm volatile("" : "+r"(m));
-	return m >> 63;
-}
-
-/*
- * hist_slot (guest_io_summary.h) without a branch, for 1 <= ns < 2^26: its
- * halving steps' branches, each taken or not, were paths the verifier walked
- * one by one (32 per stage counted). guest-agent/src/rq_table.rs transcribes
- * it for its test against the agent's layout.
- */
-static __always_inline __u32 hist_slot_flat(__u64 ns)
-{
-	__u64 x = ns | 255, r = 0, sh;
-
-	sh = nonzero_flat(x >> 16) << 4;
-	x >>= sh;
-	r |= sh;
-	sh = nonzero_flat(x >> 8) << 3;
-	x >>= sh;
-	r |= sh;
-	sh = nonzero_flat(x >> 4) << 2;
-	x >>= sh;
-	r |= sh;
-	sh = nonzero_flat(x >> 2) << 1;
-	x >>= sh;
-	r |= sh;
-	r |= x >> 1;
-	/* r = floor(log2(ns | 255)) >= 7 */
-	return (__u32)(((r - 6) << 7) + (ns >> (r - 7)) - 128);
-}
-
-/* One stage value `v` (ns, < 2^26) into row `row`, in the slot of max(v, 1)
- * as the agent's histograms have it. Global: verified once, on its own. */
-__noinline int rq_count_g(__u32 row, __u64 v)
-{
-	struct rq_row *w = bpf_map_lookup_elem(&rq_rows, &row);
-	__u32 s = hist_slot_flat(v + 1 - nonzero_flat(v));
-
-	if (!w || s >= RQ_ROW_SLOTS)
-		return 0;
-	__sync_fetch_and_add(&w->slots[s], 1);
-	__sync_fetch_and_add(&w->sum, v);
-	return 1;
-}
-
 /*
  * Counts request `rq`'s stages (its state as it stands): 1 when counted (it
  * then sends no record), 0 when it must send its record. All or nothing: every
@@ -134,69 +83,73 @@ __noinline int rq_count_g(__u32 row, __u64 v)
  */
 __noinline int rq_tabled_g(__u64 rq)
 {
-	__u64 key = rq, disk = 0, found = 0;
+	__u64 key = rq, ns[RQ_PLAN_STEPS];
 	struct rq_state *st = rq_find(&key);
+	__u16 slot[RQ_PLAN_STEPS];
+	__u8 row[RQ_PLAN_STEPS];
 	struct rq_table_disks *d;
-	__u32 zero = 0, mask = 0, pk;
+	__u32 zero = 0, mask = 0, disk, pk, n;
 	struct rq_plan *p;
+	int i;
 
-	if (!st || !st->ev.dev)
+	if (!st)
 		return 0;
 	d = bpf_map_lookup_elem(&rq_table_devs, &zero);
 	if (!d)
 		return 0;
-	/*
-	 * Branch-free, like everything up to the plan: a branch per disk or per
-	 * point made the verifier walk each outcome with its own constants (4096
-	 * masks); the steps below have a fixed count for the same reason.
-	 */
-#pragma unroll
-	for (int k = 0; k < RQ_TABLE_DISKS; k++) {
-		__u64 eq = 1 - nonzero_flat(d->dev[k] ^ st->ev.dev);
-
-		disk += k * eq;
-		found += eq;
+	for (disk = 0; disk < RQ_TABLE_DISKS; disk++) {
+		if (d->dev[disk] == st->ev.dev)
+			break;
 	}
-	if (!found)
+	if (disk >= RQ_TABLE_DISKS || !st->ev.dev)
 		return 0;
-#pragma unroll
-	for (int i = 0; i < P_NR; i++)
-		mask |= (__u32)nonzero_flat(st->ev.ts[i] >> 1 | (st->ev.ts[i] & 1)) << i;
-	pk = (__u32)(disk & (RQ_TABLE_DISKS - 1)) << P_NR | mask;
+	for (i = 0; i < P_NR; i++) {
+		if (st->ev.ts[i])
+			mask |= 1U << i;
+	}
+	pk = disk << P_NR | mask;
 	p = bpf_map_lookup_elem(&rq_plans, &pk);
-	if (!p || !p->n)
+	if (!p)
 		return 0;
-	/*
-	 * Every step checked first (slot < RQ_ROW_SLOTS: the stage under 2^26 ns),
-	 * then counted; each pass reads the plan again and keeps nothing between
-	 * steps (a value kept on the stack made each step's outcomes separate
-	 * paths for the verifier).
-	 */
-#pragma unroll
-	for (int i = 0; i < RQ_PLAN_STEPS; i++) {
-		__u8 a = p->from[i], b = p->to[i], r = p->row[i];
-		__u64 ta, tb;
+	n = p->n;
+	if (!n || n > RQ_PLAN_STEPS)
+		return 0;
+	for (i = 0; i < RQ_PLAN_STEPS; i++) {
+		__u8 a, b, r;
+		__u64 ta, tb, v;
+		__u32 s;
 
-		if (!r)
-			continue;	/* past the plan's steps */
-		if (a >= P_NR || b >= P_NR || r > RQ_TABLE_ROWS)
+		if (i >= n)
+			break;
+		a = p->from[i];
+		b = p->to[i];
+		r = p->row[i];
+		if (a >= P_NR || b >= P_NR || !r || r > RQ_TABLE_ROWS)
 			return 0;
 		ta = st->ev.ts[a];
 		tb = st->ev.ts[b];
-		if (tb > ta && (tb - ta) >> 26)
+		/* a negative stage counts as 0, in the slot of 1 (as the agent's) */
+		v = tb > ta ? tb - ta : 0;
+		s = hist_slot(v ? v : 1);
+		if (s >= RQ_ROW_SLOTS)
 			return 0;
+		ns[i] = v;
+		slot[i] = s;
+		row[i] = r - 1;
 	}
-	/* (a negative stage counts as 0, as the agent's) */
-#pragma unroll
-	for (int i = 0; i < RQ_PLAN_STEPS; i++) {
-		__u8 a = p->from[i], b = p->to[i], r = p->row[i];
-		__u64 ta, tb;
+	for (i = 0; i < RQ_PLAN_STEPS; i++) {
+		struct rq_row *w;
+		__u32 r, s;
 
-		if (!r || a >= P_NR || b >= P_NR)
+		if (i >= n)
+			break;
+		r = row[i];
+		s = slot[i];
+		w = bpf_map_lookup_elem(&rq_rows, &r);
+		if (!w || s >= RQ_ROW_SLOTS)
 			continue;
-		ta = st->ev.ts[a];
-		tb = st->ev.ts[b];
-		rq_count_g(r - 1, tb > ta ? tb - ta : 0);
+		__sync_fetch_and_add(&w->slots[s], 1);
+		__sync_fetch_and_add(&w->sum, ns[i]);
 	}
 	__sync_fetch_and_add(&rq_table_counts[disk & (RQ_TABLE_DISKS - 1)], 1);
 	return 1;

@@ -184,33 +184,3 @@ fn take_hands_on_what_each_row_gained() {
     let (_, g) = t.take(&[6, 1, 0, 0], |_| Some(vec![0; 8]));
     assert!(g.is_empty());
 }
-
-/// `hist_slot_flat` of bpf/guest/guest_rq_table.h, step by step, with its
-/// caller's `v + 1 - nonzero_flat(v)` (0 counts in the slot of 1).
-fn bpf_slot_flat(v: u64) -> usize {
-    let nonzero = |y: u64| 0u64.wrapping_sub(y) >> 63;
-    let ns = v + 1 - nonzero(v);
-    let (mut x, mut r) = (ns | 255, 0u64);
-    for k in [16, 8, 4, 2] {
-        let sh = nonzero(x >> k) * k;
-        x >>= sh;
-        r |= sh;
-    }
-    r |= x >> 1;
-    (((r - 6) << 7) + (ns >> (r - 7)) - 128) as usize
-}
-
-#[test]
-fn the_flat_bpf_slot_is_the_agents_below_2_pow_26() {
-    use viotrace_shared::stats::hist_slot;
-    assert_eq!(bpf_slot_flat(0), hist_slot(1));
-    for e in 0..26u32 {
-        let v = 1u64 << e;
-        for x in [v, v + 1, v + v / 3, (v << 1) - 1] {
-            assert_eq!(bpf_slot_flat(x), hist_slot(x), "{x}");
-        }
-    }
-    // The kernel sends a request with a longer stage as a record instead.
-    assert!(bpf_slot_flat((1 << 26) - 1) < row_slots());
-    assert!(hist_slot(1 << 26) >= row_slots());
-}

@@ -10,7 +10,7 @@
 #ifndef VIOTRACE_GUEST_BLOCK_H
 #define VIOTRACE_GUEST_BLOCK_H
 
-static __always_inline void emit_rq(struct rq_state *st, __u64 key);
+static __always_inline void emit_rq(struct rq_state *st);
 
 /* The task a request is attributed to, and the syscall that caused it. */
 static __always_inline void rq_owner(struct rq_state *st, const struct ident *id, __u32 owner_tid,
@@ -139,7 +139,7 @@ __noinline int rq_track_g(__u64 rq)
 			return 1;
 		/* the tag was reused: the previous use completed unseen by the emitter */
 		stat_inc(S_RQ_LATE);
-		emit_rq(live, key);
+		emit_rq(live);
 	}
 	if (!rq_head_read((struct request *)rq, &h))
 		return 0;
@@ -309,8 +309,7 @@ int BPF_PROG(rq_merge, struct request *rq)
 	return 0;
 }
 
-/* Request `key` (state `st`) is done: counted in the kernel, or its record sent. */
-static __always_inline void emit_rq(struct rq_state *st, __u64 key)
+static __always_inline void emit_rq(struct rq_state *st)
 {
 	struct vt_rq_event *e;
 
@@ -334,10 +333,6 @@ static __always_inline void emit_rq(struct rq_state *st, __u64 key)
 				stat_inc(S_KICK_AFTER_DONE);
 			}
 		}
-	}
-	if (rq_table_on && rq_tabled_g(key)) {
-		st->active = 0;
-		return;
 	}
 	/*
 	 * The record is the state's event as it stands, copied by the program (8-byte
@@ -379,7 +374,7 @@ int BPF_PROG(rq_complete, struct request *rq, int error, unsigned int nr_bytes)
 	 * misses, bpf_runs_lost: this counts what it cost) */
 	if (unseen && st->ev.ts[P_VQ_ADD])
 		stat_inc(S_DRIVER_UNSEEN);
-	emit_rq(st, key);
+	emit_rq(st);
 	return 0;
 }
 
@@ -395,7 +390,7 @@ static __always_inline void update_done(__u64 key, bool more)
 		return;
 	if (st->ev.bios)
 		st->ev.ts[P_BIO_COMPLETE] = bpf_ktime_get_ns();
-	emit_rq(st, key);
+	emit_rq(st);
 }
 
 SEC("?fexit/blk_update_request")

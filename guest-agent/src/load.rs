@@ -212,7 +212,6 @@ fn set_config(open: &mut OpenViotraceGuestSkel<'_>, f: &Filters, p: &Plan) -> Re
     }
     ro.filter_cgroup = f.cgroup;
     ro.io_detail_ns = f.io_detail_ns;
-    ro.rq_table_on = u8::from(f.rq_table);
     if let Some((maj, min)) = f.disk {
         ro.filter_disk_on = 1;
         ro.filter_disk_major = maj;

@@ -14,7 +14,6 @@ mod load;
 mod plan;
 mod probe;
 mod raw;
-mod rq_table;
 mod sink;
 
 use std::cell::RefCell;
@@ -98,12 +97,6 @@ struct Cli {
     /// runs for every syscall, but no trampoline does (see docs/PERFORMANCE.md).
     #[arg(long)]
     syscall_tracepoints: bool,
-    /// Always-on with only the tables reading requests (no --connect, --json,
-    /// --capture or -t), the kernel counts each request's stages itself and
-    /// sends no record (a record only for what it cannot count yet). This sends
-    /// every request's record instead, as the other modes do (for comparison).
-    #[arg(long)]
-    rq_records: bool,
     /// Create this file once every probe is attached.
     #[arg(long, value_name = "PATH")]
     ready_file: Option<PathBuf>,
@@ -332,8 +325,6 @@ pub(crate) struct Filters {
     io_detail_ns: u64,
     /// Points whose programs are left out (`--skip-points`).
     skip_points: Vec<viotrace_shared::record::Point>,
-    /// The kernel counts requests for the tables (no record readers).
-    rq_table: bool,
 }
 
 fn resolve_filters(cli: &Cli) -> Result<Filters> {
@@ -353,7 +344,6 @@ fn resolve_filters(cli: &Cli) -> Result<Filters> {
         } else {
             u64::MAX
         },
-        rq_table: tables_only(cli) && !cli.rq_records,
         ..Default::default()
     };
     if let Some(c) = &cli.comm {
@@ -439,59 +429,6 @@ fn take_io_hist(run: &load::Running, h: &mut io_hist::IoHist, sink: &mut Sink) {
     }
 }
 
-/// Only the tables read request records: no JSON, capture, uplink or waterfalls.
-fn tables_only(cli: &Cli) -> bool {
-    !cli.json && cli.capture.is_none() && cli.connect.is_none() && cli.threshold.is_none()
-}
-
-/// Sets up the kernel's request table for a request record of disk `dev`
-/// (named `disk`) whose `ts[]` had mask `mask` (the kernel could not count it); a failed
-/// write leaves such requests sending records (said once).
-fn rq_table_learn(
-    run: &load::Running,
-    t: &mut rq_table::RqTable,
-    dev: u32,
-    mask: u32,
-    disk: String,
-) {
-    let maps = &run.skel.maps;
-    for w in t.learn(dev, mask, disk) {
-        let r = match &w {
-            rq_table::Write::Disks(v) => {
-                maps.rq_table_devs
-                    .update(&0u32.to_ne_bytes(), v, MapFlags::ANY)
-            }
-            rq_table::Write::Plan { key, value } => {
-                maps.rq_plans
-                    .update(&key.to_ne_bytes(), value, MapFlags::ANY)
-            }
-        };
-        if let Err(e) = r {
-            t.refused += 1;
-            if t.refused == 1 {
-                eprintln!("viotrace-guest: setting up the kernel's request table: {e}");
-            }
-        }
-    }
-}
-
-/// The requests the kernel counted since the last call, into the sink's
-/// request table; returns how many it counted in all.
-fn take_rq_table(run: &load::Running, t: &mut rq_table::RqTable, sink: &mut Sink) -> u64 {
-    let maps = &run.skel.maps;
-    let Some(bss) = maps.bss_data.as_deref() else {
-        return 0;
-    };
-    let (n, gains) = t.take(&bss.rq_table_counts, |r| {
-        maps.rq_rows
-            .lookup(&r.to_ne_bytes(), MapFlags::ANY)
-            .ok()
-            .flatten()
-    });
-    sink.rq_summary(n, &gains);
-    t.summarized
-}
-
 fn bpf_stats(skel: &ViotraceGuestSkel<'_>) -> Vec<(&'static str, u64)> {
     raw::STAT_NAMES
         .iter()
@@ -522,7 +459,6 @@ fn main() -> Result<()> {
         return decode(file);
     }
     let filters = resolve_filters(&cli)?;
-    let filters_rq_table = filters.rq_table;
     let capture = cli
         .capture
         .as_deref()
@@ -604,6 +540,7 @@ fn main() -> Result<()> {
         }
         None => None,
     };
+    let no_capture = capture.is_none();
     let sink = RefCell::new(Sink::new(
         cli.json,
         cli.threshold,
@@ -618,24 +555,12 @@ fn main() -> Result<()> {
     }
     let mut decoder = raw::Decoder::new();
     decoder.off_cpu = run.off_cpu;
-    decoder.tables_only = tables_only(&cli);
-    decoder.keep_masks = filters_rq_table;
-    let table = RefCell::new(rq_table::RqTable::new(&raw::point_slots()));
+    decoder.tables_only =
+        !cli.json && no_capture && cli.connect.is_none() && cli.threshold.is_none();
     let mut rb = RingBufferBuilder::new();
     rb.add(&run.skel.maps.events, |data: &[u8]| {
         match decoder.decode(data) {
-            Ok(rec) => {
-                // (in table mode a request record is one the kernel could not count)
-                let learn = match &rec {
-                    raw::Record::Rq(r) if filters_rq_table => Some(r.disk.to_string()),
-                    _ => None,
-                };
-                sink.borrow_mut().handle(rec);
-                if let Some(disk) = learn {
-                    let (dev, mask) = decoder.last_rq;
-                    rq_table_learn(&run, &mut table.borrow_mut(), dev, mask, disk);
-                }
-            }
+            Ok(rec) => sink.borrow_mut().handle(rec),
             Err(e) => sink.borrow_mut().bad_record(&e),
         }
         0
@@ -664,7 +589,6 @@ fn main() -> Result<()> {
         if now >= next_table {
             let stats = read_stats(&run);
             take_io_hist(&run, &mut hist, &mut s);
-            take_rq_table(&run, &mut table.borrow_mut(), &mut s);
             s.interval_table(started.elapsed());
             s.send_counters(&stats);
             next_table = now + cli.interval;
@@ -680,12 +604,7 @@ fn main() -> Result<()> {
     let mut s = sink.borrow_mut();
     let mut stats = read_stats(&run);
     take_io_hist(&run, &mut hist, &mut s);
-    let summarized = take_rq_table(&run, &mut table.borrow_mut(), &mut s);
     stats.push(("io_hist_reread", hist.batch_short));
-    if filters_rq_table {
-        stats.push(("rq_summarized", summarized));
-        stats.push(("rq_table_refused", table.borrow().refused));
-    }
     stats.extend(s.verdict_counters());
     s.close_uplink(&mut stats);
     s.close_capture(&mut stats);

@@ -167,12 +167,6 @@ pub struct Decoder {
     /// threshold): a request record's wall-clock time and task name, which
     /// nothing else reads, are not decoded (`time` stays `None`, `comm` empty).
     pub tables_only: bool,
-    /// Keep each request record's disk and `ts[]` mask (`last_rq`), for the
-    /// kernel's request table to learn from (rq_table.rs).
-    pub keep_masks: bool,
-    /// The last request record's dev_t and `ts[]` mask (bit i: ts[i] set),
-    /// when `keep_masks`.
-    pub last_rq: (u32, u32),
     disks: HashMap<u32, Name>,
     /// The last disk named (records come in runs of one disk).
     last_disk: Option<(u32, Name)>,
@@ -189,7 +183,7 @@ pub struct Decoder {
 }
 
 /// The point of each slot of the C side's `ts[]` array, matched by name.
-pub(crate) fn point_slots() -> Vec<Option<Point>> {
+fn point_slots() -> Vec<Option<Point>> {
     let mut v = vec![None; C_POINTS.iter().map(|e| e.0 + 1).max().unwrap_or(0)];
     for &(slot, name) in &C_POINTS {
         v[slot] = Point::from_name(name);
@@ -208,8 +202,6 @@ impl Decoder {
         Decoder {
             off_cpu: false,
             tables_only: false,
-            keep_masks: false,
-            last_rq: (0, 0),
             disks: HashMap::new(),
             last_disk: None,
             slots: SlotMap::new(&point_slots()),
@@ -291,10 +283,6 @@ impl Decoder {
         // (filled where it stays: a set built aside is 176 bytes to copy)
         self.rq.ts = Points::new();
         self.rq.ts.set_nonzero_from(&self.slots, &r.ts);
-        if self.keep_masks {
-            let mask = r.ts.iter().enumerate().filter(|e| *e.1 != 0);
-            self.last_rq = (r.dev, mask.fold(0, |m, (i, _)| m | 1 << i));
-        }
         if self.rq_dev != Some(r.dev) {
             self.rq.disk = self.disk_name(r.dev);
             self.rq_dev = Some(r.dev);
@@ -489,14 +477,6 @@ mod tests {
         };
         assert!(r.time.is_some());
         assert_eq!(r.comm, "fio");
-        // The disk and ts[] mask, when asked: g.bio_queue, g.rq_issue, g.vq_add, g.rq_complete.
-        assert_eq!(d.last_rq, (0, 0));
-        d.keep_masks = true;
-        d.decode(&raw_rq()).unwrap();
-        assert_eq!(
-            d.last_rq,
-            (253 << 20 | 16, 1 << 1 | 1 << 4 | 1 << 5 | 1 << 9)
-        );
     }
 
     #[test]

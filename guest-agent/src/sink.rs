@@ -236,17 +236,6 @@ impl Sink {
             .record_slots(SYSCALL_LABEL, &name, &g.slots, g.sum_ns);
     }
 
-    /// Requests the kernel counted (no record): `n` of them, their stages
-    /// by row into the request table, as their records' would go.
-    pub fn rq_summary(&mut self, n: u64, gains: &[crate::rq_table::Gain]) {
-        self.rqs += n;
-        self.interval_records += n;
-        for g in gains {
-            self.interval
-                .record_slots(&g.disk, g.stage, &g.slots, g.sum_ns);
-        }
-    }
-
     fn on_rq(&mut self, r: &GuestRq) {
         self.rqs += 1;
         if self.json {

@@ -334,21 +334,6 @@ pub fn visit_stages(
     (total_ns, Some(at(ends.first)))
 }
 
-/// What the statistics count for every point set with the points of `ts`
-/// ([`crate::stats::Aggregator::record_points`]): each stage of the
-/// partition, then the total, as (stage name, start point, end point), in
-/// path order. For code that counts stages elsewhere (the guest kernel's
-/// request table) and must count exactly these.
-pub fn counted_stages(ts: &Points) -> Vec<(&'static str, Point, Point)> {
-    let pt = |slot: u8| Point::ALL[usize::from(slot)];
-    let mut v = Vec::new();
-    let ends = stage_slots(ts.mask(), |id, a, b| v.push((id.name(), pt(a), pt(b))));
-    if let Some((a, b)) = ends.and_then(|e| e.total) {
-        v.push((StageId::TOTAL.name(), pt(a), pt(b)));
-    }
-    v
-}
-
 /// At most this many stages in one set of points (one per pair of
 /// consecutive anchors).
 pub(crate) const MAX_SPANS: usize = ANCHORS.len() - 1;
@@ -655,64 +640,6 @@ mod tests {
                 assert_eq!((b.total_ns, b.start_ns), (total, start));
             }
         }
-    }
-
-    #[test]
-    fn counted_stages_are_what_the_statistics_record() {
-        use crate::stats::Aggregator;
-        let sets = [
-            pts(&[
-                (Point::SyscallEnter, 100),
-                (Point::BioQueue, 150),
-                (Point::RqInsert, 160),
-                (Point::RqIssue, 300),
-                (Point::VqAdd, 320),
-                (Point::Kick, 350),
-                (Point::Irq, 900),
-                (Point::DriverComplete, 950),
-                (Point::RqComplete, 1000),
-                (Point::BioComplete, 1100),
-            ]),
-            pts(&[
-                (Point::RqInsert, 5),
-                (Point::VqAdd, 70),
-                (Point::DriverComplete, 400),
-            ]),
-            pts(&[(Point::RqIssue, 10)]),
-        ];
-        for ts in &sets {
-            let mut direct = Aggregator::new();
-            direct.record_points("d", ts);
-            let mut counted = Aggregator::new();
-            for (name, a, b) in counted_stages(ts) {
-                let ns = ts.get(b).unwrap().saturating_sub(ts.get(a).unwrap());
-                counted.record("d", name, ns);
-            }
-            let key = |a: &Aggregator| {
-                let mut v: Vec<_> = a
-                    .summaries()
-                    .into_iter()
-                    .map(|s| format!("{s:?}"))
-                    .collect();
-                v.sort();
-                v
-            };
-            assert_eq!(key(&direct), key(&counted), "{ts:?}");
-        }
-        // The full guest path: five stages and the total, g.driver_complete
-        // and g.bio_complete standing in for nothing.
-        let names: Vec<_> = counted_stages(&sets[0]).iter().map(|s| s.0).collect();
-        assert_eq!(
-            names,
-            [
-                "guest_fs",
-                "guest_queue",
-                "guest_driver",
-                "device",
-                "guest_complete",
-                "total"
-            ]
-        );
     }
 
     #[test]

@@ -444,25 +444,8 @@ fn check_always_on(name: &str, kernel: GuestKernel) {
         counter(&log, "io_hist_full") + counter(&log, "io_hist_reread"),
         0
     );
-    // fio's requests on vdb are all still in the request table, every stage
-    // of each, though the kernel counted most of them itself: a request sends
-    // its record only until the agent has learned its disk and set of points
-    // from such a record (it reads them every 100 ms; fio's 600 take ~2 s).
-    let vdb = totals_rows(&log, "vdb");
-    assert_eq!(vdb.get("total"), Some(&600), "{log}");
-    for stage in [
-        "guest_fs",
-        "guest_queue",
-        "guest_driver",
-        "device",
-        "guest_complete",
-    ] {
-        assert_eq!(vdb.get(stage), Some(&600), "{stage}: {vdb:?}");
-    }
-    let (counted, sent) = (counter(&log, "rq_summarized"), counter(&log, "rq_emitted"));
-    assert_eq!(counted + sent, 600, "{log}");
-    assert!(counted >= 300, "{counted} counted, {sent} sent\n{log}");
-    assert_eq!(counter(&log, "rq_table_refused"), 0, "{log}");
+    // fio's requests on vdb are all still in the request table.
+    assert_eq!(totals_rows(&log, "vdb").get("total"), Some(&600), "{log}");
 }
 
 #[test]

@@ -538,9 +538,10 @@ pub fn report(
     let is_live = |c: &HookChoice| {
         let progs = c.programs();
         let own = !progs.is_empty() && progs.iter().all(|p| live.contains(*p));
-        own || (c.hook.target == "vring_interrupt"
-            && c.flavour.is_some()
-            && live.contains("irq_entry"))
+        // irq_handler_entry stands in for vring_interrupt's kprobe, also when
+        // the kernel refused that kprobe (irq_entry is planned only for a
+        // kprobe-mode vring_interrupt not left out).
+        own || (c.hook.target == "vring_interrupt" && live.contains("irq_entry"))
     };
     let satisfied = |target: &str| {
         plan.choice(target)

@@ -237,6 +237,29 @@ fn linux_7_2_kprobe_mode_takes_submit_req_and_the_irq_tracepoint() {
 }
 
 #[test]
+fn a_refused_vring_interrupt_kprobe_leaves_g_irq_to_the_irq_tracepoint() {
+    let f = k7_2();
+    let mut p = plan(Mode::Kprobe, &f);
+    p.drop_program("kp_vring_interrupt");
+    let progs = p.programs();
+    assert!(!progs.contains("kp_vring_interrupt") && progs.contains("irq_entry"));
+    // irq_entry still stamps g.irq into the records: the report says so.
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert!(r.blind_points.is_empty() && r.blind.is_empty(), "{r:?}");
+    // Without irq_entry too, g.irq is blind, with the refusal as the reason.
+    let mut live = all_live(&p);
+    live.remove("irq_entry");
+    let r = report(&p, &f, &live, &BTreeMap::new());
+    assert_eq!(r.blind_points, [Point::Irq]);
+    assert!(
+        r.blind
+            .iter()
+            .any(|l| l.contains("kp_vring_interrupt refused")),
+        "{r:?}"
+    );
+}
+
+#[test]
 fn a_failed_program_blinds_exactly_the_points_that_depend_on_it() {
     let f = k7_2();
     let p = plan(Mode::Fentry, &f);

@@ -354,6 +354,13 @@ impl Run<'_> {
             con.mono.1 = mono_at(t);
             con.samples.1 = sample(con.host_agent_pid);
             con.threads.1 = threads(con);
+            // (kept as the guest agent's is: the tests read its THP setting)
+            if let Some(p) = con.host_agent_pid {
+                let _ = fs::copy(
+                    format!("/proc/{p}/status"),
+                    self.out.join("host-agent.end.status"),
+                );
+            }
             con.rc = r.1.trim().strip_prefix("rc=").and_then(|x| x.parse().ok());
         } else if line.contains(MARK_HOST_RESTART) {
             if let (Some(hb), Some(mut h)) = (host_bin, con.host_agent.take()) {

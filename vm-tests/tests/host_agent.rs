@@ -310,6 +310,9 @@ fn agent_started_before_qemu_discovers_it() {
         "peak {peak_kib} KiB, the lab's {} KiB",
         lab.peak_rss_kib
     );
+    // No transparent huge page can inflate it (khugepaged collapsing the heap).
+    let status = std::fs::read_to_string(r.path("host-agent.end.status")).unwrap();
+    assert!(status.contains("THP_enabled:\t0"), "{status}");
     let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default()
         + &std::fs::read_to_string(r.path("host.jsonl")).unwrap_or_default();
     assert!(

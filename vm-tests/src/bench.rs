@@ -57,8 +57,9 @@ pub const JOBS: &[Job] = &[
 /// record to a file, rendered as JSON after the run) and with live JSON lines (`json`:
 /// `--json`, every record as JSON as it comes), the host agent, both joined, both agents
 /// unjoined (`apart`: not in the default set; what joining adds), the guest agent without
-/// its four costliest optional points (`lean`: `--skip-points lean`) alone and joined
-/// (`lean-both`), and the anchor: a biolatency-style bpftrace script in the guest.
+/// its four costliest optional points (`lean`: `--skip-points lean`) alone, joined
+/// (`lean-both`) and capturing (`lean-capture`), and the anchor: a biolatency-style
+/// bpftrace script in the guest.
 pub const CONDITIONS: &[&str] = &[
     "none",
     "guest",
@@ -69,6 +70,7 @@ pub const CONDITIONS: &[&str] = &[
     "apart",
     "lean",
     "lean-both",
+    "lean-capture",
     "bpftrace",
 ];
 
@@ -90,7 +92,7 @@ tracepoint:block:block_rq_complete /@s[args->dev, args->sector]/ { \
 
 fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> VmConfig {
     let agents = match cond {
-        "guest" | "capture" | "json" | "lean" => Agents::Guest,
+        "guest" | "capture" | "json" | "lean" | "lean-capture" => Agents::Guest,
         "host" => Agents::Host,
         "both" | "lean-both" => Agents::Both,
         "apart" => Agents::Apart,
@@ -103,7 +105,7 @@ fn condition_vm(cond: &str, base: &VmConfig, bpf_stats: bool, runtime: u32) -> V
         // bpftrace needs room; every condition gets the same memory.
         memory_mib: base.memory_mib.max(2048),
         guest_json: base.guest_json || cond == "json",
-        guest_capture: cond == "capture",
+        guest_capture: cond.ends_with("capture"),
         // (the bench reads the capture itself: its JSON is not needed)
         decode_capture: false,
         // (the host agent's user/kernel split, sampled in the accounting pass: see

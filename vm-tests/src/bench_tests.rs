@@ -209,12 +209,13 @@ fn capture_writes_the_binary_capture_and_json_the_live_lines() {
     assert_eq!(out("apart"), (Agents::Apart, false, false));
     assert_eq!(out("lean"), (Agents::Guest, false, false));
     assert_eq!(out("lean-both"), (Agents::Both, false, false));
+    assert_eq!(out("lean-capture"), (Agents::Guest, false, true));
     // the lean conditions add their points to the base's guest arguments
     let base = VmConfig {
         guest_args: "-c fio".into(),
         ..base
     };
-    for c in ["lean", "lean-both"] {
+    for c in ["lean", "lean-both", "lean-capture"] {
         assert_eq!(
             condition_vm(c, &base, false, 3).guest_args,
             "-c fio --skip-points lean"

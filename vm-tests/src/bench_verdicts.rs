@@ -109,6 +109,7 @@ pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
             ("guest", MAX_BPF_X_ALWAYS_ON),
             ("capture", MAX_BPF_X_CAPTURE),
             ("lean", MAX_BPF_X_ALWAYS_ON),
+            ("lean-capture", MAX_BPF_X_CAPTURE),
         ] {
             if let Some(x) = bpf(cond) {
                 let value = x / anchor;
@@ -132,6 +133,7 @@ pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
         ("both", BOTH_IOPS_MARGIN),
         ("lean", GUEST_IOPS_MARGIN),
         ("lean-both", BOTH_IOPS_MARGIN),
+        ("lean-capture", GUEST_IOPS_MARGIN),
         ("host", 0.0),
     ] {
         for j in JOBS {

@@ -62,9 +62,9 @@ enum Cmd {
         #[arg(long)]
         bpf_stats: bool,
         /// Conditions to alternate (none, guest, capture, json, host, both, apart, lean,
-        /// lean-both, bpftrace; capture = the guest agent with --capture, json = with
-        /// --json, apart = both agents not joined, lean = the guest agent with
-        /// --skip-points lean, alone and joined).
+        /// lean-both, lean-capture, bpftrace; capture = the guest agent with --capture,
+        /// json = with --json, apart = both agents not joined, lean = the guest agent
+        /// with --skip-points lean, alone, joined and capturing).
         #[arg(
             long,
             value_delimiter = ',',

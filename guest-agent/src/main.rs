@@ -206,22 +206,7 @@ fn load_over_btf(
         drop(run);
         in_vain += t0.elapsed();
         again += 1;
-        // (names that cannot be read make no part: a whole copy then, as
-        // after the last remake, rather than the kernel's own file)
-        let (want, why) = if again > remakes {
-            (
-                None,
-                format!("the part made again {remakes} times already, --btf-remakes"),
-            )
-        } else {
-            match btf_names(false) {
-                Some(w) => (Some(w), String::new()),
-                None => (
-                    None,
-                    "the names the agent needs could not be read".to_string(),
-                ),
-            }
-        };
+        let (want, why) = remake_from(again, remakes, || btf_names(false));
         let remade = guard.remake(want.as_ref()).map(|c| match c {
             btf_file::BtfCopy::Whole(None) => btf_file::BtfCopy::Whole(Some(why)),
             c => c,
@@ -249,6 +234,30 @@ fn load_over_btf(
                 ));
             }
         }
+    }
+}
+
+/// What the BTF is made again from after `again` loads in vain: the names to
+/// keep (a part), or none (a whole copy) with the reason: past `remakes`, or
+/// when the names cannot be read (a whole copy then, as after the last remake,
+/// rather than the kernel's own file).
+fn remake_from(
+    again: u64,
+    remakes: u64,
+    names: impl FnOnce() -> Option<std::collections::HashSet<String>>,
+) -> (Option<std::collections::HashSet<String>>, String) {
+    if again > remakes {
+        return (
+            None,
+            format!("the part made again {remakes} times already, --btf-remakes"),
+        );
+    }
+    match names() {
+        Some(w) => (Some(w), String::new()),
+        None => (
+            None,
+            "the names the agent needs could not be read".to_string(),
+        ),
     }
 }
 
@@ -622,4 +631,23 @@ fn main() -> Result<()> {
     let r = s.finish(started.elapsed(), &stats);
     s.say(&format!("viotrace-guest: {}\n", cost.line("request")));
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::remake_from;
+
+    #[test]
+    fn a_remake_keeps_the_names_or_says_why_it_copies_the_whole() {
+        let names = || Some(["task_struct".to_string()].into_iter().collect());
+        // Within --btf-remakes: a part with the names the agent reads.
+        let (want, why) = remake_from(2, 3, names);
+        assert!(want.is_some_and(|w| w.contains("task_struct")) && why.is_empty());
+        // Names that cannot be read: a whole copy, and the reason.
+        let (want, why) = remake_from(1, 3, || None);
+        assert!(want.is_none() && why.contains("could not be read"), "{why}");
+        // Past --btf-remakes: a whole copy without reading the names again.
+        let (want, why) = remake_from(4, 3, || panic!("names read past the remakes"));
+        assert!(want.is_none() && why.contains("--btf-remakes"), "{why}");
+    }
 }

@@ -8,7 +8,7 @@
 //! - [`HELLO`] (first, once): the writer's [`Hello`] (postcard), as the uplink
 //!   sends it; its `protocol_version` is the records' encoding;
 //! - [`RECORDS`]: a varint count, then that many records as
-//!   [`encode_record_into`] encodes them;
+//!   [`encode_record_into`](crate::proto::encode_record_into) encodes them;
 //! - [`END`] (last, once): the writer's final `"kind":"stats"` JSON line.
 //!
 //! A file without its `END` chunk is a capture that did not finish (the agent
@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use thiserror::Error;
 
 use crate::proto::{
-    encode_record_into, GuestRecord, GuestRecordRef, Hello, ProtoError, PROTOCOL_VERSION,
+    encode_record_append, GuestRecord, GuestRecordRef, Hello, ProtoError, PROTOCOL_VERSION,
 };
 use crate::varint;
 
@@ -85,7 +85,6 @@ pub struct CaptureWriter<W: Write> {
     /// The open chunk's encoded records.
     pending: Vec<u8>,
     pending_count: u64,
-    scratch: Vec<u8>,
     /// Records in chunks written.
     pub written: u64,
     /// Records that could not be encoded or written.
@@ -104,7 +103,6 @@ impl<W: Write> CaptureWriter<W> {
             out,
             pending: Vec::with_capacity(CHUNK_BYTES + 1024),
             pending_count: 0,
-            scratch: Vec::with_capacity(256),
             written: 0,
             lost: 0,
             failed: None,
@@ -117,12 +115,12 @@ impl<W: Write> CaptureWriter<W> {
             self.lost += 1;
             return;
         }
-        if let Err(e) = encode_record_into(&rec, &mut self.scratch) {
+        // (encoded where it goes, the open chunk: untouched on an error)
+        if let Err(e) = encode_record_append(&rec, &mut self.pending) {
             self.lost += 1;
             self.failed.get_or_insert_with(|| e.to_string());
             return;
         }
-        self.pending.extend_from_slice(&self.scratch);
         self.pending_count += 1;
         if self.pending.len() >= CHUNK_BYTES {
             self.write_pending();

@@ -561,6 +561,13 @@ pub fn encode_record(rec: &GuestRecord) -> Result<Vec<u8>, ProtoError> {
 /// its allocation is reused).
 pub fn encode_record_into(rec: &GuestRecordRef<'_>, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
     buf.clear();
+    encode_record_append(rec, buf)
+}
+
+/// [`encode_record_into`]'s bytes appended to `buf` (a capture's open chunk:
+/// no copy from a scratch buffer); on an error `buf` is as it was.
+pub fn encode_record_append(rec: &GuestRecordRef<'_>, buf: &mut Vec<u8>) -> Result<(), ProtoError> {
+    let start = buf.len();
     // Room for a usual record from the start: growing the vector while
     // encoding reallocated it several times per record.
     buf.reserve(ENCODED_GUESS);
@@ -570,24 +577,29 @@ pub fn encode_record_into(rec: &GuestRecordRef<'_>, buf: &mut Vec<u8>) -> Result
         GuestRecordRef::Rq(r) => {
             buf.extend_from_slice(&[0, 0]);
             rq::encode(r, buf);
-            let n = buf.len() - 2;
+            let n = buf.len() - start - 2;
             if n < 0x80 {
-                buf[1] = n as u8;
+                buf[start + 1] = n as u8;
             } else {
                 let mut len = [0u8; varint::MAX_LEN];
                 let k = varint::put(&mut len, 0, n as u64);
-                buf.splice(1..2, len[..k].iter().copied());
+                buf.splice(start + 1..start + 2, len[..k].iter().copied());
             }
         }
         // (postcard's variant tag, then the record as postcard writes it)
         GuestRecordRef::Io(io) => {
             buf.push(1);
-            io_wire::encode(io, buf).map_err(ProtoError::Encode)?;
+            if let Err(e) = io_wire::encode(io, buf) {
+                buf.truncate(start);
+                return Err(ProtoError::Encode(e));
+            }
         }
     }
-    if buf.len() + BATCH_OVERHEAD > MAX_FRAME {
+    let len = buf.len() - start;
+    if len + BATCH_OVERHEAD > MAX_FRAME {
+        buf.truncate(start);
         return Err(ProtoError::Oversized {
-            len: buf.len(),
+            len,
             max: MAX_FRAME - BATCH_OVERHEAD,
         });
     }

@@ -313,7 +313,21 @@ fn records_encode_the_same_by_reference() {
         let mut buf = vec![0xff; 7];
         encode_record_into(&rec.borrowed(), &mut buf).unwrap();
         assert_eq!(buf, want);
+        // appended after other bytes, which stay (a capture's open chunk)
+        let mut buf = vec![0xee; 5];
+        encode_record_append(&rec.borrowed(), &mut buf).unwrap();
+        assert_eq!(&buf[..5], &[0xee; 5]);
+        assert_eq!(&buf[5..], &want[..]);
     }
+    // A record too large for any frame leaves what was there untouched.
+    let mut huge = rq(5);
+    huge.comm = "c".repeat(MAX_FRAME).into();
+    let mut buf = vec![0xdd; 3];
+    assert!(matches!(
+        encode_record_append(&GuestRecord::Rq(huge).borrowed(), &mut buf),
+        Err(ProtoError::Oversized { .. })
+    ));
+    assert_eq!(buf, [0xdd; 3]);
 }
 
 #[test]

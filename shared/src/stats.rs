@@ -211,6 +211,9 @@ struct LabelStats {
     by_id: [u16; STAGE_IDS],
     /// The stages of the masks recorded last (direct-mapped by mask).
     plans: [Option<MaskPlan>; MASK_PLANS],
+    /// The position of the stage last found by name (checked before use: a
+    /// label's named stages, its syscalls, come in runs).
+    last_named: usize,
 }
 
 impl Default for LabelStats {
@@ -219,6 +222,7 @@ impl Default for LabelStats {
             stages: Vec::new(),
             by_id: [0; STAGE_IDS],
             plans: [None; MASK_PLANS],
+            last_named: 0,
         }
     }
 }
@@ -300,17 +304,25 @@ impl LabelStats {
 
     /// Index of stage `name` (added if new).
     fn index_of_name(&mut self, name: &str) -> usize {
-        if let Some(id) = StageId::of_name(name) {
-            return self.index_of_id(id);
+        // (stage names are unique here: a hit is the stage, whatever kind)
+        if self
+            .stages
+            .get(self.last_named)
+            .is_some_and(|(s, _)| s == name)
+        {
+            return self.last_named;
         }
-        match self.stages.iter().position(|(s, _)| s == name) {
-            Some(i) => i,
-            None => {
-                self.stages
-                    .push((Cow::Owned(name.to_owned()), StageHist::new()));
-                self.stages.len() - 1
-            }
-        }
+        let i = if let Some(id) = StageId::of_name(name) {
+            self.index_of_id(id)
+        } else if let Some(i) = self.stages.iter().position(|(s, _)| s == name) {
+            i
+        } else {
+            self.stages
+                .push((Cow::Owned(name.to_owned()), StageHist::new()));
+            self.stages.len() - 1
+        };
+        self.last_named = i;
+        i
     }
 
     /// Records one value of a record's stage `id` (a negative cross-clock
@@ -333,9 +345,11 @@ pub struct Aggregator {
     /// Sorted by label: one binary search finds a record's label (an agent
     /// has a few), without the map's second lookup to insert.
     labels: Vec<(String, LabelStats)>,
-    /// The index of the label used last (checked before use: records come
-    /// in runs of one label, and the check is cheaper than the search).
-    last: usize,
+    /// The indexes of the two labels used last, the latest first (checked
+    /// before use: records come in runs of one label, or alternate between
+    /// two, a disk's requests and the syscalls that made them; the check is
+    /// cheaper than the search).
+    last: [usize; 2],
 }
 
 impl Aggregator {
@@ -349,18 +363,25 @@ impl Aggregator {
     }
 
     fn label_mut(&mut self, label: &str) -> &mut LabelStats {
-        if self.labels.get(self.last).is_some_and(|(l, _)| l == label) {
-            return &mut self.labels[self.last].1;
-        }
-        let i = match self.position(label) {
-            Ok(i) => i,
-            Err(i) => {
-                self.labels
-                    .insert(i, (label.to_owned(), LabelStats::default()));
-                i
+        let [a, b] = self.last;
+        let is = |i: usize| self.labels.get(i).is_some_and(|(l, _)| l == label);
+        let i = if is(a) {
+            a
+        } else if is(b) {
+            b
+        } else {
+            match self.position(label) {
+                Ok(i) => i,
+                Err(i) => {
+                    self.labels
+                        .insert(i, (label.to_owned(), LabelStats::default()));
+                    i
+                }
             }
         };
-        self.last = i;
+        if i != a {
+            self.last = [i, a];
+        }
         &mut self.labels[i].1
     }
 

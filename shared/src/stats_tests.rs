@@ -182,6 +182,38 @@ fn labels_keep_their_values_as_new_ones_sort_in() {
     assert!(a.get("vdc", "x").is_none());
 }
 
+/// Two labels in turn (a disk's requests, the syscalls that made them) and
+/// stages by name in runs, while new labels sort in before the remembered
+/// ones: every value lands under its own label and stage.
+#[test]
+fn alternating_labels_and_named_stages_keep_their_values() {
+    let mut a = Aggregator::new();
+    let order = [
+        ("vdc", "io_submit"),
+        ("syscalls", "io_submit"),
+        ("vdc", "io_submit"),
+        ("syscalls", "pread64"),
+        ("vda", "total"),
+        ("syscalls", "io_submit"),
+        ("vdb", "io_submit"),
+        ("syscalls", "pread64"),
+        ("vdb", "total"),
+        ("aaa", "x"),
+        ("syscalls", "io_submit"),
+        ("vdc", "total"),
+        ("vdc", "io_submit"),
+    ];
+    for (i, (l, st)) in order.iter().enumerate() {
+        a.record(l, st, 1000 * (i as u64 + 1));
+    }
+    for &(l, st) in &order {
+        let want = order.iter().filter(|&&o| o == (l, st)).count() as u64;
+        assert_eq!(a.get(l, st).unwrap().count, want, "{l} {st}");
+    }
+    // the names only where they were recorded
+    assert!(a.get("vda", "io_submit").is_none() && a.get("aaa", "total").is_none());
+}
+
 #[test]
 fn table_rows_follow_path_order_with_total_last() {
     let mut a = Aggregator::new();

@@ -10,7 +10,7 @@ the guest agent's own user-space symbols from its maps (`maps-<set-up>.txt`) and
 prints every job's instructions per I/O by region (insn.txt; no profile needed), then JOB's kernel instructions per I/O by symbol minus BASE_JOB's (e.g. none-1-qd32
 def-1-qd32), and with --agent-binary the agent's user-space instructions per I/O by symbol.
 """
-import argparse, bisect, collections, subprocess
+import argparse, bisect, collections, os, subprocess
 
 p = argparse.ArgumentParser()
 p.add_argument("run_dir"); p.add_argument("base", nargs="?"); p.add_argument("job", nargs="?")
@@ -78,7 +78,8 @@ for k, v in sorted(diff.items(), key=lambda x: -abs(x[1]))[: a.top]:
 if a.agent_binary:
     base_va, ranges = None, []
     for w in (l.split() for l in open(f"{rd}/maps-{setup_of(a.job)}.txt")):
-        if len(w) > 5 and w[5].endswith("viotrace-guest"):
+        # (the binary runs in the guest under its own file name)
+        if len(w) > 5 and w[5].rsplit("/", 1)[-1] == os.path.basename(a.agent_binary):
             lo, hi = (int(x, 16) for x in w[0].split("-"))
             base_va = lo - int(w[2], 16) if base_va is None else base_va
             ranges.append((lo, hi))

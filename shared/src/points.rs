@@ -297,11 +297,6 @@ impl Points {
         present(self.mask).map(|i| (Point::ALL[i], self.vals[i]))
     }
 
-    /// The earliest value (None for an empty set).
-    pub fn earliest(&self) -> Option<u64> {
-        present(self.mask).map(|i| self.vals[i]).min()
-    }
-
     /// The earliest and the latest value (None for an empty set).
     pub fn min_max(&self) -> Option<(u64, u64)> {
         present(self.mask).map(|i| self.vals[i]).fold(None, |r, v| {
@@ -504,14 +499,6 @@ mod tests {
         for m in masks {
             assert_eq!(ids_of_slots(m), fold(m), "slot mask {m:#x}");
         }
-    }
-
-    #[test]
-    fn earliest_is_the_smallest_present_value() {
-        assert_eq!(Points::new().earliest(), None);
-        let p = set_of(0b1011_0110_0000_0001_0110, 12345);
-        assert_eq!(p.earliest(), p.iter().map(|(_, t)| t).min());
-        assert_eq!(p.earliest(), p.min_max().map(|(lo, _)| lo));
     }
 
     #[test]

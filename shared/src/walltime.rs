@@ -150,7 +150,7 @@ pub fn uncertainty_ns() -> u64 {
 
 /// The wall-clock time of a record's first point, if it has one.
 pub fn of_points(ts: &crate::record::Points) -> Option<WallTime> {
-    ts.earliest().map(at)
+    ts.iter().map(|(_, t)| t).min().map(at)
 }
 
 #[cfg(test)]

@@ -59,10 +59,17 @@ static __always_inline __u32 hist_slot(__u64 ns)
  */
 #define IO_ROWS 16
 #define IO_ROW_SLOTS 3200
+/* The rows, in order: one list for the table userspace reads and for
+ * io_row_of(), which folds to a constant where the syscall is known. */
+#define IO_ROW_LIST(X)									\
+	X(0, NR_read) X(1, NR_write) X(2, NR_pread64) X(3, NR_pwrite64) X(4, NR_readv)	\
+	X(5, NR_writev) X(6, NR_fsync) X(7, NR_fdatasync) X(8, NR_io_submit)		\
+	X(9, NR_sync_file_range) X(10, NR_preadv) X(11, NR_pwritev) X(12, NR_preadv2)	\
+	X(13, NR_pwritev2) X(14, NR_io_uring_enter)
+#define IO_ROW_NR(row, nr) [row] = nr,
 const volatile __u32 io_row_nrs[IO_ROWS] = {
-	NR_read, NR_write, NR_pread64, NR_pwrite64, NR_readv, NR_writev, NR_fsync, NR_fdatasync,
-	NR_io_submit, NR_sync_file_range, NR_preadv, NR_pwritev, NR_preadv2, NR_pwritev2,
-	NR_io_uring_enter, ~0U,	/* (unused) */
+	IO_ROW_LIST(IO_ROW_NR)
+	[IO_ROWS - 1] = ~0U,	/* (unused) */
 };
 __u32 io_rows[IO_ROWS][IO_ROW_SLOTS];
 __u64 io_row_counts[IO_ROWS];
@@ -71,12 +78,12 @@ __u64 io_hashed;
 /* The row of syscall `nr`, or IO_ROWS. */
 static __always_inline __u32 io_row_of(__u32 nr)
 {
-#pragma unroll
-	for (__u32 i = 0; i < IO_ROWS; i++) {
-		if (io_row_nrs[i] == nr)
-			return i;
+#define IO_ROW_CASE(row, n) case n: return row;
+	switch (nr) {
+	IO_ROW_LIST(IO_ROW_CASE)
 	}
 	return IO_ROWS;
+#undef IO_ROW_CASE
 }
 
 /*

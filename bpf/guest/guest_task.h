@@ -503,8 +503,12 @@ int uring_submit_sqe(unsigned long long *ctx)
 	return 0;
 }
 
-/* Exit of a traced syscall: its record, or its latency summarized. */
-static __always_inline void sys_exit_ret(long ret)
+#define NR_ANY (~0U)
+
+/* Exit of a traced syscall: its record, or its latency summarized. `nr`: the
+ * syscall's number where the program knows it (a constant: the summary's row
+ * folds), else NR_ANY (the state's). */
+static __always_inline void sys_exit_ret(long ret, __u32 nr)
 {
 	__u64 pt = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)pt;
@@ -517,8 +521,17 @@ static __always_inline void sys_exit_ret(long ret)
 	s = sys_get(&tid);
 	if (!s)
 		return;
+	if (nr == NR_ANY) {
+		nr = s->nr;
+	} else if (s->nr != nr) {
+		/* another syscall's entry whose exit ran before this program was
+		 * attached: not this syscall's */
+		stat_inc(S_SYS_EXIT_UNSEEN);
+		s->enter_ts = 0;
+		return;
+	}
 	now = bpf_ktime_get_ns();
-	if (io_detail_ns && sys_summarized(s->nr, s->enter_ts, now)) {
+	if (io_detail_ns && sys_summarized(nr, s->enter_ts, now)) {
 		s->enter_ts = 0;
 		return;
 	}
@@ -529,7 +542,7 @@ static __always_inline void sys_exit_ret(long ret)
 		return;
 	}
 	e->kind = K_IO;
-	e->nr = s->nr;
+	e->nr = nr;
 	e->enter_ts = s->enter_ts;
 	e->exit_ts = now;
 	e->ret = ret;
@@ -562,7 +575,7 @@ static __always_inline void sys_exit_ret(long ret)
 SEC("raw_tp/sys_exit")
 int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
 {
-	sys_exit_ret(ret);
+	sys_exit_ret(ret, NR_ANY);
 	return 0;
 }
 
@@ -586,7 +599,7 @@ int BPF_PROG(fe_sys_##name, struct pt_regs *regs)					\
 SEC("?fexit/__x64_sys_" #name)								\
 int BPF_PROG(fx_sys_##name, struct pt_regs *regs, long ret)				\
 {											\
-	sys_exit_ret(ret);								\
+	sys_exit_ret(ret, nr);								\
 	return 0;									\
 }
 

@@ -287,12 +287,14 @@ impl Decoder {
             self.rq.disk = self.disk_name(r.dev);
             self.rq_dev = Some(r.dev);
         }
+        if self.tables_only {
+            // (the tables read the disk and the points, nothing else)
+            return;
+        }
         let op = Op::from_linux_req_op(r.cmd_flags);
         let q = &mut self.rq;
-        if !self.tables_only {
-            q.time = viotrace_shared::walltime::of_points(&q.ts);
-            set_cstr(&mut q.comm, &r.comm);
-        }
+        q.time = viotrace_shared::walltime::of_points(&q.ts);
+        set_cstr(&mut q.comm, &r.comm);
         q.op = op;
         // A flush has no position (the kernel keeps -1); virtio sends 0.
         q.sector = if op == Op::Flush { 0 } else { r.sector };
@@ -471,6 +473,7 @@ mod tests {
         // (what the tables read is all there)
         assert_eq!((r.disk.as_str(), r.ts.len()), ("vdb", 4));
         assert_eq!((r.time, r.comm.as_str()), (None, ""));
+        assert_eq!((r.sector, r.bytes, r.pid, r.queue), (0, 0, 0, None));
         d.tables_only = false;
         let Record::Rq(r) = d.decode(&raw_rq()).unwrap() else {
             panic!("not a request")
@@ -590,10 +593,11 @@ mod tests {
     fn syscall_names() {
         assert_eq!(syscall_name(426), "io_uring_enter");
         assert_eq!(syscall_name(999), "syscall_999");
-        assert_eq!(STAT_NAMES.len(), 23);
+        assert_eq!(STAT_NAMES.len(), 24);
         assert_eq!(STAT_NAMES[0], "ringbuf_drop_rq");
         assert_eq!(STAT_NAMES[19], "bio_chain_truncated");
         assert_eq!(STAT_NAMES[21], "io_hist_full");
         assert_eq!(STAT_NAMES[22], "driver_complete_unseen");
+        assert_eq!(STAT_NAMES[23], "syscall_exit_unseen");
     }
 }

@@ -8,7 +8,6 @@
 use std::io::{self, Write};
 
 use viotrace_shared::capture::{CaptureReader, CaptureWriter, Item};
-use viotrace_shared::proto::GuestRecord;
 
 /// A sink that counts the bytes written to it.
 struct Count(u64);
@@ -41,10 +40,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut w = CaptureWriter::new(Count(0), &hello)?;
     for _ in 0..rounds {
         for r in &records {
-            w.push(match r {
-                GuestRecord::Rq(q) => viotrace_shared::proto::GuestRecordRef::Rq(q),
-                GuestRecord::Io(io) => viotrace_shared::proto::GuestRecordRef::Io(io),
-            });
+            w.push(r.borrowed());
         }
     }
     w.flush();

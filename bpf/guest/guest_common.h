@@ -37,6 +37,14 @@ const volatile __u64 io_detail_ns = 0;
 volatile __u8 aio_iocb_hooked = 0;
 
 /*
+ * Set by userspace once vfs_read's and vfs_write's programs are attached:
+ * read, write, pread64 and pwrite64 of a thread that has a state then leave
+ * the file to them (typed loads) instead of resolving the fd at entry (three
+ * probe reads).
+ */
+volatile __u8 rw_file_hooked = 0;
+
+/*
  * Never used: gives struct vt_io_event a place in the object's BTF (a local
  * pointer does not), so libbpf-cargo generates its Rust type for the agent's
  * ring-buffer decoding (vt_rq_event is there through rq_state).
@@ -89,7 +97,8 @@ struct sys_state {
 	__u32 nr;
 	__u8 has_offset;
 	__u8 direct;
-	__u8 pad[2];
+	__u8 file_pending;	/* FILE_AT_POS/FILE_AT_ARG: the file comes at vfs_read/vfs_write */
+	__u8 pad;
 	__u32 nrefs;
 	__u32 refs_dropped;
 	/* off-CPU accounting (guest_sched.h) */

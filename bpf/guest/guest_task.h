@@ -204,22 +204,37 @@ static __always_inline bool sys_task_ok(__u64 pt)
 	       (!filter_tid || tid == filter_tid);
 }
 
+/* How a read/write's file comes later, at vfs_read/vfs_write (rw_file). */
+#define FILE_AT_POS 1	/* read, write: at the file's position */
+#define FILE_AT_ARG 2	/* pread64, pwrite64: at the offset argument */
+
 /*
  * Entry of I/O syscall `nr` with its first four arguments: the file, offset
  * and size it names, and the thread's state for what follows. Inlined into
  * each per-syscall fentry program with a constant `nr`, so each keeps only
  * its own case.
+ *
+ * read, write, pread64 and pwrite64 of a thread that has a state already
+ * leave the file to rw_file once its programs are attached (rw_file_hooked):
+ * the entry cannot tell a file from a socket or pipe then, and a thread that
+ * never did file I/O should not take a state for one.
  */
 static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, long a3)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct sys_state *s;
+	struct sys_state *s = NULL;
 	struct sys_info tmp_hdr = {};
+	__u8 pending = 0;
 	bool ok = false;
 
 	switch (nr) {
 	case NR_read: case NR_write:
-		ok = sys_file(&tmp_hdr, a0, true);
+		if (rw_file_hooked && (s = sys_find(&tid))) {
+			ok = true;
+			pending = FILE_AT_POS;
+		} else {
+			ok = sys_file(&tmp_hdr, a0, true);
+		}
 		tmp_hdr.bytes = a2;
 		break;
 	case NR_readv: case NR_writev:
@@ -228,7 +243,12 @@ static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, 
 			tmp_hdr.bytes = iov_bytes((const struct iovec *)a1, a2);
 		break;
 	case NR_pread64: case NR_pwrite64:
-		ok = sys_file(&tmp_hdr, a0, false);
+		if (rw_file_hooked && (s = sys_find(&tid))) {
+			ok = true;
+			pending = FILE_AT_ARG;
+		} else {
+			ok = sys_file(&tmp_hdr, a0, false);
+		}
 		tmp_hdr.bytes = a2;
 		tmp_hdr.offset = a3;
 		tmp_hdr.has_offset = 1;
@@ -296,7 +316,8 @@ static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, 
 		return;
 
 	/* the thread's entry from its last syscall, reset; created once */
-	s = sys_find(&tid);
+	if (!s)
+		s = sys_find(&tid);
 	if (s)
 		sys_reset(s);
 	else
@@ -315,10 +336,66 @@ static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, 
 	s->cur = tmp_hdr;
 	s->nrefs = 0;
 	s->refs_dropped = 0;
+	s->file_pending = pending;
 
 	/* Remember who dirtied the page cache of this inode (for write-back). */
 	if (is_write_nr(nr) && !tmp_hdr.direct && tmp_hdr.inode)
 		bpf_map_update_elem(&inode_writer, &tmp_hdr.inode, &who, BPF_ANY);
+}
+
+/*
+ * The file of a read, write, pread64 or pwrite64 whose entry left it here
+ * (file_pending): vfs_read and vfs_write take it typed, so the file, its
+ * inode and its position are plain loads where the entry's fd walk makes three
+ * probe reads. Not a file or disk (socket, pipe, tty): the syscall sends no
+ * record, as when the entry resolved the fd.
+ */
+static __always_inline void rw_file(struct file *f)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct sys_state *s = sys_get(&tid);
+	struct inode *ino;
+	__u16 mode;
+	__u8 how;
+
+	if (!s || !s->file_pending)
+		return;
+	how = s->file_pending;
+	s->file_pending = 0;
+	ino = f->f_inode;
+	mode = ino ? ino->i_mode & VT_S_IFMT : 0;
+	if (mode != VT_S_IFREG && mode != VT_S_IFBLK) {
+		s->enter_ts = 0;
+		return;
+	}
+	s->inode = ino->i_ino;
+	s->direct = (f->f_flags & VT_O_DIRECT) != 0;
+	if (how == FILE_AT_POS) {
+		s->offset = f->f_pos;
+		s->has_offset = 1;
+	}
+	s->cur.inode = s->inode;
+	s->cur.offset = s->offset;
+	s->cur.has_offset = s->has_offset;
+	s->cur.direct = s->direct;
+	/* who dirtied the page cache of this inode (for write-back) */
+	if (is_write_nr(s->nr) && !s->direct)
+		bpf_map_update_elem(&inode_writer, &s->inode, &s->id, BPF_ANY);
+}
+
+/* vfs_read(file, buf, count, pos), vfs_write(file, buf, count, pos) */
+SEC("?fentry/vfs_read")
+int BPF_PROG(fe_vfs_read, struct file *file)
+{
+	rw_file(file);
+	return 0;
+}
+
+SEC("?fentry/vfs_write")
+int BPF_PROG(fe_vfs_write, struct file *file)
+{
+	rw_file(file);
+	return 0;
 }
 
 /*
@@ -527,6 +604,14 @@ static __always_inline void sys_exit_ret(long ret, __u32 nr)
 		/* another syscall's entry whose exit ran before this program was
 		 * attached: not this syscall's */
 		stat_inc(S_SYS_EXIT_UNSEEN);
+		s->enter_ts = 0;
+		return;
+	}
+	if (s->file_pending) {
+		/* never reached vfs_read/vfs_write (a bad fd: no file I/O), or
+		 * its program did not run there (only a success proves that) */
+		if (ret >= 0)
+			stat_inc(S_SYS_FILE_UNSEEN);
 		s->enter_ts = 0;
 		return;
 	}

@@ -12,6 +12,7 @@ use libbpf_rs::btf::types::{Func, FuncProto, Ptr, Typedef};
 use libbpf_rs::btf::{BtfKind, BtfType, ReferencesType, TypeId};
 use libbpf_rs::Btf;
 
+use crate::plan;
 use crate::probe::{self, Sym, HOOKS, SYSCALLS};
 
 /// Tracepoints whose argument lists the plan looks at.
@@ -72,6 +73,7 @@ impl Facts {
             .iter()
             .map(|h| h.target)
             .chain(SYSCALLS.iter().map(|s| s.target))
+            .chain(plan::TYPED_FILE_TARGETS)
             .collect();
         let syms = probe::find_symbols(std::io::BufReader::new(ks), &wanted);
         let btf = std::fs::read_dir("/sys/kernel/btf")

@@ -368,13 +368,21 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
             }
         }
     }
+    if plan.typed_file && !plan::TYPED_FILE_PROGS.iter().all(|p| live.contains(*p)) {
+        // (one alone would run for nothing: the entries wait for both)
+        plan.file_fallback("vfs_read's and vfs_write's programs did not both attach");
+        links.retain(|(n, _)| !plan::TYPED_FILE_PROGS.contains(&n.as_str()));
+        live.retain(|n| !plan::TYPED_FILE_PROGS.contains(&n.as_str()));
+    }
     startup.attach = t_attach.elapsed();
     let report = plan::report(&plan, facts, &live, &failed);
     let mut skel = skel;
-    // io_submit's entry program leaves the iocbs to aio_prep_rw's once that is attached.
+    // io_submit's entry program leaves the iocbs to aio_prep_rw's once that is
+    // attached, and read/write entries their files to vfs_read's and vfs_write's.
     if let Some(bss) = skel.maps.bss_data.as_deref_mut() {
         bss.aio_iocb_hooked =
             u8::from(live.contains("fe_aio_prep_rw") || live.contains("kp_aio_prep_rw"));
+        bss.rw_file_hooked = u8::from(plan.typed_file);
     } else {
         bail!("BPF object has no .bss");
     }

@@ -66,6 +66,14 @@ pub struct Variants {
 pub const TYPED_BIO_QUEUE: &str = "tb_bio_queue";
 pub const RAW_BIO_QUEUE: &str = "bio_queue";
 
+/// The file of read, write, pread64 and pwrite64 taken typed where the syscall
+/// reaches `vfs_read` / `vfs_write` (fentry mode): the syscall's entry then
+/// skips its walk of the fd table (three probe reads). Optional: without both,
+/// the entry resolves the fd as in the other modes.
+pub const TYPED_FILE_PROGS: [&str; 2] = ["fe_vfs_read", "fe_vfs_write"];
+/// Their kernel functions.
+pub const TYPED_FILE_TARGETS: [&str; 2] = ["vfs_read", "vfs_write"];
+
 /// Programs that may be left out without failing the run.
 pub const OPTIONAL_TP_PROGS: &[&str] = &[
     TYPED_BIO_QUEUE,
@@ -87,6 +95,7 @@ const HEAD_SEES: &str = "descriptor head of each request (the join key with the 
 /// Whether `prog` may fail without failing the run.
 pub fn is_optional(prog: &str) -> bool {
     OPTIONAL_TP_PROGS.contains(&prog)
+        || TYPED_FILE_PROGS.contains(&prog)
         || HOOKS
             .iter()
             .any(|h| h.fentry.contains(&prog) || h.kprobe.contains(&prog))
@@ -120,6 +129,8 @@ pub struct Plan {
     pub sys_fentry: Vec<&'static SysHook>,
     /// Bios are traced by `TYPED_BIO_QUEUE` (fentry mode, vmlinux BTF).
     pub typed_bio: bool,
+    /// Reads' and writes' files come from `TYPED_FILE_PROGS`.
+    pub typed_file: bool,
 }
 
 impl Plan {
@@ -144,7 +155,22 @@ impl Plan {
         if self.typed_bio {
             p.insert(TYPED_BIO_QUEUE);
         }
+        if self.typed_file {
+            p.extend(TYPED_FILE_PROGS);
+        }
         p
+    }
+
+    /// The typed file programs cannot both run: the syscalls' entries resolve
+    /// the fd (one of them alone would see nothing: the entries leave the file
+    /// to them only when both are in).
+    pub fn file_fallback(&mut self, why: &str) {
+        if self.typed_file {
+            self.typed_file = false;
+            self.notes.push(format!(
+                "read/write files: {why}: resolved from the fd at the syscall's entry"
+            ));
+        }
     }
 
     /// The typed bio program cannot run: the raw tracepoint's does the same.
@@ -195,6 +221,9 @@ impl Plan {
         }
         if prog == TYPED_BIO_QUEUE {
             self.bio_fallback(&why);
+        }
+        if TYPED_FILE_PROGS.contains(&prog) {
+            self.file_fallback(&why);
         }
     }
 
@@ -475,6 +504,10 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
     notes.extend(sys_note);
     // tp_btf programs need what fentry ones need: tracing programs and vmlinux BTF.
     let typed_bio = mode == Mode::Fentry && f.fentry && f.has_btf("vmlinux");
+    let typed_file = typed_bio
+        && TYPED_FILE_TARGETS
+            .iter()
+            .all(|t| f.module_of(t) == Some("vmlinux"));
     Plan {
         hooks,
         uring,
@@ -485,6 +518,7 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
         exact_kick: false,
         sys_fentry,
         typed_bio,
+        typed_file,
     }
 }
 

@@ -61,7 +61,7 @@ fn kernel(
             },
         );
     }
-    for f in CORE {
+    for f in CORE.iter().chain(&crate::plan::TYPED_FILE_TARGETS) {
         add(f, "vmlinux");
     }
     for s in SYSCALLS {
@@ -494,6 +494,38 @@ fn bios_are_traced_on_a_typed_bio_in_fentry_mode_else_on_the_raw_tracepoint() {
         == "bios: program tb_bio_queue refused by this kernel: the raw block_bio_queue \
             tracepoint instead"));
     assert!(is_optional(TYPED_BIO_QUEUE) && !is_optional(RAW_BIO_QUEUE));
+}
+
+/// Reads' and writes' files: typed at vfs_read/vfs_write wherever bios are
+/// typed and both functions are in vmlinux; a refused program, or a kernel
+/// without one of them, leaves them to the syscall's entry (not blind).
+#[test]
+fn read_and_write_files_come_typed_in_fentry_mode_else_from_the_fd() {
+    for f in [k5_10(), k6_1(), k7_2()] {
+        let p = plan(Mode::Fentry, &f);
+        assert!(p.typed_file, "{}", f.release);
+        assert!(TYPED_FILE_PROGS.iter().all(|t| p.programs().contains(t)));
+        for m in [Mode::Kprobe, Mode::Tracepoint] {
+            let p = plan(m, &f);
+            assert!(
+                !p.typed_file && !p.programs().contains("fe_vfs_read"),
+                "{m}"
+            );
+        }
+    }
+    let mut no_vfs_write = k6_1();
+    no_vfs_write.syms.remove("vfs_write");
+    assert!(!plan(Mode::Fentry, &no_vfs_write).typed_file);
+    let mut p = plan(Mode::Fentry, &k6_1());
+    p.drop_program("fe_vfs_write");
+    assert!(!p.typed_file);
+    assert!(TYPED_FILE_PROGS.iter().all(|t| !p.programs().contains(t)));
+    assert!(p.notes.iter().any(|n| n
+        == "read/write files: program fe_vfs_write refused by this kernel: resolved from the \
+            fd at the syscall's entry"));
+    let r = report(&p, &k6_1(), &all_live(&p), &BTreeMap::new());
+    assert!(r.blind.is_empty() && r.blind_points.is_empty(), "{r:?}");
+    assert!(TYPED_FILE_PROGS.iter().all(|t| is_optional(t)));
 }
 
 #[test]

@@ -356,7 +356,8 @@ fn parse_counters(line: &str) -> BTreeMap<String, u64> {
 
 /// A counter that counts lost or degraded data: dropped or lost records,
 /// state not tracked for a full map, records or lists cut short, records
-/// unacknowledged when an agent stopped.
+/// unacknowledged when an agent stopped, records without a point or dropped
+/// because a program the kernel skipped did not see them (`*_unseen`).
 fn is_loss(name: &str) -> bool {
     [
         "drop",
@@ -367,6 +368,7 @@ fn is_loss(name: &str) -> bool {
         "evicted",
         "errors",
         "in_flight_at_stop",
+        "unseen",
     ]
     .iter()
     .any(|w| name.contains(w))

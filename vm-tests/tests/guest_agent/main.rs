@@ -216,12 +216,37 @@ fn check_fentry_run(r: &RunResult) {
         rqs.len(),
         "guest_io records that caused vdb requests"
     );
-    for io in ios {
+    // Each names /dev/vdb's inode (one for all) and the offset its request read
+    // or wrote: pread64/pwrite64 from the argument, dd's read() from the file's
+    // position (in fentry mode both typed at vfs_read/vfs_write for a thread's
+    // second and later syscalls, from the fd at entry for its first).
+    let inode = ios.first().map(|io| io.inode).unwrap_or(0);
+    assert!(inode != 0, "{:?}", ios.first());
+    for io in &ios {
         assert_eq!(io.requests.len(), 1, "{io:?}");
         assert!(
             io.ts.get(Point::SyscallEnter).is_some() && io.ts.get(Point::SyscallExit).is_some()
         );
+        assert_eq!(io.inode, inode, "{io:?}");
+        assert_eq!(io.file_offset, Some(io.requests[0].sector * 512), "{io:?}");
     }
+    // dd's writes to /dev/null (a character device) and fio's to its output
+    // are not file I/O: no record.
+    let other: Vec<_> = recs
+        .guest_ios()
+        .into_iter()
+        .filter(|v| v.syscall == "write" && v.inode != inode)
+        .collect();
+    assert!(
+        other.is_empty(),
+        "records of writes to non-files: {other:?}"
+    );
+    let counters = final_stats(r).counters.unwrap_or_default();
+    assert_eq!(
+        counters.get("syscall_file_unseen"),
+        Some(&0),
+        "{counters:?}"
+    );
     // The agent is honest about what it sees, and says where g.kick comes from.
     let log = guest_log(r);
     assert!(log.to_lowercase().contains("fentry"), "{log}");

@@ -18,6 +18,9 @@ mod accounting;
 pub use accounting::parse_bpf_progs;
 use accounting::{bpf_accounting, bpf_stats_pass, render_bpf_costs};
 
+#[path = "bench_pool.rs"]
+mod pool;
+pub use pool::pool;
 #[path = "bench_records.rs"]
 mod bench_records;
 #[path = "bench_verdicts.rs"]

@@ -79,10 +79,12 @@ enum Cmd {
         out: PathBuf,
     },
     /// Print the tables and checks of a bench run again from its bench.json (e.g. one
-    /// made by an older viotrace-vm, or one still running).
+    /// made by an older viotrace-vm, or one still running). Several runs of the same
+    /// conditions are pooled: their rounds together, as one longer run.
     BenchReport {
-        /// The run's bench.json, or its directory.
-        path: PathBuf,
+        /// The runs' bench.json files, or their directories.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
     },
     /// Build and cache the lab's assets (guest kernel, initramfs, disk, vsock backend) without booting.
     Prepare {
@@ -321,16 +323,31 @@ fn real_main() -> Result<ExitCode> {
             println!("lab assets ready in {}", lab.assets.cache.display());
             return Ok(ExitCode::SUCCESS);
         }
-        Cmd::BenchReport { path } => {
-            let file = if path.is_dir() {
-                path.join("bench.json")
-            } else {
-                path
-            };
-            let text = std::fs::read_to_string(&file)
-                .with_context(|| format!("reading {}", file.display()))?;
-            let res: viotrace_vm_tests::bench::BenchResult = serde_json::from_str(&text)
-                .with_context(|| format!("{} is not a bench.json", file.display()))?;
+        Cmd::BenchReport { paths } => {
+            let mut runs = Vec::new();
+            for path in &paths {
+                let file = if path.is_dir() {
+                    path.join("bench.json")
+                } else {
+                    path.clone()
+                };
+                let text = std::fs::read_to_string(&file)
+                    .with_context(|| format!("reading {}", file.display()))?;
+                runs.push((file.display().to_string(), text));
+            }
+            let (res, left_out) = viotrace_vm_tests::bench::pool(&runs)?;
+            if runs.len() > 1 {
+                let names: Vec<&str> = runs.iter().map(|(n, _)| n.as_str()).collect();
+                println!(
+                    "pooled: the rounds of {} runs ({})",
+                    runs.len(),
+                    names.join(", ")
+                );
+                if !left_out.is_empty() {
+                    println!("left out, not in every run: {}", left_out.join(", "));
+                }
+                println!();
+            }
             print!("{}", viotrace_vm_tests::bench::render(&res));
             return Ok(ExitCode::SUCCESS);
         }

@@ -12,7 +12,7 @@ use super::{
     MAX_BPF_X_CAPTURE,
 };
 
-/// One done-when check of issue 11, from medians within this run.
+/// One done-when check of issue 11, from medians over the rounds (of a run, or runs pooled).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Verdict {
     pub check: String,
@@ -227,7 +227,7 @@ pub(super) fn render_verdicts(v: &[Verdict]) -> String {
     }
     let _ = writeln!(
         s,
-        "\nagainst the anchor (issue 11, medians within this run; margin: {:.0} % bootstrap \
+        "\nagainst the anchor (issue 11, medians over the rounds of the run, or runs pooled; margin: {:.0} % bootstrap \
          interval over rounds, positive is met, ~ spans zero: the rounds cannot tell):",
         LEVEL * 100.0
     );

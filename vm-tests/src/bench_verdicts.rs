@@ -227,8 +227,9 @@ pub(super) fn render_verdicts(v: &[Verdict]) -> String {
     }
     let _ = writeln!(
         s,
-        "\nagainst the anchor (issue 11, medians over the rounds of the run, or runs pooled; margin: {:.0} % bootstrap \
-         interval over rounds, positive is met, ~ spans zero: the rounds cannot tell):",
+        "\nagainst the anchor (issue 11, medians over the rounds of the run, or runs pooled; \
+         margin: {:.0} % bootstrap interval over rounds, positive is met, ~ spans zero: the \
+         rounds cannot tell):",
         LEVEL * 100.0
     );
     for x in v {

@@ -120,17 +120,18 @@ __noinline int rq_track_new_g(__u64 rq, __u64 bio, int r, __u64 rq_queue)
 
 /*
  * Tracks request `rq` from its first sight (insert, issue or queue_rq): 1 when
- * it is tracked. Global functions (this one, chain_bio_g, rq_track_new_g) are
+ * it is tracked. `bio`, `biotail`, `q`: its head, when the caller has it
+ * (typed, tb_rq_insert / tb_rq_issue); `q` 0: read here, if the request is new.
+ * Global functions (this one, chain_bio_g, rq_track_new_g) are
  * verified once each, on their own: inlined in four programs, the chain walk
  * and what follows it were verified once per exit of the walk, and were most of
  * the guest agent's start-up (seconds per program under TCG).
  */
-__noinline int rq_track_g(__u64 rq)
+__noinline int rq_track_g(__u64 rq, __u64 bio_first, __u64 biotail, __u64 q)
 {
 	__u64 key = rq;
 	struct rq_state *live = rq_get(&key);
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct rq_head h;
 	struct bio *bio;
 	int r = -1;
 
@@ -141,16 +142,23 @@ __noinline int rq_track_g(__u64 rq)
 		stat_inc(S_RQ_LATE);
 		emit_rq(live);
 	}
-	if (!rq_head_read((struct request *)rq, &h))
-		return 0;
-	bio = h.bio;
+	if (!q) {
+		struct rq_head h;
+
+		if (!rq_head_read((struct request *)rq, &h))
+			return 0;
+		bio_first = (__u64)h.bio;
+		biotail = (__u64)h.biotail;
+		q = (__u64)h.q;
+	}
+	bio = (struct bio *)bio_first;
 	for (int i = 0; i < CHAIN_MAX && bio; i++) {
 		r = chain_bio_g((__u64)bio, tid);
-		if (r >= 0 || bio == h.biotail)
+		if (r >= 0 || (__u64)bio == biotail)
 			break;
 		bio = BPF_CORE_READ(bio, bi_next);
 	}
-	return rq_track_new_g(rq, r >= 0 ? (__u64)bio : 0, r, (__u64)h.q);
+	return rq_track_new_g(rq, r >= 0 ? (__u64)bio : 0, r, q);
 }
 
 /* Adds a reference to this request to the syscall that caused it. */
@@ -199,20 +207,17 @@ __noinline int absorb_bio_g(__u64 rq, __u64 bio)
 	return 1;
 }
 
-/* At issue: final geometry, and the request absorbs its bios' state. */
-static __always_inline void rq_absorb(struct request *rq, struct rq_state *st)
+/* At issue: final geometry `h`, and request `rq` absorbs its bios' state.
+ * h->biotail NULL: not known, the chain ends at a NULL bi_next. */
+static __always_inline void rq_absorb(__u64 rq, struct rq_state *st, const struct rq_head *h)
 {
-	struct rq_head h;
-	struct bio *bio;
+	struct bio *bio = h->bio;
 	__u32 n = 0;
 	int i;
 
-	if (!rq_head_read(rq, &h))
-		return;
-	bio = h.bio;
-	st->ev.sector = h.sector;
-	st->ev.bytes = h.bytes;
-	st->ev.cmd_flags = h.cmd_flags;
+	st->ev.sector = h->sector;
+	st->ev.bytes = h->bytes;
+	st->ev.cmd_flags = h->cmd_flags;
 	if (st->owner_tid)
 		add_ref(st->owner_tid, st->owner_enter_ts, st);
 	for (i = 0; i < CHAIN_MAX && bio; i++) {
@@ -220,10 +225,10 @@ static __always_inline void rq_absorb(struct request *rq, struct rq_state *st)
 		/* (the syscall's own bio, taken at tracking, has no state: the
 		 * usual single-bio request makes no call) */
 		if ((__u64)bio != st->first_bio)
-			absorb_bio_g((__u64)rq, (__u64)bio);
+			absorb_bio_g(rq, (__u64)bio);
 		/* the last one's bi_next is NULL: not read (one probe read less
 		 * for the usual single-bio request) */
-		if (bio == h.biotail) {
+		if (bio == h->biotail) {
 			bio = NULL;
 			break;
 		}
@@ -234,25 +239,42 @@ static __always_inline void rq_absorb(struct request *rq, struct rq_state *st)
 	st->ev.bios = n;
 }
 
+/* rq_issued_g's flags, in the low bits of the request's address (8-aligned) */
+#define RQF_ISSUED 1	/* g.rq_issue: now (not when tracked from its virtqueue add) */
+#define RQF_HEAD 2	/* the caller gives the head: bio, sector, bytes | cmd_flags << 32 */
+#define RQF_SINGLE 4	/* ... and `bio` is the request's only one */
+#define RQF_MASK 7ULL
+
 /*
- * At issue: the issue's points (g.rq_issue when `issued`; not when the request
- * is tracked from its virtqueue add), then rq_absorb. Global (verified once,
+ * At issue: the issue's points, then rq_absorb, for request `rqf` & ~RQF_MASK
+ * (flags RQF_*; without RQF_HEAD the head is read here). Global (verified once,
  * see rq_track_g), so it looks the state up itself: a global function takes
- * no map value on 5.10. Inlined in its two callers instead, the object took
- * 6k more verified instructions (90k) and 0.9 s longer to load under TCG.
+ * no map value on 5.10, and at most five numbers. Inlined in its two callers
+ * instead, the object took 6k more verified instructions (90k) and 0.9 s
+ * longer to load under TCG.
  */
-__noinline int rq_issued_g(__u64 rq, __u64 queued, __u32 issued)
+__noinline int rq_issued_g(__u64 rqf, __u64 queued, __u64 bio, __u64 sector, __u64 len_flags)
 {
-	__u64 key = rq;
+	__u64 key = rqf & ~RQF_MASK;
 	struct rq_state *st = rq_get(&key);
+	struct rq_head h = {};
 
 	if (!st)
 		return 0;
-	if (issued)
+	if (rqf & RQF_ISSUED)
 		st->ev.ts[P_RQ_ISSUE] = bpf_ktime_get_ns();
 	if (queued)
 		st->ev.ts[P_QUEUE_RQ] = queued;
-	rq_absorb((struct request *)rq, st);
+	if (rqf & RQF_HEAD) {
+		h.bio = (struct bio *)bio;
+		h.biotail = (rqf & RQF_SINGLE) ? h.bio : NULL;
+		h.sector = sector;
+		h.bytes = (__u32)len_flags;
+		h.cmd_flags = len_flags >> 32;
+	} else if (!rq_head_read((struct request *)key, &h)) {
+		return 1;
+	}
+	rq_absorb(key, st, &h);
 	return 1;
 }
 
@@ -261,9 +283,10 @@ static __always_inline struct rq_state *rq_tracked(struct request *rq)
 {
 	__u64 key = (__u64)rq;
 
-	return rq_track_g(key) ? rq_get(&key) : NULL;
+	return rq_track_g(key, 0, 0, 0) ? rq_get(&key) : NULL;
 }
 
+/* Every mode; in fentry mode only if tb_rq_insert is refused. */
 SEC("raw_tp/block_rq_insert")
 int BPF_PROG(rq_insert, struct request *rq)
 {
@@ -274,14 +297,51 @@ int BPF_PROG(rq_insert, struct request *rq)
 	return 0;
 }
 
+/* Every mode; in fentry mode only if tb_rq_issue is refused. */
 SEC("raw_tp/block_rq_issue")
 int BPF_PROG(rq_issue, struct request *rq)
 {
-	int tracked = rq_track_g((__u64)rq);
+	int tracked = rq_track_g((__u64)rq, 0, 0, 0);
 	__u64 queued = cpu_stamp_get(&queue_rq_stamps, rq, true);
 
 	if (tracked)
-		rq_issued_g((__u64)rq, queued, 1);
+		rq_issued_g((__u64)rq | RQF_ISSUED, queued, 0, 0, 0);
+	return 0;
+}
+
+/*
+ * fentry mode (5.11+): the same on a typed request, whose head is plain loads
+ * where the raw programs make a probe read at the insert and one at the issue.
+ */
+SEC("?tp_btf/block_rq_insert")
+int BPF_PROG(tb_rq_insert, struct request *rq)
+{
+	struct typed_base tb = typed_base();
+	__u64 key = typed_addr(&tb, rq);
+	struct rq_state *st;
+
+	if (!rq_track_g(key, typed_addr(&tb, rq->bio), typed_addr(&tb, rq->biotail),
+			typed_addr(&tb, rq->q)))
+		return 0;
+	st = rq_get(&key);
+	if (st)
+		st->ev.ts[P_RQ_INSERT] = bpf_ktime_get_ns();
+	return 0;
+}
+
+SEC("?tp_btf/block_rq_issue")
+int BPF_PROG(tb_rq_issue, struct request *rq)
+{
+	struct typed_base tb = typed_base();
+	__u64 key = typed_addr(&tb, rq);
+	__u64 bio = typed_addr(&tb, rq->bio);
+	__u64 tail = typed_addr(&tb, rq->biotail);
+	__u64 queued = cpu_stamp_get(&queue_rq_stamps, (void *)key, true);
+
+	if (!rq_track_g(key, bio, tail, typed_addr(&tb, rq->q)))
+		return 0;
+	rq_issued_g(key | RQF_ISSUED | RQF_HEAD | (bio == tail ? RQF_SINGLE : 0), queued, bio,
+		    rq->__sector, rq->__data_len | (__u64)rq->cmd_flags << 32);
 	return 0;
 }
 

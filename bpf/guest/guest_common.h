@@ -357,6 +357,36 @@ static __always_inline __u64 arg_key(void *ctx, __u32 n, const void *ptr)
 	return v;
 }
 
+/*
+ * A tp_btf program's typed pointer as a number (a map key, a direct-mapped
+ * slot, a global function's argument), where bpf_get_func_arg is not offered.
+ * The verifier lets a privileged program subtract two pointers, which gives a
+ * number, and bpf_get_current_task gives the current task's address as one:
+ * p = task + (p - task), NULL included. 5.11+ (bpf_get_current_task_btf); the
+ * planner loads the programs that use it only there.
+ */
+struct typed_base {
+	struct task_struct *t;	/* the current task, typed */
+	__u64 addr;		/* the same, as a number */
+};
+
+static __always_inline struct typed_base typed_base(void)
+{
+	struct typed_base b = { .t = bpf_get_current_task_btf(), .addr = bpf_get_current_task() };
+
+	return b;
+}
+
+static __always_inline __u64 typed_addr(const struct typed_base *b, const void *p)
+{
+	__u64 d = (__u64)p;
+
+	/* (in asm: the compiler would fold it to p - t + addr, or addr - t first,
+	 * which the verifier refuses) */
+	asm volatile("%0 -= %1" : "+r"(d) : "r"(b->t));
+	return d + b->addr;
+}
+
 /* The slot of `key` (its owner's key first), or NULL without slots. */
 static __always_inline __u64 *dm_slot(void *slots, __u32 nslots, __u64 key, __u32 *i)
 {

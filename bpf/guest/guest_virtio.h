@@ -144,7 +144,7 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 		st = rq_tracked((struct request *)key);
 		if (!st)
 			return;
-		rq_issued_g(key, queued, 0);
+		rq_issued_g(key, queued, 0, 0, 0);
 	}
 	st->ev.ts[P_VQ_ADD] = bpf_ktime_get_ns();
 	st->ev.queue = index;

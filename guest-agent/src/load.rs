@@ -317,10 +317,11 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
             continue;
         }
         // The raw syscall tracepoints wait until the per-syscall programs are in,
-        // the raw bio one until the typed one is.
-        if (SYS_TP_PROGS.contains(&name.as_str()) && !plan.sys_fentry.is_empty())
-            || (name == plan::RAW_BIO_QUEUE && plan.typed_bio)
-        {
+        // a raw block tracepoint's program until its typed twin is.
+        let twin_planned = plan::TYPED_TPS
+            .iter()
+            .any(|(t, raw, _)| *raw == name && plan.typed_tps.contains(t));
+        if (SYS_TP_PROGS.contains(&name.as_str()) && !plan.sys_fentry.is_empty()) || twin_planned {
             continue;
         }
         match p.attach() {
@@ -356,15 +357,18 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
             }
         }
     }
-    if plan.typed_bio && !live.contains(plan::TYPED_BIO_QUEUE) {
-        plan.bio_fallback(&format!("program {} did not attach", plan::TYPED_BIO_QUEUE));
+    for (typed, raw, _) in plan::TYPED_TPS {
+        if !plan.typed_tps.contains(typed) || live.contains(typed) {
+            continue;
+        }
+        plan.typed_fallback(typed, &format!("program {typed} did not attach"));
         for p in skel.object().progs_mut() {
-            if p.name().to_string_lossy() == plan::RAW_BIO_QUEUE {
+            if p.name().to_string_lossy() == raw {
                 let l = p
                     .attach()
-                    .with_context(|| format!("attaching {} ({mode} mode)", plan::RAW_BIO_QUEUE))?;
-                links.push((plan::RAW_BIO_QUEUE.to_string(), l));
-                live.insert(plan::RAW_BIO_QUEUE.to_string());
+                    .with_context(|| format!("attaching {raw} ({mode} mode)"))?;
+                links.push((raw.to_string(), l));
+                live.insert(raw.to_string());
             }
         }
     }

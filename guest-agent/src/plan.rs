@@ -59,12 +59,22 @@ pub struct Variants {
     pub vring_interrupt_addr: u64,
 }
 
-/// The block_bio_queue program on a typed bio (tp_btf, fentry mode): plain
-/// loads where the raw tracepoint's program, `RAW_BIO_QUEUE`, needs probe
-/// reads and a disk cache. The raw one is always loaded, and attached only
-/// when the typed one is not.
-pub const TYPED_BIO_QUEUE: &str = "tb_bio_queue";
-pub const RAW_BIO_QUEUE: &str = "bio_queue";
+/// Tracepoints whose program has a typed twin in fentry mode (tp_btf): the
+/// tracepoint's bio or request is a typed pointer, read with plain loads where
+/// the raw program makes probe reads (and, for bios, keeps a disk cache).
+/// (typed program, raw program, tracepoint). The raw one is always loaded, and
+/// attached only when the typed one is not. The request ones need
+/// bpf_get_current_task_btf (5.11+) for the request's address as a number.
+pub const TYPED_TPS: [(&str, &str, &str); 3] = [
+    ("tb_bio_queue", "bio_queue", "block_bio_queue"),
+    ("tb_rq_insert", "rq_insert", "block_rq_insert"),
+    ("tb_rq_issue", "rq_issue", "block_rq_issue"),
+];
+
+/// Whether `prog` is the typed twin of a raw tracepoint's program.
+pub fn is_typed_tp(prog: &str) -> bool {
+    TYPED_TPS.iter().any(|(t, _, _)| *t == prog)
+}
 
 /// The file of read, write, pread64 and pwrite64 taken typed where the syscall
 /// reaches `vfs_read` / `vfs_write` (fentry mode): the syscall's entry then
@@ -76,7 +86,6 @@ pub const TYPED_FILE_TARGETS: [&str; 2] = ["vfs_read", "vfs_write"];
 
 /// Programs that may be left out without failing the run.
 pub const OPTIONAL_TP_PROGS: &[&str] = &[
-    TYPED_BIO_QUEUE,
     "uring_submit",
     "uring_submit_sqe",
     "irq_entry",
@@ -95,6 +104,7 @@ const HEAD_SEES: &str = "descriptor head of each request (the join key with the 
 /// Whether `prog` may fail without failing the run.
 pub fn is_optional(prog: &str) -> bool {
     OPTIONAL_TP_PROGS.contains(&prog)
+        || is_typed_tp(prog)
         || TYPED_FILE_PROGS.contains(&prog)
         || HOOKS
             .iter()
@@ -127,8 +137,8 @@ pub struct Plan {
     /// The syscalls traced by fentry/fexit programs on their wrappers (fentry
     /// mode); empty: the raw `sys_enter`/`sys_exit` tracepoints trace them.
     pub sys_fentry: Vec<&'static SysHook>,
-    /// Bios are traced by `TYPED_BIO_QUEUE` (fentry mode, vmlinux BTF).
-    pub typed_bio: bool,
+    /// The typed programs of [`TYPED_TPS`] that run instead of their raw twins.
+    pub typed_tps: BTreeSet<&'static str>,
     /// Reads' and writes' files come from `TYPED_FILE_PROGS`.
     pub typed_file: bool,
 }
@@ -152,9 +162,7 @@ impl Plan {
             p.extend(OFF_CPU_PROGS);
         }
         p.extend(self.sys_fentry.iter().flat_map(|s| [s.enter, s.exit]));
-        if self.typed_bio {
-            p.insert(TYPED_BIO_QUEUE);
-        }
+        p.extend(self.typed_tps.iter().copied());
         if self.typed_file {
             p.extend(TYPED_FILE_PROGS);
         }
@@ -173,13 +181,14 @@ impl Plan {
         }
     }
 
-    /// The typed bio program cannot run: the raw tracepoint's does the same.
-    pub fn bio_fallback(&mut self, why: &str) {
-        if self.typed_bio {
-            self.typed_bio = false;
-            self.notes.push(format!(
-                "bios: {why}: the raw block_bio_queue tracepoint instead"
-            ));
+    /// Typed program `prog` cannot run: its raw twin does the same.
+    pub fn typed_fallback(&mut self, prog: &str, why: &str) {
+        if let Some((t, raw, tp)) = TYPED_TPS.iter().find(|(t, _, _)| *t == prog) {
+            if self.typed_tps.remove(t) {
+                self.notes.push(format!(
+                    "{tp}: {why}: the raw tracepoint's program {raw} instead"
+                ));
+            }
         }
     }
 
@@ -219,8 +228,8 @@ impl Plan {
         if is_sys_fentry(prog) {
             self.sys_fallback(&why);
         }
-        if prog == TYPED_BIO_QUEUE {
-            self.bio_fallback(&why);
+        if is_typed_tp(prog) {
+            self.typed_fallback(prog, &why);
         }
         if TYPED_FILE_PROGS.contains(&prog) {
             self.file_fallback(&why);
@@ -503,8 +512,13 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
     let (sys_fentry, sys_note) = plan_syscalls(mode, f);
     notes.extend(sys_note);
     // tp_btf programs need what fentry ones need: tracing programs and vmlinux BTF.
-    let typed_bio = mode == Mode::Fentry && f.fentry && f.has_btf("vmlinux");
-    let typed_file = typed_bio
+    let typed = mode == Mode::Fentry && f.fentry && f.has_btf("vmlinux");
+    let typed_tps = TYPED_TPS
+        .iter()
+        .filter(|(_, _, tp)| typed && (*tp == "block_bio_queue" || f.version() >= (5, 11)))
+        .map(|(t, _, _)| *t)
+        .collect();
+    let typed_file = typed
         && TYPED_FILE_TARGETS
             .iter()
             .all(|t| f.module_of(t) == Some("vmlinux"));
@@ -517,7 +531,7 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
         off_cpu: false,
         exact_kick: false,
         sys_fentry,
-        typed_bio,
+        typed_tps,
         typed_file,
     }
 }

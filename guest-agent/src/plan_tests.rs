@@ -467,33 +467,47 @@ fn syscall_programs_fall_back_to_the_raw_tracepoints_as_a_whole() {
     ));
 }
 
-/// Bios: fentry mode with vmlinux BTF traces them on a typed bio (tp_btf); the
-/// other modes, a kernel without vmlinux BTF, or a refused typed program keep
-/// the raw tracepoint's program (always loaded, attached when needed).
+/// Bios and requests: fentry mode with vmlinux BTF traces them on a typed bio
+/// or request (tp_btf; the request ones from 5.11); the other modes, a kernel
+/// without vmlinux BTF, or a refused typed program keep the raw tracepoint's
+/// program (always loaded, attached when needed).
 #[test]
-fn bios_are_traced_on_a_typed_bio_in_fentry_mode_else_on_the_raw_tracepoint() {
+fn bios_and_requests_are_typed_in_fentry_mode_else_on_the_raw_tracepoints() {
+    let all: BTreeSet<&str> = TYPED_TPS.iter().map(|(t, _, _)| *t).collect();
     for f in [k5_10(), k6_1(), k7_2()] {
         let p = plan(Mode::Fentry, &f);
-        assert!(p.typed_bio, "{}", f.release);
-        assert!(p.programs().contains(TYPED_BIO_QUEUE), "{}", f.release);
+        let want: BTreeSet<&str> = if f.version() < (5, 11) {
+            BTreeSet::from(["tb_bio_queue"])
+        } else {
+            all.clone()
+        };
+        assert_eq!(p.typed_tps, want, "{}", f.release);
+        assert!(
+            want.iter().all(|t| p.programs().contains(t)),
+            "{}",
+            f.release
+        );
         for m in [Mode::Kprobe, Mode::Tracepoint] {
             let p = plan(m, &f);
             assert!(
-                !p.typed_bio && !p.programs().contains(TYPED_BIO_QUEUE),
+                p.typed_tps.is_empty() && p.programs().is_disjoint(&all),
                 "{m}"
             );
         }
     }
     let mut no_btf = k6_1();
     no_btf.btf.remove("vmlinux");
-    assert!(!plan(Mode::Fentry, &no_btf).typed_bio);
+    assert!(plan(Mode::Fentry, &no_btf).typed_tps.is_empty());
     let mut p = plan(Mode::Fentry, &k6_1());
-    p.drop_program(TYPED_BIO_QUEUE);
-    assert!(!p.typed_bio && !p.programs().contains(TYPED_BIO_QUEUE));
+    p.drop_program("tb_rq_issue");
+    assert!(!p.programs().contains("tb_rq_issue"));
+    assert!(p.programs().contains("tb_rq_insert") && p.programs().contains("tb_bio_queue"));
     assert!(p.notes.iter().any(|n| n
-        == "bios: program tb_bio_queue refused by this kernel: the raw block_bio_queue \
-            tracepoint instead"));
-    assert!(is_optional(TYPED_BIO_QUEUE) && !is_optional(RAW_BIO_QUEUE));
+        == "block_rq_issue: program tb_rq_issue refused by this kernel: the raw tracepoint's \
+            program rq_issue instead"));
+    for (typed, raw, _) in TYPED_TPS {
+        assert!(is_optional(typed) && !is_optional(raw), "{typed}");
+    }
 }
 
 /// Reads' and writes' files: typed at vfs_read/vfs_write wherever bios are

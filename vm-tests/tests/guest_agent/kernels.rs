@@ -61,6 +61,15 @@ fn check_kernel_mode(
     let stats = final_stats(&r);
     assert_eq!(stats.mode.as_deref(), Some(want_mode), "{}", guest_log(&r));
     assert_btf_mapped(&guest_log(&r));
+    if want_mode == "fentry" {
+        // the typed block tracepoint programs (tb_*) are planned where the kernel
+        // takes them: none refused, no second load
+        let log = guest_log(&r);
+        assert!(
+            log.contains("in 1 attempt(s)") && !log.contains("the raw tracepoint's program"),
+            "{log}"
+        );
+    }
     let reported: Vec<&str> = stats
         .blind_points
         .as_ref()

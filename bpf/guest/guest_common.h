@@ -43,6 +43,9 @@ volatile __u8 aio_iocb_hooked = 0;
  * probe reads).
  */
 volatile __u8 rw_file_hooked = 0;
+/* Set once a thread lost a free sys slot's claim (sys_new): from then on a
+ * free slot does not prove that its threads have no state (sys_find). */
+volatile __u8 sys_claim_raced = 0;
 
 /*
  * Never used: gives struct vt_io_event a place in the object's BTF (a local
@@ -513,7 +516,15 @@ static __always_inline struct sys_state *sys_find(__u32 *tid)
 	__u32 i;
 	struct sys_slot *sl = sys_slot(*tid, &i);
 
-	return sl && sl->key == *tid ? &sl->s : bpf_map_lookup_elem(&sys_inflight, tid);
+	if (sl && sl->key == *tid)
+		return &sl->s;
+	/* A slot no thread holds: its threads are in sys_inflight only if one
+	 * lost the slot's claim to another that had not written its key yet
+	 * (sys_claim_raced). Else no hash lookup: a thread that never took a
+	 * state (socket or pipe I/O only) misses here at each of its syscalls. */
+	if (sl && !sl->key && *tid && !sys_claim_raced)
+		return NULL;
+	return bpf_map_lookup_elem(&sys_inflight, tid);
 }
 
 static __always_inline struct sys_state *sys_get(__u32 *tid)

@@ -175,9 +175,12 @@ static __always_inline struct sys_state *sys_new(__u32 tid)
 	__u32 i;
 	struct sys_slot *sl = sys_slot(tid, &i);
 
-	if (sl && !sl->key && tid && !bpf_map_update_elem(&sys_claims, &i, &key, BPF_NOEXIST)) {
-		sl->key = key;
-		return &sl->s;
+	if (sl && !sl->key && tid) {
+		if (!bpf_map_update_elem(&sys_claims, &i, &key, BPF_NOEXIST)) {
+			sl->key = key;
+			return &sl->s;
+		}
+		sys_claim_raced = 1;
 	}
 	return map_insert(&sys_inflight, &tid, &zero_sys, S_FULL_SYS);
 }

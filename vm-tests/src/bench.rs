@@ -55,7 +55,7 @@ pub const JOBS: &[Job] = &[
     },
 ];
 
-/// Conditions, alternated in this order each round: no agents, the guest agent always-on
+/// Conditions, alternated in this order, rotated by one each round (`round_order`): no agents, the guest agent always-on
 /// (`guest`: tables, no records written), in capture mode (`capture`: `--capture`, every
 /// record to a file, rendered as JSON after the run) and with live JSON lines (`json`:
 /// `--json`, every record as JSON as it comes), the host agent, both joined, both agents
@@ -456,10 +456,7 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
     let wl = workload(cfg.runtime_secs, cfg.vm.insn_count);
     let mut removed = 0u64;
     for round in 0..cfg.rounds {
-        for &cond in CONDITIONS
-            .iter()
-            .filter(|c| cfg.conditions.iter().any(|x| x == *c))
-        {
+        for cond in round_order(&cfg.conditions, round) {
             let name = cond.to_string();
             let dir: PathBuf = out.join(format!("round{round}-{name}"));
             let vm = condition_vm(cond, &cfg.vm, cfg.bpf_stats, cfg.runtime_secs);
@@ -579,6 +576,24 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
     fs::write(out.join("bench.json"), serde_json::to_vec_pretty(&res)?)?;
     print!("{table}");
     Ok(res)
+}
+
+/// The conditions of round `round` (0-based): those asked for, in [`CONDITIONS`]' order
+/// rotated by the round. Over as many rounds as conditions, each one runs once in every
+/// position, so a drift of the host's speed within a round (a slower phase late in it)
+/// lands on no condition more than on another. (Runs before 2026-12-06 13:00 UTC kept
+/// the same order every round: `none` first, the anchor last.)
+pub fn round_order(conditions: &[String], round: u32) -> Vec<&'static str> {
+    let asked: Vec<&'static str> = CONDITIONS
+        .iter()
+        .copied()
+        .filter(|c| conditions.iter().any(|x| x == c))
+        .collect();
+    if asked.is_empty() {
+        return asked;
+    }
+    let k = round as usize % asked.len();
+    asked[k..].iter().chain(&asked[..k]).copied().collect()
 }
 
 /// The readable table: medians over rounds and ratios to "no agents".

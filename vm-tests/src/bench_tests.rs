@@ -407,3 +407,13 @@ fn the_bench_runs_one_copy_of_each_agent() {
     assert_eq!(host_only.host_bin, Some(out2.join("bin/viotrace-host")));
     assert!(!out2.join("bin/viotrace-guest").exists());
 }
+
+#[test]
+fn each_round_rotates_the_conditions_so_each_takes_every_position() {
+    let asked: Vec<String> = ["bpftrace", "none", "guest"].map(String::from).to_vec();
+    assert_eq!(round_order(&asked, 0), ["none", "guest", "bpftrace"]);
+    assert_eq!(round_order(&asked, 1), ["guest", "bpftrace", "none"]);
+    assert_eq!(round_order(&asked, 2), ["bpftrace", "none", "guest"]);
+    assert_eq!(round_order(&asked, 3), round_order(&asked, 0));
+    assert!(round_order(&["nothing".to_string()], 1).is_empty());
+}

@@ -310,8 +310,11 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
     let t_attach = std::time::Instant::now();
     let mut links = Vec::new();
     let mut live = HashSet::new();
-    for p in skel.object().progs_mut() {
+    for (round, p) in (0..4).flat_map(|r| skel.object().progs_mut().map(move |p| (r, p))) {
         let name = p.name().to_string_lossy().into_owned();
+        if plan::attach_round(&name) != round {
+            continue;
+        }
         let optional = plan::is_optional(&name);
         if optional && !plan.programs().contains(name.as_str()) {
             continue;

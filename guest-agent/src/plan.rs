@@ -71,6 +71,21 @@ pub const TYPED_TPS: [(&str, &str, &str); 3] = [
     ("tb_rq_issue", "rq_issue", "block_rq_issue"),
 ];
 
+/// When `prog` is attached, in rounds 0 to 3 (each round in the object's order).
+/// The programs that make a request's state come last, those of its earliest point
+/// (the insert) at the very end: a request tracked while the others were still
+/// being attached would miss their points (its kick, its driver completion) and
+/// count as a loss; tracked after, it has them all. A request in flight before
+/// is tracked at a later point (its issue, its batch) or not at all.
+pub fn attach_round(prog: &str) -> u8 {
+    match prog {
+        "rq_insert" | "tb_rq_insert" => 3,
+        "rq_issue" | "tb_rq_issue" => 2,
+        "fe_queue_rq" | "fe_queue_rqs" | "kp_queue_rq" | "kp_queue_rqs" => 1,
+        _ => 0,
+    }
+}
+
 /// Whether `prog` is the typed twin of a raw tracepoint's program.
 pub fn is_typed_tp(prog: &str) -> bool {
     TYPED_TPS.iter().any(|(t, _, _)| *t == prog)

@@ -657,3 +657,22 @@ fn skipping_g_irq_in_kprobe_mode_turns_the_irq_tracepoint_off() {
     let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
     assert_eq!(r.blind_points, [Point::Irq]);
 }
+
+/// The programs that make a request's state attach after every other one, the
+/// insert's last; the typed twins with their raw programs.
+#[test]
+fn request_tracking_programs_attach_last_the_insert_at_the_very_end() {
+    for p in [
+        "fx_update_request",
+        "fe_complete_request",
+        "fx_kick_prepare",
+        "fe_add_sgs",
+    ] {
+        assert_eq!(attach_round(p), 0, "{p}");
+    }
+    assert!(attach_round("fe_queue_rq") < attach_round("rq_issue"));
+    assert!(attach_round("rq_issue") < attach_round("rq_insert"));
+    for (typed, raw, _) in TYPED_TPS {
+        assert_eq!(attach_round(typed), attach_round(raw), "{typed}");
+    }
+}

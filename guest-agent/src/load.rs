@@ -323,7 +323,7 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
         // a raw block tracepoint's program until its typed twin is.
         let twin_planned = plan::TYPED_TPS
             .iter()
-            .any(|(t, raw, _)| *raw == name && plan.typed_tps.contains(t));
+            .any(|t| t.raw == name && plan.typed_tps.contains(t.typed));
         if (SYS_TP_PROGS.contains(&name.as_str()) && !plan.sys_fentry.is_empty()) || twin_planned {
             continue;
         }
@@ -360,7 +360,7 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
             }
         }
     }
-    for (typed, raw, _) in plan::TYPED_TPS {
+    for plan::TypedTp { typed, raw, .. } in plan::TYPED_TPS {
         if !plan.typed_tps.contains(typed) || live.contains(typed) {
             continue;
         }

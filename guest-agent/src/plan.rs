@@ -59,16 +59,39 @@ pub struct Variants {
     pub vring_interrupt_addr: u64,
 }
 
-/// Tracepoints whose program has a typed twin in fentry mode (tp_btf): the
+/// A tracepoint whose program has a typed twin in fentry mode (tp_btf): the
 /// tracepoint's bio or request is a typed pointer, read with plain loads where
-/// the raw program makes probe reads (and, for bios, keeps a disk cache).
-/// (typed program, raw program, tracepoint). The raw one is always loaded, and
-/// attached only when the typed one is not. The request ones need
-/// bpf_get_current_task_btf (5.11+) for the request's address as a number.
-pub const TYPED_TPS: [(&str, &str, &str); 3] = [
-    ("tb_bio_queue", "bio_queue", "block_bio_queue"),
-    ("tb_rq_insert", "rq_insert", "block_rq_insert"),
-    ("tb_rq_issue", "rq_issue", "block_rq_issue"),
+/// the raw program makes probe reads (and, for bios, keeps a disk cache). The
+/// raw one is always loaded, and attached only when the typed one is not.
+#[derive(Clone, Copy, Debug)]
+pub struct TypedTp {
+    pub typed: &'static str,
+    pub raw: &'static str,
+    pub tracepoint: &'static str,
+    /// The oldest kernel it is planned on: the request ones take the request's
+    /// address as a number with bpf_get_current_task_btf (5.11+).
+    pub since: (u32, u32),
+}
+
+pub const TYPED_TPS: [TypedTp; 3] = [
+    TypedTp {
+        typed: "tb_bio_queue",
+        raw: "bio_queue",
+        tracepoint: "block_bio_queue",
+        since: (0, 0),
+    },
+    TypedTp {
+        typed: "tb_rq_insert",
+        raw: "rq_insert",
+        tracepoint: "block_rq_insert",
+        since: (5, 11),
+    },
+    TypedTp {
+        typed: "tb_rq_issue",
+        raw: "rq_issue",
+        tracepoint: "block_rq_issue",
+        since: (5, 11),
+    },
 ];
 
 /// When `prog` is attached, in rounds 0 to 3 (each round in the object's order).
@@ -88,7 +111,7 @@ pub fn attach_round(prog: &str) -> u8 {
 
 /// Whether `prog` is the typed twin of a raw tracepoint's program.
 pub fn is_typed_tp(prog: &str) -> bool {
-    TYPED_TPS.iter().any(|(t, _, _)| *t == prog)
+    TYPED_TPS.iter().any(|t| t.typed == prog)
 }
 
 /// The file of read, write, pread64 and pwrite64 taken typed where the syscall
@@ -198,10 +221,11 @@ impl Plan {
 
     /// Typed program `prog` cannot run: its raw twin does the same.
     pub fn typed_fallback(&mut self, prog: &str, why: &str) {
-        if let Some((t, raw, tp)) = TYPED_TPS.iter().find(|(t, _, _)| *t == prog) {
-            if self.typed_tps.remove(t) {
+        if let Some(t) = TYPED_TPS.iter().find(|t| t.typed == prog) {
+            if self.typed_tps.remove(t.typed) {
                 self.notes.push(format!(
-                    "{tp}: {why}: the raw tracepoint's program {raw} instead"
+                    "{}: {why}: the raw tracepoint's program {} instead",
+                    t.tracepoint, t.raw
                 ));
             }
         }
@@ -530,8 +554,8 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
     let typed = mode == Mode::Fentry && f.fentry && f.has_btf("vmlinux");
     let typed_tps = TYPED_TPS
         .iter()
-        .filter(|(_, _, tp)| typed && (*tp == "block_bio_queue" || f.version() >= (5, 11)))
-        .map(|(t, _, _)| *t)
+        .filter(|t| typed && f.version() >= t.since)
+        .map(|t| t.typed)
         .collect();
     let typed_file = typed
         && TYPED_FILE_TARGETS

@@ -473,7 +473,7 @@ fn syscall_programs_fall_back_to_the_raw_tracepoints_as_a_whole() {
 /// program (always loaded, attached when needed).
 #[test]
 fn bios_and_requests_are_typed_in_fentry_mode_else_on_the_raw_tracepoints() {
-    let all: BTreeSet<&str> = TYPED_TPS.iter().map(|(t, _, _)| *t).collect();
+    let all: BTreeSet<&str> = TYPED_TPS.iter().map(|t| t.typed).collect();
     for f in [k5_10(), k6_1(), k7_2()] {
         let p = plan(Mode::Fentry, &f);
         let want: BTreeSet<&str> = if f.version() < (5, 11) {
@@ -505,7 +505,7 @@ fn bios_and_requests_are_typed_in_fentry_mode_else_on_the_raw_tracepoints() {
     assert!(p.notes.iter().any(|n| n
         == "block_rq_issue: program tb_rq_issue refused by this kernel: the raw tracepoint's \
             program rq_issue instead"));
-    for (typed, raw, _) in TYPED_TPS {
+    for TypedTp { typed, raw, .. } in TYPED_TPS {
         assert!(is_optional(typed) && !is_optional(raw), "{typed}");
     }
 }
@@ -672,7 +672,7 @@ fn request_tracking_programs_attach_last_the_insert_at_the_very_end() {
     }
     assert!(attach_round("fe_queue_rq") < attach_round("rq_issue"));
     assert!(attach_round("rq_issue") < attach_round("rq_insert"));
-    for (typed, raw, _) in TYPED_TPS {
+    for TypedTp { typed, raw, .. } in TYPED_TPS {
         assert_eq!(attach_round(typed), attach_round(raw), "{typed}");
     }
 }

@@ -55,8 +55,8 @@ pub const JOBS: &[Job] = &[
     },
 ];
 
-/// Conditions, alternated in this order, rotated by one each round (`round_order`): no agents, the guest agent always-on
-/// (`guest`: tables, no records written), in capture mode (`capture`: `--capture`, every
+/// Conditions, alternated in this order, rotated by one each round (`round_order`): no
+/// agents, the guest agent always-on (`guest`: tables, no records written), in capture mode (`capture`: `--capture`, every
 /// record to a file, rendered as JSON after the run) and with live JSON lines (`json`:
 /// `--json`, every record as JSON as it comes), the host agent, both joined, both agents
 /// unjoined (`apart`: not in the default set; what joining adds), the guest agent without

@@ -278,22 +278,32 @@ __noinline int rq_issued_g(__u64 rqf, __u64 queued, __u64 bio, __u64 sector, __u
 	return 1;
 }
 
-/* The state of request `rq`, tracked from now on if it was not (NULL: not traced). */
+/* The state of request `key` with head `bio`, `tail`, `q` (`q` 0: not given,
+ * see rq_track_g), tracked from now on if it was not (NULL: not traced). */
+static __always_inline struct rq_state *rq_tracked_head(__u64 key, __u64 bio, __u64 tail,
+							__u64 q)
+{
+	return rq_track_g(key, bio, tail, q) ? rq_get(&key) : NULL;
+}
+
+/* The same, the head read if needed. */
 static __always_inline struct rq_state *rq_tracked(struct request *rq)
 {
-	__u64 key = (__u64)rq;
+	return rq_tracked_head((__u64)rq, 0, 0, 0);
+}
 
-	return rq_track_g(key, 0, 0, 0) ? rq_get(&key) : NULL;
+/* g.rq_insert, for the raw and the typed program. */
+static __always_inline void rq_inserted(struct rq_state *st)
+{
+	if (st)
+		st->ev.ts[P_RQ_INSERT] = bpf_ktime_get_ns();
 }
 
 /* Every mode; in fentry mode only if tb_rq_insert is refused. */
 SEC("raw_tp/block_rq_insert")
 int BPF_PROG(rq_insert, struct request *rq)
 {
-	struct rq_state *st = rq_tracked(rq);
-
-	if (st)
-		st->ev.ts[P_RQ_INSERT] = bpf_ktime_get_ns();
+	rq_inserted(rq_tracked(rq));
 	return 0;
 }
 
@@ -317,15 +327,9 @@ SEC("?tp_btf/block_rq_insert")
 int BPF_PROG(tb_rq_insert, struct request *rq)
 {
 	struct typed_base tb = typed_base();
-	__u64 key = typed_addr(&tb, rq);
-	struct rq_state *st;
 
-	if (!rq_track_g(key, typed_addr(&tb, rq->bio), typed_addr(&tb, rq->biotail),
-			typed_addr(&tb, rq->q)))
-		return 0;
-	st = rq_get(&key);
-	if (st)
-		st->ev.ts[P_RQ_INSERT] = bpf_ktime_get_ns();
+	rq_inserted(rq_tracked_head(typed_addr(&tb, rq), typed_addr(&tb, rq->bio),
+				    typed_addr(&tb, rq->biotail), typed_addr(&tb, rq->q)));
 	return 0;
 }
 

@@ -564,12 +564,12 @@ fn main() -> Result<()> {
     }
     let mut decoder = raw::Decoder::new();
     decoder.off_cpu = run.off_cpu;
-    decoder.tables_only =
-        !cli.json && no_capture && cli.connect.is_none() && cli.threshold.is_none();
+    // (the uplink sends request records as the ring buffer holds them)
+    decoder.tables_only = !cli.json && no_capture && cli.threshold.is_none();
     let mut rb = RingBufferBuilder::new();
     rb.add(&run.skel.maps.events, |data: &[u8]| {
         match decoder.decode(data) {
-            Ok(rec) => sink.borrow_mut().handle(rec),
+            Ok(rec) => sink.borrow_mut().handle(rec, data),
             Err(e) => sink.borrow_mut().bad_record(&e),
         }
         0

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use thiserror::Error;
 use viotrace_shared::points::SlotMap;
+use viotrace_shared::proto::rq_bpf;
 use viotrace_shared::record::{GuestIo, GuestRq, Name, OffCpu, Op, Point, Points, RqRef};
 
 use crate::bpf::types::{vt_io_event, vt_rq_event};
@@ -18,6 +19,27 @@ const MAX_REFS: usize = 16;
 // The sizes the C header asserts (`_Static_assert` in viotrace_guest.h).
 const _: () = assert!(RQ_SIZE == 184 && IO_SIZE == 400);
 
+// The request record goes to the host as it is (`rq_bpf`): the host reads it
+// by the offsets the protocol names, which must be the generated struct's.
+const _: () = {
+    use rq_bpf::off;
+    use std::mem::offset_of;
+    type R = vt_rq_event;
+    assert!(RQ_SIZE == rq_bpf::RECORD_LEN);
+    assert!(offset_of!(R, kind) == off::KIND && offset_of!(R, dev) == off::DEV);
+    assert!(offset_of!(R, ts) == off::TS && offset_of!(R, sector) == off::SECTOR);
+    assert!(offset_of!(R, cgroup_id) == off::CGROUP_ID && offset_of!(R, inode) == off::INODE);
+    assert!(offset_of!(R, file_offset) == off::FILE_OFFSET && offset_of!(R, bytes) == off::BYTES);
+    assert!(offset_of!(R, cmd_flags) == off::CMD_FLAGS && offset_of!(R, pid) == off::PID);
+    assert!(offset_of!(R, tid) == off::TID && offset_of!(R, bios) == off::BIOS);
+    assert!(offset_of!(R, status) == off::STATUS && offset_of!(R, queue) == off::QUEUE);
+    assert!(offset_of!(R, head) == off::HEAD && offset_of!(R, has_queue) == off::HAS_QUEUE);
+    assert!(offset_of!(R, has_head) == off::HAS_HEAD && offset_of!(R, kicked) == off::KICKED);
+    assert!(offset_of!(R, has_file_offset) == off::HAS_FILE_OFFSET);
+    assert!(offset_of!(R, comm) == off::COMM);
+    assert!(std::mem::size_of::<[u64; rq_bpf::TS_LEN]>() == off::SECTOR - off::TS);
+};
+
 include!(concat!(env!("OUT_DIR"), "/guest_stats.rs"));
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -28,32 +50,12 @@ pub enum DecodeError {
     Kind(u32),
 }
 
-/// Kick outcome recorded for a request.
+/// Kick outcome recorded for a request (an unknown value: unknown).
 fn kicked(v: u8) -> Option<bool> {
-    match v {
-        1 => Some(true),
-        2 => Some(false),
-        _ => None,
-    }
+    rq_bpf::kicked(v).ok().flatten()
 }
 
-/// Linux `blk_status_t` → negative errno (`blk_status_to_errno`).
-pub fn blk_status_errno(st: i32) -> i32 {
-    match st {
-        0 => 0,
-        1 => -95,  // NOTSUPP: EOPNOTSUPP
-        2 => -110, // TIMEOUT: ETIMEDOUT
-        3 => -28,  // NOSPC
-        4 => -67,  // TRANSPORT: ENOLINK
-        5 => -121, // TARGET: EREMOTEIO
-        6 => -52,  // NEXUS / RESV_CONFLICT: EBADE
-        7 => -61,  // MEDIUM: ENODATA
-        8 => -84,  // PROTECTION: EILSEQ
-        9 => -12,  // RESOURCE: ENOMEM
-        12 => -11, // AGAIN
-        _ => -5,   // IOERR and the rest: EIO
-    }
-}
+pub use rq_bpf::blk_status_errno;
 
 /// x86-64 syscall number → name (the ones the BPF side traces).
 pub fn syscall_name(nr: u32) -> Name {
@@ -129,26 +131,14 @@ fn cstr(f: &[i8]) -> Name {
 }
 
 /// Sets `dst` to the NUL-terminated string in `f` (lossy UTF-8), unless it
-/// already holds it: a task's records come in runs, and the comparison is
-/// cheaper than building the name again.
+/// already holds it (as the host decodes a record sent in the BPF layout).
 fn set_cstr(dst: &mut Name, f: &[i8]) {
-    let n = f.iter().position(|&c| c == 0).unwrap_or(f.len());
-    let f = &f[..n];
-    let same = dst.len() == n && dst.as_bytes().iter().zip(f).all(|(&a, &b)| a == b as u8);
-    if same {
-        return;
-    }
-    // (task names are 16 bytes: inline, no allocation)
     let mut b = [0u8; 64];
-    let n = n.min(b.len());
+    let n = f.len().min(b.len());
     for (d, &c) in b.iter_mut().zip(f) {
         *d = c as u8;
     }
-    let b = &b[..n];
-    *dst = match std::str::from_utf8(b) {
-        Ok(s) => Name::new(s),
-        Err(_) => Name::from_utf8_lossy(b),
-    };
+    rq_bpf::set_cstr(dst, &b[..n]);
 }
 
 /// A decoded record, borrowed from its [`Decoder`]: the next record decoded
@@ -433,6 +423,61 @@ mod tests {
             .count();
         assert_eq!(C_POINTS.len(), guest_points, "{C_POINTS:?}");
         assert_eq!((K_RQ, K_IO), (1, 2));
+    }
+
+    proptest::proptest! {
+        /// The host reads a request record sent as the ring buffer held it
+        /// (`rq_bpf`, through a batch frame) into the record this decoder
+        /// makes of it; its time from the guest's wall-clock offset sent with it.
+        #[test]
+        fn the_host_decodes_a_record_sent_as_is_as_this_decoder_does(
+            ts in proptest::collection::vec(proptest::option::of(1u64..u64::MAX / 4), rq_bpf::TS_LEN),
+            (sector, cgroup, inode, offset) in (proptest::num::u64::ANY, proptest::num::u64::ANY,
+                proptest::num::u64::ANY, proptest::num::u64::ANY),
+            (bytes, op, pid, tid, bios, status) in (proptest::num::u32::ANY, 0u32..40,
+                proptest::num::u32::ANY, proptest::num::u32::ANY, proptest::num::u32::ANY, -2i32..14),
+            (queue, head, flags, kicked) in (proptest::num::u16::ANY, proptest::num::u16::ANY,
+                0u8..8, 0u8..3),
+            comm in proptest::collection::vec(proptest::num::u8::ANY, 16),
+            wall in -(1i64 << 60)..(1i64 << 60),
+        ) {
+            let mut b = raw_rq();
+            for (i, t) in ts.iter().enumerate() {
+                put(&mut b, 8 + 8 * i, &t.unwrap_or(0).to_ne_bytes());
+            }
+            for (o, v) in [(104, sector), (112, cgroup), (120, inode), (128, offset)] {
+                put(&mut b, o, &v.to_ne_bytes());
+            }
+            for (o, v) in [(136, bytes), (140, op | (bytes & 0xff00)), (144, pid), (148, tid), (152, bios)] {
+                put(&mut b, o, &v.to_ne_bytes());
+            }
+            put(&mut b, 156, &status.to_ne_bytes());
+            put(&mut b, 160, &queue.to_ne_bytes());
+            put(&mut b, 162, &head.to_ne_bytes());
+            (b[164], b[165], b[166], b[167]) = (flags & 1, flags >> 1 & 1, kicked, flags >> 2 & 1);
+            b[168..184].copy_from_slice(&comm);
+            let mut d = decoder();
+            let Record::Rq(mine) = d.decode(&b).unwrap() else {
+                panic!("not a request")
+            };
+            let mut want = mine.clone();
+            want.time = want.ts.min_max().map(|(first, _)| {
+                viotrace_shared::walltime::WallTime((first as i64).saturating_add(wall))
+            });
+            let mut rec = Vec::new();
+            rq_bpf::encode_record(&b, wall, &mine.disk, &mut rec).unwrap();
+            let mut frame = Vec::new();
+            viotrace_shared::proto::batch_frame(5, 1, [&rec[..]], &mut frame);
+            let msg = viotrace_shared::proto::decode_payload(&frame[4..]).unwrap();
+            let viotrace_shared::proto::Message::Batch { first_seq, records } = msg else {
+                panic!("not a batch")
+            };
+            proptest::prop_assert_eq!(first_seq, 5);
+            proptest::prop_assert_eq!(
+                records,
+                vec![viotrace_shared::proto::GuestRecord::Rq(want)]
+            );
+        }
     }
 
     fn decoder() -> Decoder {

@@ -12,6 +12,7 @@ use viotrace_shared::proto::{Counter, GuestRecordRef, GuestStats};
 use viotrace_shared::record::{GuestIo, GuestRq, Point, Points, Stats};
 use viotrace_shared::stats::{render_waterfall, Aggregator};
 use viotrace_shared::transport::GuestSender;
+use viotrace_shared::walltime;
 
 use crate::io_hist::Gained;
 use crate::raw::{DecodeError, Record};
@@ -198,8 +199,9 @@ impl Sink {
         }
     }
 
-    /// One decoded ring-buffer record.
-    pub fn handle(&mut self, rec: Record<'_>) {
+    /// One decoded ring-buffer record; `raw`: its bytes as the ring buffer
+    /// holds them (a request record goes to the host as it is).
+    pub fn handle(&mut self, rec: Record<'_>, raw: &[u8]) {
         self.interval_records += 1;
         match rec {
             Record::Rq(r) => {
@@ -208,7 +210,10 @@ impl Sink {
                     c.push(GuestRecordRef::Rq(r));
                 }
                 if let Some(u) = &self.uplink {
-                    u.send_rq(r);
+                    // (the guest's wall clock near the record's last point: the
+                    // host gives the record its time from its first)
+                    let near = r.ts.min_max().map_or(0, |(_, last)| last);
+                    u.send_rq_bpf(raw, walltime::offset_near(near), &r.disk);
                 }
             }
             Record::Io(io) => {
@@ -515,7 +520,7 @@ mod tests {
         let mut d = Decoder::new();
         d.name_disk((253u32 << 20) | 16, "vdb");
         for r in &raw {
-            s.handle(d.decode(r).unwrap());
+            s.handle(d.decode(r).unwrap(), r);
         }
         s.flush();
         assert_eq!((s.rqs, s.ios, s.decode_errors), (2_000, 2_000, 0));

@@ -42,14 +42,16 @@ use crate::varint;
 mod batch;
 mod io_wire;
 pub mod rq;
+pub mod rq_bpf;
 
 pub use batch::{BatchReader, RawBatch};
 
 /// Wire protocol version carried in [`Hello`]/[`HelloAck`]. Bumped on any
 /// incompatible change of [`Message`].
 /// (3: records carry their wall-clock `time`; 5: points as differences;
-/// 7: request records in their own compact form, [`rq`].)
-pub const PROTOCOL_VERSION: u16 = 7;
+/// 7: request records in their own compact form, [`rq`]; 8: or in the guest
+/// BPF object's layout, [`rq_bpf`].)
+pub const PROTOCOL_VERSION: u16 = 8;
 /// Hard maximum payload size of one frame (1 MiB).
 pub const MAX_FRAME: usize = 1 << 20;
 /// Size of the frame length prefix.

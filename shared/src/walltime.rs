@@ -136,11 +136,18 @@ pub fn refresh() {
 
 /// The wall-clock time of a `CLOCK_MONOTONIC` timestamp of this machine.
 pub fn at(mono_ns: u64) -> WallTime {
+    WallTime((mono_ns as i64).saturating_add(offset_near(mono_ns)))
+}
+
+/// `CLOCK_REALTIME − CLOCK_MONOTONIC` (ns) for a monotonic time `mono_ns`:
+/// the offset [`at`] adds (measured again when `mono_ns` is more than a
+/// second after its last measurement).
+pub fn offset_near(mono_ns: u64) -> i64 {
     let m = MEASURED_AT.load(Ordering::Relaxed);
     if m == 0 || mono_ns > m.saturating_add(REFRESH_NS) {
         refresh();
     }
-    WallTime((mono_ns as i64).saturating_add(OFFSET.load(Ordering::Relaxed)))
+    OFFSET.load(Ordering::Relaxed)
 }
 
 /// Uncertainty (±ns) of the current mapping (`u64::MAX` before the first one).

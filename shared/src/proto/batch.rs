@@ -10,7 +10,7 @@
 //! decoding of the message accepts and yields the same message (a
 //! differential test holds it to that); only the errors say more.
 
-use super::{rq, GuestRecord, GuestRecordRef, Message, ProtoError};
+use super::{rq, rq_bpf, GuestRecord, GuestRecordRef, Message, ProtoError};
 use crate::record::{GuestIo, GuestRq};
 use crate::varint;
 
@@ -34,18 +34,20 @@ pub struct RawBatch {
 enum Kind {
     Rq,
     Io,
+    /// A request record in the BPF layout ([`rq_bpf`]).
+    RqBpf,
 }
 
 /// Takes one record off the front of `b`: its kind and its bytes (a request
 /// record's body; a syscall record's whole postcard form, checked).
 fn next_record<'a>(b: &mut &'a [u8], index: usize) -> Result<(Kind, &'a [u8]), ProtoError> {
     match varint::take_u32(b).ok_or_else(|| bad_varint(b))? {
-        0 => {
+        t @ (0 | 2) => {
             let len = varint::take(b).ok_or_else(|| bad_varint(b))?;
             let len = usize::try_from(len).map_err(|_| end())?;
             let (rec, rest) = b.split_at_checked(len).ok_or_else(end)?;
             *b = rest;
-            Ok((Kind::Rq, rec))
+            Ok((if t == 0 { Kind::Rq } else { Kind::RqBpf }, rec))
         }
         1 => {
             let (_, rest) =
@@ -162,6 +164,10 @@ impl BatchReader {
         for index in 0..batch.count {
             match next_record(&mut b, index) {
                 Ok((Kind::Rq, rec)) => match rq::decode_into(rec, &mut self.rq) {
+                    Ok(()) => each(Ok(GuestRecordRef::Rq(&self.rq))),
+                    Err(source) => each(Err(ProtoError::BadRecord { index, source })),
+                },
+                Ok((Kind::RqBpf, rec)) => match rq_bpf::decode_into(rec, &mut self.rq) {
                     Ok(()) => each(Ok(GuestRecordRef::Rq(&self.rq))),
                     Err(source) => each(Err(ProtoError::BadRecord { index, source })),
                 },

@@ -59,6 +59,8 @@ pub enum RqWireError {
     Points,
     #[error("unknown record tag {0}")]
     Tag(u32),
+    #[error("request record in the BPF layout of {0} bytes")]
+    Length(usize),
 }
 
 /// A string as postcard writes one: its length, then its bytes.
@@ -290,9 +292,10 @@ impl<'de> Visitor<'de> for RecordVisitor {
         match tag {
             0 => v.newtype_variant_seed(BinSeed).map(GuestRecord::Rq),
             1 => v.newtype_variant::<GuestIo>().map(GuestRecord::Io),
+            2 => v.newtype_variant_seed(BpfSeed).map(GuestRecord::Rq),
             t => Err(de::Error::invalid_value(
                 de::Unexpected::Unsigned(u64::from(t)),
-                &"record tag 0 or 1",
+                &"record tag 0, 1 or 2",
             )),
         }
     }
@@ -318,6 +321,31 @@ impl Visitor<'_> for BinSeed {
 
     fn visit_bytes<E: de::Error>(self, b: &[u8]) -> Result<GuestRq, E> {
         decode(b).map_err(E::custom)
+    }
+}
+
+/// Reads a request record's byte string in the BPF layout ([`super::rq_bpf`]).
+struct BpfSeed;
+
+impl<'de> DeserializeSeed<'de> for BpfSeed {
+    type Value = GuestRq;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<GuestRq, D::Error> {
+        d.deserialize_bytes(self)
+    }
+}
+
+impl Visitor<'_> for BpfSeed {
+    type Value = GuestRq;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a request record in the guest BPF layout")
+    }
+
+    fn visit_bytes<E: de::Error>(self, b: &[u8]) -> Result<GuestRq, E> {
+        let mut rq = blank();
+        super::rq_bpf::decode_into(b, &mut rq).map_err(E::custom)?;
+        Ok(rq)
     }
 }
 

@@ -252,14 +252,31 @@ impl GuestSender {
 
     /// [`Self::send`] of a record the caller keeps (it is encoded at once).
     pub fn send_ref(&self, rec: &GuestRecordRef<'_>) {
+        // (Larger than any frame: it can never be delivered.)
+        self.offer(|buf| encode_record_into(rec, buf).is_ok());
+    }
+
+    /// Offers a request record in the guest BPF object's layout, as the ring
+    /// buffer holds it ([`proto::rq_bpf`]): copied, not decoded or encoded.
+    /// One that is not such a record is refused and counted like a full
+    /// buffer's.
+    pub fn send_rq_bpf(&self, bpf: &[u8], wall_offset: i64, disk: &str) {
+        self.offer(|buf| {
+            buf.clear();
+            proto::rq_bpf::encode_record(bpf, wall_offset, disk, buf).is_some()
+        });
+    }
+
+    /// Numbers and buffers the record `encode` writes into the scratch buffer
+    /// (cleared by it), or counts it refused (`encode` false, or no room).
+    fn offer(&self, encode: impl FnOnce(&mut Vec<u8>) -> bool) {
         let sh = &self.shared;
         thread_local! {
             /// Where this thread encodes its records (one allocation, reused).
             static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         }
         let unsent = SCRATCH.with_borrow_mut(|buf| {
-            if encode_record_into(rec, buf).is_err() {
-                // Larger than any frame: it can never be delivered.
+            if !encode(buf) {
                 return None;
             }
             let mut q = sh.lock();

@@ -84,7 +84,7 @@ impl Default for Budget {
             max_conns_total: 256,
             connects_per_sec: 1.0,
             connect_burst: 8.0,
-            bytes_per_sec: 8.0 * 1024.0 * 1024.0,
+            bytes_per_sec: 24.0 * 1024.0 * 1024.0,
             max_frame: 256 * 1024,
             max_batch_records: 4096,
             records_pending: 8192,

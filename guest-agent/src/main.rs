@@ -549,7 +549,6 @@ fn main() -> Result<()> {
         }
         None => None,
     };
-    let no_capture = capture.is_none();
     let sink = RefCell::new(Sink::new(
         cli.json,
         cli.threshold,
@@ -564,8 +563,9 @@ fn main() -> Result<()> {
     }
     let mut decoder = raw::Decoder::new();
     decoder.off_cpu = run.off_cpu;
-    // (the uplink sends request records as the ring buffer holds them)
-    decoder.tables_only = !cli.json && no_capture && cli.threshold.is_none();
+    // (the capture and the uplink take request records as the ring buffer
+    // holds them)
+    decoder.tables_only = !cli.json && cli.threshold.is_none();
     let mut rb = RingBufferBuilder::new();
     rb.add(&run.skel.maps.events, |data: &[u8]| {
         match decoder.decode(data) {

@@ -67,6 +67,16 @@ fn first_last(p: &Points) -> Option<u64> {
     (hi >= lo).then(|| hi - lo)
 }
 
+/// The wall-clock offset sent with a request record in the BPF layout, from
+/// which its reader gives it its time (its first point plus the offset): the
+/// one its decoded `time` was made with, else the guest's near its last point.
+fn wall_offset(r: &GuestRq) -> i64 {
+    match (r.time, r.ts.min_max()) {
+        (Some(t), Some((first, _))) => t.unix_ns().wrapping_sub(first as i64),
+        (_, last) => walltime::offset_near(last.map_or(0, |(_, l)| l)),
+    }
+}
+
 fn rq_header(r: &GuestRq) -> String {
     let mut h = format!(
         "slow request: {} {} sector {} {}B  pid {} tid {} ({}) cgroup {} inode {}",
@@ -206,14 +216,16 @@ impl Sink {
         match rec {
             Record::Rq(r) => {
                 self.on_rq(r);
-                if let Some(c) = &mut self.capture {
-                    c.push(GuestRecordRef::Rq(r));
-                }
-                if let Some(u) = &self.uplink {
-                    // (the guest's wall clock near the record's last point: the
-                    // host gives the record its time from its first)
-                    let near = r.ts.min_max().map_or(0, |(_, last)| last);
-                    u.send_rq_bpf(raw, walltime::offset_near(near), &r.disk);
+                // (the capture and the uplink take the record as the ring
+                // buffer holds it: copied, not encoded)
+                if self.capture.is_some() || self.uplink.is_some() {
+                    let off = wall_offset(r);
+                    if let Some(c) = &mut self.capture {
+                        c.push_rq_bpf(raw, off, &r.disk);
+                    }
+                    if let Some(u) = &self.uplink {
+                        u.send_rq_bpf(raw, off, &r.disk);
+                    }
                 }
             }
             Record::Io(io) => {

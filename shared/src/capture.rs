@@ -7,8 +7,11 @@
 //! Layout: [`MAGIC`], then chunks `[kind: u8][len: u32 LE][payload: len bytes]`:
 //! - [`HELLO`] (first, once): the writer's [`Hello`] (postcard), as the uplink
 //!   sends it; its `protocol_version` is the records' encoding;
-//! - [`RECORDS`]: a varint count, then that many records as
-//!   [`encode_record_into`](crate::proto::encode_record_into) encodes them;
+//! - [`RECORDS`]: a varint count, then that many records as a batch holds
+//!   them: [`encode_record_into`](crate::proto::encode_record_into)'s, or a
+//!   request record in the guest BPF layout
+//!   ([`rq_bpf::encode_record`](crate::proto::rq_bpf::encode_record), since
+//!   protocol 8: the guest agent's captures);
 //! - [`END`] (last, once): the writer's final `"kind":"stats"` JSON line.
 //!
 //! A file without its `END` chunk is a capture that did not finish (the agent
@@ -25,6 +28,9 @@ use crate::varint;
 
 /// The first bytes of a capture file (the format's version is the last byte).
 pub const MAGIC: &[u8; 8] = b"VIOTCAP\x01";
+/// The oldest protocol version whose captures this reader decodes (7's
+/// records are a subset of 8's: 8 added request records in the BPF layout).
+pub const OLDEST_VERSION: u16 = 7;
 /// Chunk kinds.
 pub const HELLO: u8 = 1;
 pub const RECORDS: u8 = 2;
@@ -40,7 +46,9 @@ const CHUNK_HEADER: usize = 5;
 pub enum CaptureError {
     #[error("not a viotrace capture file (bad magic {0:02x?})")]
     BadMagic(Vec<u8>),
-    #[error("capture written with protocol version {got}; this reader decodes version {want}")]
+    #[error(
+        "capture written with protocol version {got}; this reader decodes versions 7 to {want}"
+    )]
     Version { got: u16, want: u16 },
     #[error("chunk at byte {at}: unknown kind {kind}")]
     UnknownChunk { at: u64, kind: u8 },
@@ -119,6 +127,26 @@ impl<W: Write> CaptureWriter<W> {
         if let Err(e) = encode_record_append(&rec, &mut self.pending) {
             self.lost += 1;
             self.failed.get_or_insert_with(|| e.to_string());
+            return;
+        }
+        self.pending_count += 1;
+        if self.pending.len() >= CHUNK_BYTES {
+            self.write_pending();
+        }
+    }
+
+    /// Adds a request record in the guest BPF object's layout, as the ring
+    /// buffer held it ([`crate::proto::rq_bpf`]): copied, not encoded.
+    pub fn push_rq_bpf(&mut self, bpf: &[u8], wall_offset: i64, disk: &str) {
+        if self.failed.is_some() {
+            self.lost += 1;
+            return;
+        }
+        // (one that is not such a record is lost alone, counted: the ring
+        // buffer's request records always are)
+        if crate::proto::rq_bpf::encode_record(bpf, wall_offset, disk, &mut self.pending).is_none()
+        {
+            self.lost += 1;
             return;
         }
         self.pending_count += 1;
@@ -214,7 +242,7 @@ impl<R: Read> CaptureReader<R> {
             at: hello_at,
             what: format!("hello: {e}"),
         })?;
-        if hello.protocol_version != PROTOCOL_VERSION {
+        if !(OLDEST_VERSION..=PROTOCOL_VERSION).contains(&hello.protocol_version) {
             return Err(CaptureError::Version {
                 got: hello.protocol_version,
                 want: PROTOCOL_VERSION,

@@ -209,14 +209,53 @@ fn damage_is_named_not_panicked_on() {
 
 #[test]
 fn another_protocol_version_is_refused_by_name() {
+    for v in [OLDEST_VERSION - 1, PROTOCOL_VERSION + 1] {
+        let mut h = hello();
+        h.protocol_version = v;
+        let mut w = CaptureWriter::new(Vec::new(), &h).unwrap();
+        w.push(GuestRecord::Rq(rq(1)).borrowed());
+        w.flush();
+        let bytes = w.finish(STATS.as_bytes()).unwrap();
+        let e = CaptureReader::new(&bytes[..]).err().unwrap();
+        assert!(matches!(e, CaptureError::Version { .. }), "{e}");
+    }
+    // Protocol 7's captures (compact request records only) still read.
     let mut h = hello();
-    h.protocol_version = PROTOCOL_VERSION + 1;
+    h.protocol_version = 7;
     let mut w = CaptureWriter::new(Vec::new(), &h).unwrap();
     w.push(GuestRecord::Rq(rq(1)).borrowed());
-    w.flush();
     let bytes = w.finish(STATS.as_bytes()).unwrap();
-    let e = CaptureReader::new(&bytes[..]).err().unwrap();
-    assert!(matches!(e, CaptureError::Version { .. }), "{e}");
+    let (recs, end) = read_all(&bytes);
+    assert_eq!(recs, vec![GuestRecord::Rq(rq(1))]);
+    assert!(end.is_ok());
+}
+
+#[test]
+fn request_records_in_the_bpf_layout_read_back_between_the_others() {
+    let bpf = crate::proto::rq_bpf::tests::bpf_record();
+    let mut w = CaptureWriter::new(Vec::new(), &hello()).unwrap();
+    w.push(GuestRecord::Rq(rq(1)).borrowed());
+    w.push_rq_bpf(&bpf, 5_000, "vdb");
+    w.push(GuestRecord::Rq(rq(2)).borrowed());
+    // Not a request record of the layout: lost alone, counted.
+    w.push_rq_bpf(&bpf[..10], 0, "vdb");
+    assert_eq!((w.written, w.lost), (0, 1));
+    let bytes = w.finish(STATS.as_bytes()).unwrap();
+    let (recs, end) = read_all(&bytes);
+    assert_eq!(end.unwrap(), STATS);
+    let mut want = crate::proto::rq::blank();
+    let mut body = Vec::new();
+    crate::proto::rq_bpf::encode_record(&bpf, 5_000, "vdb", &mut body).unwrap();
+    // (tag, a two-byte length, the body)
+    crate::proto::rq_bpf::decode_into(&body[3..], &mut want).unwrap();
+    assert_eq!(
+        recs,
+        vec![
+            GuestRecord::Rq(rq(1)),
+            GuestRecord::Rq(want),
+            GuestRecord::Rq(rq(2))
+        ]
+    );
 }
 
 /// A file that takes `room` bytes, then fails every write.

@@ -202,7 +202,7 @@ pub fn decode_into(b: &[u8], rq: &mut GuestRq) -> Result<(), RqWireError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::proto::rq::blank;
 
@@ -212,7 +212,7 @@ mod tests {
 
     /// A record as the BPF side writes one: a write of 4 KiB at sector 80,
     /// three points, queue 0 head 7, kicked.
-    fn bpf_record() -> Vec<u8> {
+    pub(crate) fn bpf_record() -> Vec<u8> {
         let mut b = vec![0u8; RECORD_LEN];
         put(&mut b, off::KIND, &KIND_RQ.to_le_bytes());
         put(&mut b, off::DEV, &((253u32 << 20) | 16).to_le_bytes());

@@ -17,7 +17,8 @@ use viotrace_shared::join::synth::{generate, interleave, Event, SynthConfig};
 use viotrace_shared::join::{Emitted, JoinEngine, Output};
 use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::proto::{
-    encode_frame_into, BatchReader, FrameDecoder, GuestRecord, GuestRecordRef, Inbound, Message,
+    batch_frame, encode_frame_into, rq_bpf, BatchReader, FrameDecoder, GuestRecord, GuestRecordRef,
+    Inbound, Message,
 };
 use viotrace_shared::record::{HostElem, Point};
 use viotrace_shared::stats::{Aggregator, PairLabel};
@@ -151,6 +152,27 @@ fn bench_proto(c: &mut Criterion) {
                     if let Message::Batch { records, .. } = m {
                         n += records.len();
                     }
+                }
+            }
+            black_box(n)
+        })
+    });
+    // The guest agent's form since protocol 8: the BPF layout, as copied.
+    let mut entries = Vec::new();
+    for r in &s.guest {
+        rq_bpf::entry_of(r, &mut entries);
+    }
+    let mut bpf_frame = Vec::new();
+    batch_frame(0, s.guest.len(), [&entries[..]], &mut bpf_frame);
+    g.bench_function("decode_batch_1024_rq_bpf", |b| {
+        let mut reader = BatchReader::new();
+        b.iter(|| {
+            let mut d = FrameDecoder::new();
+            let mut n = 0;
+            for chunk in bpf_frame.chunks(16 * 1024) {
+                d.feed(chunk);
+                while let Some(Inbound::Batch(batch)) = d.next_inbound().unwrap() {
+                    reader.read(&batch, |r| n += usize::from(r.is_ok()));
                 }
             }
             black_box(n)
@@ -343,10 +365,17 @@ fn host_inputs(requests: usize, interval_ns: u64) -> (Vec<HostInput>, usize) {
     let mut frames = 0;
     for chunk in guest.chunk_by(|a, b| a.0 / GUEST_FLUSH_NS == b.0 / GUEST_FLUSH_NS) {
         for part in chunk.chunks(GUEST_BATCH_MAX) {
-            let records: Vec<GuestRecord> = part.iter().map(|g| g.1.clone()).collect();
-            let n = records.len() as u64;
+            // (as the guest agent sends them: in the BPF layout)
+            let mut entries = Vec::new();
+            for g in part {
+                let GuestRecord::Rq(r) = &g.1 else {
+                    unreachable!("request records only")
+                };
+                rq_bpf::entry_of(r, &mut entries);
+            }
+            let n = part.len() as u64;
             let mut frame = Vec::new();
-            encode_frame_into(&Message::Batch { first_seq, records }, &mut frame).unwrap();
+            batch_frame(first_seq, part.len(), [&entries[..]], &mut frame);
             first_seq += n;
             let at = (part[0].0 / GUEST_FLUSH_NS + 1) * GUEST_FLUSH_NS;
             ev.push((at, 1 + frames, HostInput::Frame(frame)));

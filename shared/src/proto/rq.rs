@@ -290,9 +290,13 @@ impl<'de> Visitor<'de> for RecordVisitor {
     fn visit_enum<A: EnumAccess<'de>>(self, a: A) -> Result<GuestRecord, A::Error> {
         let (tag, v) = a.variant::<u32>()?;
         match tag {
-            0 => v.newtype_variant_seed(BinSeed).map(GuestRecord::Rq),
+            0 => v
+                .newtype_variant_seed(BinSeed { bpf: false })
+                .map(GuestRecord::Rq),
             1 => v.newtype_variant::<GuestIo>().map(GuestRecord::Io),
-            2 => v.newtype_variant_seed(BpfSeed).map(GuestRecord::Rq),
+            2 => v
+                .newtype_variant_seed(BinSeed { bpf: true })
+                .map(GuestRecord::Rq),
             t => Err(de::Error::invalid_value(
                 de::Unexpected::Unsigned(u64::from(t)),
                 &"record tag 0, 1 or 2",
@@ -301,8 +305,11 @@ impl<'de> Visitor<'de> for RecordVisitor {
     }
 }
 
-/// Reads a request record's byte string.
-struct BinSeed;
+/// Reads a request record's byte string: its compact form ([`encode`]) or,
+/// with `bpf`, the guest BPF layout ([`super::rq_bpf`]).
+struct BinSeed {
+    bpf: bool,
+}
 
 impl<'de> DeserializeSeed<'de> for BinSeed {
     type Value = GuestRq;
@@ -316,35 +323,21 @@ impl Visitor<'_> for BinSeed {
     type Value = GuestRq;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a request record's binary form")
-    }
-
-    fn visit_bytes<E: de::Error>(self, b: &[u8]) -> Result<GuestRq, E> {
-        decode(b).map_err(E::custom)
-    }
-}
-
-/// Reads a request record's byte string in the BPF layout ([`super::rq_bpf`]).
-struct BpfSeed;
-
-impl<'de> DeserializeSeed<'de> for BpfSeed {
-    type Value = GuestRq;
-
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<GuestRq, D::Error> {
-        d.deserialize_bytes(self)
-    }
-}
-
-impl Visitor<'_> for BpfSeed {
-    type Value = GuestRq;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a request record in the guest BPF layout")
+        f.write_str(if self.bpf {
+            "a request record in the guest BPF layout"
+        } else {
+            "a request record's binary form"
+        })
     }
 
     fn visit_bytes<E: de::Error>(self, b: &[u8]) -> Result<GuestRq, E> {
         let mut rq = blank();
-        super::rq_bpf::decode_into(b, &mut rq).map_err(E::custom)?;
+        if self.bpf {
+            super::rq_bpf::decode_into(b, &mut rq)
+        } else {
+            decode_into(b, &mut rq)
+        }
+        .map_err(E::custom)?;
         Ok(rq)
     }
 }

@@ -308,6 +308,63 @@ mod tests {
         }
     }
 
+    /// A batch mixing both request-record forms (as a guest agent of protocol
+    /// 8 sends the BPF layout): each read as itself; a BPF-layout record that
+    /// does not decode (a `kind` that is not a request's) is refused alone,
+    /// after a skim that accepted its extent, and postcard's decoding of the
+    /// message refuses it too.
+    #[test]
+    fn both_request_forms_read_and_a_bad_bpf_record_is_refused_alone() {
+        let rq = |i| {
+            let mut r = sample_rq(i);
+            r.time = Some(crate::walltime::WallTime(7_000 + i as i64));
+            r
+        };
+        let mut entries = Vec::new();
+        crate::proto::encode_record_append(&GuestRecordRef::Rq(&rq(1)), &mut entries).unwrap();
+        rq_bpf::entry_of(&rq(2), &mut entries);
+        let bad_at = entries.len() + 3; // (tag, a two-byte length)
+        rq_bpf::entry_of(&rq(3), &mut entries);
+        rq_bpf::entry_of(&rq(4), &mut entries);
+        let mut frame = Vec::new();
+        crate::proto::batch_frame(9, 4, [&entries[..]], &mut frame);
+        let p = frame[crate::proto::FRAME_HEADER..].to_vec();
+        let want: Vec<GuestRecord> = (1..5).map(|i| GuestRecord::Rq(rq(i))).collect();
+        assert_eq!(
+            reference(&p),
+            Ok(Message::Batch {
+                first_seq: 9,
+                records: want.clone()
+            })
+        );
+        assert_eq!(raw(&p).to_records().unwrap(), want);
+        let mut p = p;
+        // (offset in the payload: the batch tag, the sequence number, the count)
+        p[3 + bad_at] = 2;
+        assert!(reference(&p).is_err());
+        let mut got = Vec::new();
+        BatchReader::new().read(&raw(&p), |r| {
+            got.push(r.map(|r| match r {
+                GuestRecordRef::Rq(x) => GuestRecord::Rq(x.clone()),
+                GuestRecordRef::Io(x) => GuestRecord::Io(x.clone()),
+            }))
+        });
+        assert!(
+            matches!(
+                got[2],
+                Err(ProtoError::BadRecord {
+                    index: 2,
+                    source: rq::RqWireError::Tag(2)
+                })
+            ),
+            "{:?}",
+            got[2]
+        );
+        for i in [0, 1, 3] {
+            assert_eq!(got[i].as_ref().ok(), Some(&want[i]), "record {i}");
+        }
+    }
+
     /// Skipping records already delivered keeps the rest, numbered on.
     #[test]
     fn skip_drops_the_first_records() {

@@ -47,7 +47,8 @@ pub enum CaptureError {
     #[error("not a viotrace capture file (bad magic {0:02x?})")]
     BadMagic(Vec<u8>),
     #[error(
-        "capture written with protocol version {got}; this reader decodes versions 7 to {want}"
+        "capture written with protocol version {got}; this reader decodes versions {} to {want}",
+        OLDEST_VERSION
     )]
     Version { got: u16, want: u16 },
     #[error("chunk at byte {at}: unknown kind {kind}")]
@@ -119,34 +120,32 @@ impl<W: Write> CaptureWriter<W> {
 
     /// Adds one record.
     pub fn push(&mut self, rec: GuestRecordRef<'_>) {
-        if self.failed.is_some() {
-            self.lost += 1;
-            return;
-        }
-        // (encoded where it goes, the open chunk: untouched on an error)
-        if let Err(e) = encode_record_append(&rec, &mut self.pending) {
-            self.lost += 1;
-            self.failed.get_or_insert_with(|| e.to_string());
-            return;
-        }
-        self.pending_count += 1;
-        if self.pending.len() >= CHUNK_BYTES {
-            self.write_pending();
-        }
+        self.append(|buf| encode_record_append(&rec, buf).map_err(|e| Some(e.to_string())));
     }
 
     /// Adds a request record in the guest BPF object's layout, as the ring
     /// buffer held it ([`crate::proto::rq_bpf`]): copied, not encoded.
     pub fn push_rq_bpf(&mut self, bpf: &[u8], wall_offset: i64, disk: &str) {
+        // (one that is not such a record is lost alone, counted: the ring
+        // buffer's request records always are)
+        self.append(|buf| {
+            crate::proto::rq_bpf::encode_record(bpf, wall_offset, disk, buf).ok_or(None)
+        });
+    }
+
+    /// Adds the record `encode` appends where it goes, the open chunk (which
+    /// it leaves untouched on an error), or counts it lost: `Err(Some(why))`
+    /// also fails the capture, `Err(None)` loses this record alone.
+    fn append(&mut self, encode: impl FnOnce(&mut Vec<u8>) -> Result<(), Option<String>>) {
         if self.failed.is_some() {
             self.lost += 1;
             return;
         }
-        // (one that is not such a record is lost alone, counted: the ring
-        // buffer's request records always are)
-        if crate::proto::rq_bpf::encode_record(bpf, wall_offset, disk, &mut self.pending).is_none()
-        {
+        if let Err(why) = encode(&mut self.pending) {
             self.lost += 1;
+            if let Some(why) = why {
+                self.failed.get_or_insert(why);
+            }
             return;
         }
         self.pending_count += 1;

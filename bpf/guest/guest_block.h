@@ -398,6 +398,13 @@ static __always_inline void emit_rq(struct rq_state *st)
 			}
 		}
 	}
+	int summary = rq_summary_on ? rq_summarized(st) : RQ_SENT;
+
+	if (summary == RQ_COUNTED) {
+		stat_inc(S_RQ_SUMMARIZED);
+		st->active = 0;
+		return;
+	}
 	/*
 	 * The record is the state's event as it stands, copied by the program (8-byte
 	 * moves): bpf_ringbuf_output's kernel memcpy is a `rep movsb` where the CPU
@@ -405,8 +412,10 @@ static __always_inline void emit_rq(struct rq_state *st)
 	 */
 	e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 	if (e) {
+		__u64 flags = rb_flags_counted(S_RQ_EMITTED);
+
 		__builtin_memcpy(e, &st->ev, sizeof(*e));
-		bpf_ringbuf_submit(e, rb_flags_counted(S_RQ_EMITTED));
+		bpf_ringbuf_submit(e, summary == RQ_UNPLANNED ? BPF_RB_FORCE_WAKEUP : flags);
 	} else {
 		stat_inc(S_RB_DROP_RQ);
 	}

@@ -24,6 +24,11 @@ const CLOCK_MEMORY: usize = 16;
 /// The least a frame costs against the VM's byte budget (so floods of tiny
 /// frames are bounded in CPU as well).
 const FRAME_COST: usize = 1024;
+/// The least a record costs against it: a request record as the guest agent
+/// sends it (the BPF layout, `rq_bpf::FIXED_LEN` bytes and the disk's name),
+/// so that a guest sending smaller records (the compact form) gets no more
+/// records decoded per second than an honest one.
+pub(super) const RECORD_COST: usize = crate::proto::rq_bpf::FIXED_LEN;
 /// Least room offered to one read (more when the frame being received needs it).
 const READ_MIN: usize = 64 * 1024;
 /// A clock exchange longer than this is useless and refused.
@@ -70,6 +75,8 @@ struct State {
     pings: VecDeque<(u64, u64)>,
     /// Our replies to guest probes: (seq, t1, t2, t3).
     replies: VecDeque<(u64, u64, u64, u64)>,
+    /// Records received in batches (delivered or not).
+    records: usize,
 }
 
 impl Conn {
@@ -213,6 +220,7 @@ impl Conn {
             ping_seq: 0,
             pings: VecDeque::new(),
             replies: VecDeque::new(),
+            records: 0,
         };
         // The idle timer is not re-armed by every read: when it fires, it is
         // set again to the idle timeout after the last read, if that is later.
@@ -266,13 +274,14 @@ impl Conn {
                         Ok(n) => n,
                     };
                     last_rx = tokio::time::Instant::now();
-                    let frames = dec.frames();
+                    let (frames, records) = (dec.frames(), st.records);
                     if let Err(e) = self.decode_all(&mut st, &mut dec, wr, now).await {
                         return e;
                     }
-                    // Over its byte budget (each frame costs at least FRAME_COST),
-                    // the VM's socket is not read for a while.
-                    let cost = n + (dec.frames() - frames) as usize * FRAME_COST;
+                    // Over its byte budget (each frame costs at least FRAME_COST,
+                    // each record RECORD_COST), the VM's socket is not read for a while.
+                    let cost = n.max((st.records - records) * RECORD_COST)
+                        + (dec.frames() - frames) as usize * FRAME_COST;
                     let wait = self.hub.charge_bytes(&self.vm, cost);
                     if !wait.is_zero() {
                         tokio::time::sleep(wait).await;
@@ -405,6 +414,7 @@ impl Conn {
         }
         let first_on_conn = st.batches == 0;
         st.batches += 1;
+        st.records += batch.len();
         let admit = self.hub.ledger(&self.vm, |l| {
             l.session(st.session)
                 .on_batch(first_seq, batch.len(), first_on_conn)

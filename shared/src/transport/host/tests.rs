@@ -311,8 +311,9 @@ async fn faults_between_guest_and_host_lose_nothing_and_are_counted() {
     assert_eq!(*px.applied.lock().unwrap(), faults);
 }
 
-/// A guest that floods records is held to its budget and cannot delay another
-/// VM: the agent's inbox serves connections in turn.
+/// A guest that floods records is held to its budget, in bytes and in
+/// records, and cannot delay another VM: the agent's inbox serves connections
+/// in turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_guest_is_throttled_and_the_other_vm_is_served() {
     let pa = tmp_sock("fa");
@@ -345,6 +346,13 @@ async fn a_flooding_guest_is_throttled_and_the_other_vm_is_served() {
         });
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // Each record costs at least RECORD_COST: tiny records (about 20 bytes
+    // here) get no more through than request records as the agent sends
+    // them: over 1.5 s, the bucket's second of burst and 1.5 s of rate, plus
+    // one read's overshoot (64 KiB) charged as debt. (At 20 bytes a record,
+    // 32 000 would fit in those bytes.)
+    let bound = (2.5 * 256.0 * 1024.0) as usize / conn::RECORD_COST + 64 * 1024 / 20;
+    let first = flood_n;
     for i in 0..500 {
         quiet.send_rq(&rq(i));
     }
@@ -360,6 +368,8 @@ async fn a_flooding_guest_is_throttled_and_the_other_vm_is_served() {
     .await;
     stop.store(true, Ordering::Relaxed);
     let flood = flooder.await.unwrap();
+    // (asserted once the flooder stopped: a runtime waits for its blocking tasks)
+    assert!(first <= bound, "{first} records through, at most {bound}");
     let fst = flood.stats();
     // The flood outran its budget: its own buffer refused records (counted).
     assert!(fst.dropped_full > 0, "{fst:?}");

@@ -63,39 +63,15 @@ __noinline __u32 rq_plan_slot_g(__u32 dev, __u32 mask)
 	return (((dev ^ (mask * 0x9E3779B1u)) * 0x85EBCA77u) >> 28) & (RQ_PLANS - 1);
 }
 
-/* floor(log2(i)) of a byte i > 0: the slot below in two steps and a load. */
-static const __u8 log2_byte[256] = {
-	[1] = 0, [2 ... 3] = 1, [4 ... 7] = 2, [8 ... 15] = 3, [16 ... 31] = 4,
-	[32 ... 63] = 5, [64 ... 127] = 6, [128 ... 255] = 7,
-};
-
-/* hist_slot() of 1 <= ns < 2^31, as the agent's `rq_hist_slot` transcribes it. */
-static __always_inline __u64 hist_slot_31(__u64 ns)
-{
-	/* (64-bit throughout: no zero-extension steps) */
-	__u64 v = ns | 255, b = 0, bucket;
-
-	if (v >> 16) {
-		v >>= 16;
-		b = 16;
-	}
-	if (v >> 8) {
-		v >>= 8;
-		b += 8;
-	}
-	bucket = b + log2_byte[v & 255] - 7;
-	return ((bucket + 1) << 7) + (ns >> bucket) - 128;
-}
-
 /* Counts `ns` (< 2^31) in row `row` (verified once, whatever the caller). */
-__noinline int rq_row_add_g(__u64 row, __u64 ns)
+__noinline int rq_row_add_g(__u32 row, __u64 ns)
 {
-	__u64 slot;
+	__u32 slot;
 
 	if (row >= RQ_ROWS || ns >> 31)
 		return 0;
 	/* (0 in the slot of 1, as the agent's histograms record a value) */
-	slot = hist_slot_31(ns ? ns : 1);
+	slot = hist_slot(ns ? ns : 1);
 	if (slot >= IO_ROW_SLOTS)
 		return 0;
 	/* (bounds the verifier sees on the very registers used) */

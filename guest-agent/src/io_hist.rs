@@ -207,23 +207,6 @@ fn bpf_hist_slot(ns: u64) -> usize {
     (((bucket + 1) << 7) + (ns >> bucket) as u32 - 128) as usize
 }
 
-/// `hist_slot_31` of bpf/guest/guest_rq_summary.h (1 <= ns < 2^31), transcribed.
-#[cfg(test)]
-fn bpf_hist_slot_31(ns: u64) -> usize {
-    let table: Vec<u32> = (0..256u32).map(|i| i.max(1).ilog2()).collect();
-    let (mut v, mut b) = (ns as u32 | 255, 0);
-    if v >> 16 != 0 {
-        v >>= 16;
-        b = 16;
-    }
-    if v >> 8 != 0 {
-        v >>= 8;
-        b += 8;
-    }
-    let bucket = b + table[(v & 255) as usize] - 7;
-    (((bucket + 1) << 7) + (ns >> bucket) as u32 - 128) as usize
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,17 +222,6 @@ mod tests {
             }
         }
         assert!(bpf_hist_slot((1 << 41) - 1) < 0xffff);
-        // The requests' slot, below 2^31 ns: every value below 2^16, then powers of two.
-        for x in 1..1u64 << 16 {
-            assert_eq!(bpf_hist_slot_31(x), hist_slot(x), "{x}");
-        }
-        for e in 16..31u32 {
-            let v = 1u64 << e;
-            for x in [v, v + 1, v + v / 3, (v << 1) - 1] {
-                assert_eq!(bpf_hist_slot_31(x), hist_slot(x), "{x}");
-            }
-        }
-        assert_eq!(bpf_hist_slot_31((1 << 31) - 1), ROW_SLOTS - 1);
     }
 
     #[test]

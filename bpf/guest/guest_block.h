@@ -398,13 +398,6 @@ static __always_inline void emit_rq(struct rq_state *st)
 			}
 		}
 	}
-	int summary = rq_summary_on ? rq_summarized(st) : RQ_SENT;
-
-	if (summary == RQ_COUNTED) {
-		stat_inc(S_RQ_SUMMARIZED);
-		st->active = 0;
-		return;
-	}
 	/*
 	 * The record is the state's event as it stands, copied by the program (8-byte
 	 * moves): bpf_ringbuf_output's kernel memcpy is a `rep movsb` where the CPU
@@ -412,10 +405,8 @@ static __always_inline void emit_rq(struct rq_state *st)
 	 */
 	e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 	if (e) {
-		__u64 flags = rb_flags_counted(S_RQ_EMITTED);
-
 		__builtin_memcpy(e, &st->ev, sizeof(*e));
-		bpf_ringbuf_submit(e, summary == RQ_UNPLANNED ? BPF_RB_FORCE_WAKEUP : flags);
+		bpf_ringbuf_submit(e, rb_flags_counted(S_RQ_EMITTED));
 	} else {
 		stat_inc(S_RB_DROP_RQ);
 	}

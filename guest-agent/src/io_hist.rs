@@ -41,57 +41,14 @@ pub struct Rows<'a> {
 /// Slots per row (`IO_ROW_SLOTS`).
 pub const ROW_SLOTS: usize = 3200;
 
-/// Rows of counters by slot that the kernel only increments, each with a
-/// total it increments after the slot (`io_rows`, `rq_rows`): what each row
-/// gained since the last read.
-#[derive(Default)]
-pub struct RowDiff {
-    /// Each row's total and counts as last read (a row gets its copy when
-    /// its total first moves).
-    rows: HashMap<usize, (u64, Vec<u32>)>,
-}
-
-impl RowDiff {
-    /// `(row, (slot, gain) pairs)` of each row whose total moved, against
-    /// its last read.
-    pub fn moved(
-        &mut self,
-        rows: &[[u32; ROW_SLOTS]],
-        counts: &[u64],
-    ) -> Vec<(usize, Vec<(usize, u64)>)> {
-        let mut out = Vec::new();
-        for (i, (&count, row)) in counts.iter().zip(rows).enumerate() {
-            if count == self.rows.get(&i).map_or(0, |r| r.0) {
-                continue;
-            }
-            let (seen, prev) = self
-                .rows
-                .entry(i)
-                .or_insert_with(|| (0, vec![0; ROW_SLOTS]));
-            // The count first: each slot is incremented before it.
-            *seen = count;
-            compiler_fence(Ordering::SeqCst);
-            let mut slots = Vec::new();
-            for (slot, (&v, p)) in row.iter().zip(prev.iter_mut()).enumerate() {
-                if v != *p {
-                    slots.push((slot, u64::from(v.wrapping_sub(*p))));
-                    *p = v;
-                }
-            }
-            if !slots.is_empty() {
-                out.push((i, slots));
-            }
-        }
-        out
-    }
-}
-
 /// The kernel's totals as last read (the maps only grow; the difference is new).
 #[derive(Default)]
 pub struct IoHist {
     counts: HashMap<u32, u64>,
     sums: HashMap<u32, u64>,
-    rows: RowDiff,
+    /// Each row's total and counts as last read (a row gets its copy when
+    /// its total first moves).
+    rows: HashMap<usize, (u64, Vec<u32>)>,
     /// Batch reads that came up short and were done again key by key.
     pub batch_short: u64,
     /// `hashed` of the last read of `io_hist`: unchanged, nothing new went
@@ -127,9 +84,28 @@ impl IoHist {
 
     /// The rows whose count moved, against their last read.
     fn take_rows(&mut self, rows: &Rows<'_>, out: &mut HashMap<u32, Gained>) {
-        let n = rows.nrs.len().min(rows.counts.len());
-        for (i, slots) in self.rows.moved(rows.rows, &rows.counts[..n]) {
-            out.entry(rows.nrs[i]).or_default().slots.extend(slots);
+        for (i, (&count, row)) in rows.counts.iter().zip(rows.rows).enumerate() {
+            let Some(&nr) = rows.nrs.get(i) else { break };
+            if count == self.rows.get(&i).map_or(0, |r| r.0) {
+                continue;
+            }
+            let (seen, prev) = self
+                .rows
+                .entry(i)
+                .or_insert_with(|| (0, vec![0; ROW_SLOTS]));
+            // The count first: each slot is incremented before it.
+            *seen = count;
+            compiler_fence(Ordering::SeqCst);
+            let mut slots = Vec::new();
+            for (slot, (&v, p)) in row.iter().zip(prev.iter_mut()).enumerate() {
+                if v != *p {
+                    slots.push((slot, u64::from(v.wrapping_sub(*p))));
+                    *p = v;
+                }
+            }
+            if !slots.is_empty() {
+                out.entry(nr).or_default().slots.extend(slots);
+            }
         }
     }
 

@@ -212,7 +212,6 @@ fn set_config(open: &mut OpenViotraceGuestSkel<'_>, f: &Filters, p: &Plan) -> Re
     }
     ro.filter_cgroup = f.cgroup;
     ro.io_detail_ns = f.io_detail_ns;
-    ro.rq_summary_on = u32::from(f.rq_summary);
     if let Some((maj, min)) = f.disk {
         ro.filter_disk_on = 1;
         ro.filter_disk_major = maj;

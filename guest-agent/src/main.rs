@@ -14,7 +14,6 @@ mod load;
 mod plan;
 mod probe;
 mod raw;
-mod rq_summary;
 mod sink;
 
 use std::cell::RefCell;
@@ -335,8 +334,6 @@ pub(crate) struct Filters {
     io_detail_ns: u64,
     /// Points whose programs are left out (`--skip-points`).
     skip_points: Vec<viotrace_shared::record::Point>,
-    /// The kernel counts requests by stage as the agent plans (rq_summary.rs).
-    rq_summary: bool,
 }
 
 fn resolve_filters(cli: &Cli) -> Result<Filters> {
@@ -358,9 +355,6 @@ fn resolve_filters(cli: &Cli) -> Result<Filters> {
         },
         ..Default::default()
     };
-    // Nothing but the tables reads request records either: the kernel
-    // counts them by stage.
-    f.rq_summary = f.io_detail_ns == u64::MAX && cli.connect.is_none();
     if let Some(c) = &cli.comm {
         if c.is_empty() {
             bail!("--comm must not be empty");
@@ -426,8 +420,8 @@ fn read_stats(run: &load::Running) -> Vec<(&'static str, u64)> {
     v
 }
 
-/// The syscalls and requests the kernel summarized since the last call, into
-/// the sink's tables.
+/// The syscalls the kernel summarized since the last call, into the sink's
+/// syscall table.
 fn take_io_hist(run: &load::Running, h: &mut io_hist::IoHist, sink: &mut Sink) {
     let maps = &run.skel.maps;
     let (Some(bss), Some(ro)) = (maps.bss_data.as_deref(), maps.rodata_data) else {
@@ -442,7 +436,6 @@ fn take_io_hist(run: &load::Running, h: &mut io_hist::IoHist, sink: &mut Sink) {
     for (nr, g) in h.take(&rows, &maps.io_hist, &maps.io_sum) {
         sink.syscall_summary(nr, &g);
     }
-    sink.take_rq_rows(&bss.rq_rows, &bss.rq_row_counts, &bss.rq_row_sums);
 }
 
 fn bpf_stats(skel: &ViotraceGuestSkel<'_>) -> Vec<(&'static str, u64)> {
@@ -520,7 +513,7 @@ fn main() -> Result<()> {
     };
     libbpf_rs::set_print(Some((level, load::libbpf_print)));
     let facts = kernel::Facts::gather()?;
-    let (mut run, btf_reloads) = load_over_btf(
+    let (run, btf_reloads) = load_over_btf(
         &load::candidate_modes(cli.mode, &facts),
         &facts,
         &filters,
@@ -568,12 +561,6 @@ fn main() -> Result<()> {
     if let Some((w, on_stdout)) = capture {
         sink.borrow_mut().set_capture(w, on_stdout);
     }
-    // Always-on with nothing but the tables reading request records: the
-    // kernel counts them by stage (rq_summary.rs).
-    if filters.rq_summary {
-        sink.borrow_mut()
-            .set_rq_summary(rq_summary::RqSummary::new(&raw::point_slots()));
-    }
     let mut decoder = raw::Decoder::new();
     decoder.off_cpu = run.off_cpu;
     // (the capture and the uplink take request records as the ring buffer
@@ -608,9 +595,6 @@ fn main() -> Result<()> {
         rb.consume().context("consuming ring buffer")?;
         let now = Instant::now();
         let mut s = sink.borrow_mut();
-        if let Some(bss) = run.skel.maps.bss_data.as_deref_mut() {
-            s.install_rq_plans(&mut bss.rq_plans);
-        }
         if now >= next_table {
             let stats = read_stats(&run);
             take_io_hist(&run, &mut hist, &mut s);
@@ -630,7 +614,6 @@ fn main() -> Result<()> {
     let mut stats = read_stats(&run);
     take_io_hist(&run, &mut hist, &mut s);
     stats.push(("io_hist_reread", hist.batch_short));
-    stats.push(("rq_sets_unplanned", s.rq_unplanned()));
     stats.extend(s.verdict_counters());
     s.close_uplink(&mut stats);
     s.close_capture(&mut stats);

@@ -14,9 +14,8 @@ use viotrace_shared::stats::{render_waterfall, Aggregator};
 use viotrace_shared::transport::GuestSender;
 use viotrace_shared::walltime;
 
-use crate::io_hist::{Gained, ROW_SLOTS};
+use crate::io_hist::Gained;
 use crate::raw::{DecodeError, Record};
-use crate::rq_summary::RqSummary;
 
 /// Label under which syscall-level latencies are aggregated.
 const SYSCALL_LABEL: &str = "syscalls";
@@ -48,9 +47,6 @@ pub struct Sink {
     /// Human text goes to stderr (stdout carries JSON lines or the capture).
     human_to_stderr: bool,
     capture_failure_said: bool,
-    /// Requests counted by stage in the kernel (always-on, nothing else
-    /// reading their records).
-    rq_summary: Option<RqSummary>,
 }
 
 #[cfg(test)]
@@ -158,47 +154,7 @@ impl Sink {
             capture: None,
             human_to_stderr: json,
             capture_failure_said: false,
-            rq_summary: None,
         }
-    }
-
-    /// Plans the kernel's counting of requests by stage from the records
-    /// that still come (see rq_summary.rs).
-    pub fn set_rq_summary(&mut self, s: RqSummary) {
-        self.rq_summary = Some(s);
-    }
-
-    /// Writes the request plans noted since the last call.
-    pub fn install_rq_plans(
-        &mut self,
-        plans: &mut [crate::bpf::types::rq_plan; crate::rq_summary::RQ_PLANS],
-    ) {
-        if let Some(s) = &mut self.rq_summary {
-            s.install(plans);
-        }
-    }
-
-    /// The requests the kernel counted by stage since the last call, into
-    /// the tables as their records' would go (a plan's total counts each
-    /// request once).
-    pub fn take_rq_rows(&mut self, rows: &[[u32; ROW_SLOTS]], counts: &[u64], sums: &[u64]) {
-        let Some(s) = &mut self.rq_summary else {
-            return;
-        };
-        for g in s.take(rows, counts, |i| sums.get(i).copied().unwrap_or(0)) {
-            if g.stage == viotrace_shared::stages::StageId::TOTAL {
-                let n: u64 = g.slots.iter().map(|x| x.1).sum();
-                self.rqs += n;
-                self.interval_records += n;
-            }
-            self.interval
-                .record_slots(&g.disk, g.stage.name(), &g.slots, g.sum_ns);
-        }
-    }
-
-    /// Request sets refused a plan (their records still come).
-    pub fn rq_unplanned(&self) -> u64 {
-        self.rq_summary.as_ref().map_or(0, |s| s.unplanned)
     }
 
     /// Writes every record to `capture` from now on; `on_stdout`: the capture
@@ -260,9 +216,6 @@ impl Sink {
         match rec {
             Record::Rq(r) => {
                 self.on_rq(r);
-                if let Some(s) = &mut self.rq_summary {
-                    s.note(raw, &r.disk, &r.ts);
-                }
                 // (the capture and the uplink take the record as the ring
                 // buffer holds it: copied, not encoded)
                 if self.capture.is_some() || self.uplink.is_some() {

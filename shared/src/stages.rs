@@ -334,20 +334,6 @@ pub fn visit_stages(
     (total_ns, Some(at(ends.first)))
 }
 
-/// The stages, then the total ([`StageId::TOTAL`]), of every set of points
-/// with `ts`'s points present, each as `(stage, from, to)` in path order:
-/// what [`visit_stages`] subtracts, for durations counted elsewhere (the
-/// guest kernel's request summary). Empty with fewer than two anchors.
-pub fn stage_ends(ts: &Points) -> Vec<(StageId, Point, Point)> {
-    let point = |slot: u8| Point::ALL[slot as usize];
-    let mut out = Vec::new();
-    let ends = stage_slots(ts.mask(), |id, a, b| out.push((id, point(a), point(b))));
-    if let Some((a, b)) = ends.and_then(|e| e.total) {
-        out.push((StageId::TOTAL, point(a), point(b)));
-    }
-    out
-}
-
 /// At most this many stages in one set of points (one per pair of
 /// consecutive anchors).
 pub(crate) const MAX_SPANS: usize = ANCHORS.len() - 1;

@@ -301,49 +301,6 @@ fn recording_points_equals_recording_derived_stages() {
     assert!(stages > 12, "merged stages and stand-ins occur: {stages}");
 }
 
-proptest! {
-    /// Counting each stage's slot by its ends (the guest kernel's request
-    /// summary, `stage_ends`), in any row order, gives the tables that
-    /// recording the points does.
-    #[test]
-    fn counting_by_stage_ends_equals_recording_the_points(
-        sets in proptest::collection::vec(
-            (0u32..1 << 12, proptest::collection::vec(0u64..1 << 32, 12)), 1..40),
-        reversed in any::<bool>(),
-    ) {
-        let (mut each, mut counted) = (Aggregator::new(), Aggregator::new());
-        for (mask, times) in &sets {
-            let mut p = Points::new();
-            for (i, &t) in times.iter().enumerate() {
-                if mask & (1 << i) != 0 {
-                    p.set(Point::from_id(i as u8).unwrap(), t + 1);
-                }
-            }
-            each.record_points("vdb", &p);
-            let mut ends = crate::stages::stage_ends(&p);
-            if ends.is_empty() {
-                // (no plan: such a request sends its record)
-                counted.record_points("vdb", &p);
-            }
-            if reversed {
-                ends.reverse();
-            }
-            for (id, from, to) in ends {
-                let d = p.get(to).unwrap().saturating_sub(p.get(from).unwrap());
-                counted.record_slots("vdb", id.name(), &[(hist_slot(d), 1)], u128::from(d));
-            }
-        }
-        // (the same rows; a table orders them by path)
-        let sorted = |a: &Aggregator| {
-            let mut v = a.summaries();
-            v.sort_by(|x, y| x.stage.cmp(&y.stage));
-            v
-        };
-        prop_assert_eq!(sorted(&each), sorted(&counted));
-        prop_assert_eq!(each.render_table("t"), counted.render_table("t"));
-    }
-}
-
 #[test]
 fn records_with_different_stage_sets_keep_each_stage_apart() {
     // The lookup hint (the slot after the previous stage) must not mix up

@@ -434,8 +434,7 @@ fn final_stats(r: &RunResult) -> Stats {
 }
 
 /// Always-on (no `--json`, no `-t`): the syscalls send no records, the kernel counts their
-/// latencies (`io_hist`), and the syscall table still has every one of them; the requests
-/// likewise, by stage (`rq_rows`).
+/// latencies (`io_hist`), and the syscall table still has every one of them.
 #[test]
 fn always_on_syscalls_are_counted_in_the_kernel_and_tabled() {
     check_always_on("guest-always-on", GuestKernel::default());
@@ -470,15 +469,8 @@ fn check_always_on(name: &str, kernel: GuestKernel) {
         counter(&log, "io_hist_full") + counter(&log, "io_hist_reread"),
         0
     );
-    // fio's requests on vdb are all still in the request table: counted by stage in the
-    // kernel but for the first of each set of points, which sent its record and had the
-    // set planned (about 610 requests in all, vda's included).
-    let vdb = totals_rows(&log, "vdb");
-    assert_eq!(vdb.get("total"), Some(&600), "{log}");
-    assert!(vdb.values().all(|&n| n <= 600), "{vdb:?}");
-    let (summarized, emitted) = (counter(&log, "rq_summarized"), counter(&log, "rq_emitted"));
-    assert!(summarized >= 500 && emitted < summarized / 10, "{log}");
-    assert_eq!(counter(&log, "rq_sets_unplanned"), 0, "{log}");
+    // fio's requests on vdb are all still in the request table.
+    assert_eq!(totals_rows(&log, "vdb").get("total"), Some(&600), "{log}");
 }
 
 #[test]

@@ -380,6 +380,36 @@ async fn a_flooding_guest_is_throttled_and_the_other_vm_is_served() {
     drop((flood, quiet));
 }
 
+/// An honest guest's records (the BPF layout, each above RECORD_COST) are
+/// charged their bytes, once, however their frames are split across reads:
+/// within its budget, it is never throttled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_within_its_budget_is_charged_its_bytes_and_not_throttled() {
+    use crate::proto::rq_bpf::{KIND_RQ, RECORD_LEN};
+    let p = tmp_sock("honest");
+    let mut cfg = unix_cfg(&[(&p, "honest")]);
+    cfg.budget.bytes_per_sec = 512.0 * 1024.0;
+    let (server, mut inbox) = serve(cfg).await.unwrap();
+    let g = GuestSender::start(fast_cfg(Endpoint::Unix(p.clone()))).unwrap();
+    let mut rec = vec![0u8; RECORD_LEN];
+    rec[..4].copy_from_slice(&KIND_RQ.to_le_bytes());
+    // About 400 KiB in 2 000 records at once: within the bucket's first second.
+    for _ in 0..2000 {
+        g.send_rq_bpf(&rec, 0, "vda");
+    }
+    let mut n = 0;
+    until(&mut inbox, |e| {
+        if let EventKind::Records { batch, .. } = e.kind {
+            n += batch.len();
+        }
+        n == 2000
+    })
+    .await;
+    let a = account(&server, "honest");
+    assert_eq!((a.delivered, a.throttled_ms), (2000, 0), "{a:?}");
+    drop(g);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_that_keeps_sending_is_not_idle_and_one_that_stops_is() {
     let p = tmp_sock("idle");

@@ -32,6 +32,18 @@ async fn until(inbox: &mut Inbox, mut f: impl FnMut(Event) -> bool) {
     }
 }
 
+/// Waits until `want` records have arrived (from any VM).
+async fn until_records(inbox: &mut Inbox, want: usize) {
+    let mut n = 0;
+    until(inbox, |e| {
+        if let EventKind::Records { batch, .. } = e.kind {
+            n += batch.len();
+        }
+        n == want
+    })
+    .await;
+}
+
 fn account(server: &Server, vm: &str) -> VmAccount {
     server
         .accounts()
@@ -397,14 +409,7 @@ async fn a_guest_within_its_budget_is_charged_its_bytes_and_not_throttled() {
     for _ in 0..2000 {
         g.send_rq_bpf(&rec, 0, "vda");
     }
-    let mut n = 0;
-    until(&mut inbox, |e| {
-        if let EventKind::Records { batch, .. } = e.kind {
-            n += batch.len();
-        }
-        n == 2000
-    })
-    .await;
+    until_records(&mut inbox, 2000).await;
     let a = account(&server, "honest");
     assert_eq!((a.delivered, a.throttled_ms), (2000, 0), "{a:?}");
     drop(g);
@@ -513,14 +518,7 @@ async fn the_inbox_wakes_the_loop_at_half_a_vms_budget() {
         assert!(t0.elapsed() < Duration::from_secs(20), "no early wake");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let mut n = 0;
-    until(&mut inbox, |e| {
-        if let EventKind::Records { batch, .. } = e.kind {
-            n += batch.len();
-        }
-        n == 700
-    })
-    .await;
+    until_records(&mut inbox, 700).await;
     assert!(
         !readable(inbox.wake_fd()),
         "taking the inbox rearms the wake"

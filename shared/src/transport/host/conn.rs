@@ -75,12 +75,18 @@ struct State {
     pings: VecDeque<(u64, u64)>,
     /// Our replies to guest probes: (seq, t1, t2, t3).
     replies: VecDeque<(u64, u64, u64, u64)>,
-    /// Bytes read and records received in batches (delivered or not), and
-    /// what was charged for them: the larger of the bytes and the records at
-    /// RECORD_COST, so that a frame read in several pieces is charged once.
+    /// Bytes read and records received in batches (delivered or not).
     read: usize,
     records: usize,
-    charged: usize,
+}
+
+impl State {
+    /// What the connection's reads cost so far: the larger of the bytes and
+    /// the records at RECORD_COST (a read is charged what this grew by, so a
+    /// frame read in several pieces is charged once).
+    fn due(&self) -> usize {
+        self.read.max(self.records.saturating_mul(RECORD_COST))
+    }
 }
 
 impl Conn {
@@ -226,7 +232,6 @@ impl Conn {
             replies: VecDeque::new(),
             read: 0,
             records: 0,
-            charged: 0,
         };
         // The idle timer is not re-armed by every read: when it fires, it is
         // set again to the idle timeout after the last read, if that is later.
@@ -280,16 +285,14 @@ impl Conn {
                         Ok(n) => n,
                     };
                     last_rx = tokio::time::Instant::now();
-                    let frames = dec.frames();
+                    let (frames, due) = (dec.frames(), st.due());
+                    st.read = st.read.saturating_add(n);
                     if let Err(e) = self.decode_all(&mut st, &mut dec, wr, now).await {
                         return e;
                     }
                     // Over its byte budget (each frame costs at least FRAME_COST,
                     // each record RECORD_COST), the VM's socket is not read for a while.
-                    st.read = st.read.saturating_add(n);
-                    let due = st.read.max(st.records.saturating_mul(RECORD_COST));
-                    let cost = due.saturating_sub(std::mem::replace(&mut st.charged, due))
-                        + (dec.frames() - frames) as usize * FRAME_COST;
+                    let cost = st.due() - due + (dec.frames() - frames) as usize * FRAME_COST;
                     let wait = self.hub.charge_bytes(&self.vm, cost);
                     if !wait.is_zero() {
                         tokio::time::sleep(wait).await;

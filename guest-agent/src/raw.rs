@@ -271,8 +271,7 @@ impl Decoder {
 
     fn decode_rq(&mut self, r: &vt_rq_event) {
         // (filled where it stays: a set built aside is 176 bytes to copy)
-        self.rq.ts = Points::new();
-        self.rq.ts.set_nonzero_from(&self.slots, &r.ts);
+        self.rq.ts.reset_nonzero_from(&self.slots, &r.ts);
         if self.rq_dev != Some(r.dev) {
             self.rq.disk = self.disk_name(r.dev);
             self.rq_dev = Some(r.dev);

@@ -521,6 +521,58 @@ mod tests {
         out
     }
 
+    /// Request records as always-on gets them: every point a fentry-mode
+    /// request has (slots 1..=10 of `C_POINTS`), each stage a few
+    /// microseconds that vary by record.
+    pub(crate) fn raw_full_rqs(n: u64) -> Vec<Vec<u8>> {
+        (0..n)
+            .map(|i| {
+                let mut rq = raw_rq();
+                put(&mut rq, 104, &(2048 + 8 * i).to_ne_bytes());
+                let mut t = 1_000_000_000 + i * 40_000;
+                for slot in 1..=10u64 {
+                    t += 1_000 + (i * 7 + slot * 13) % 5_000;
+                    put(&mut rq, 8 + 8 * slot as usize, &t.to_ne_bytes());
+                }
+                rq
+            })
+            .collect()
+    }
+
+    /// Always-on's per-record path (also the callgrind harness of
+    /// PERFORMANCE.md: `--toggle-collect` on `Sink::handle` and
+    /// `Decoder::decode`): every request counts once in every stage of its
+    /// disk's table.
+    #[test]
+    fn always_on_counts_every_request_in_every_stage() {
+        let raw = raw_full_rqs(20_000);
+        let mut s = Sink::new(false, None, "fentry".into(), vec![], vec![], None);
+        let mut d = Decoder::new();
+        d.tables_only = true;
+        d.name_disk((253u32 << 20) | 16, "vdb");
+        for r in &raw {
+            s.handle(d.decode(r).unwrap(), r);
+        }
+        assert_eq!((s.rqs, s.decode_errors), (20_000, 0));
+        let sums = s.interval.summaries();
+        let stages: Vec<&str> = sums.iter().map(|s| s.stage.as_str()).collect();
+        let want = [
+            "guest_queue",
+            "guest_driver",
+            "device",
+            "guest_complete",
+            "total",
+        ];
+        assert_eq!(stages, want);
+        for st in &sums {
+            assert_eq!(
+                (st.label.as_str(), st.summary.count),
+                ("vdb", 20_000),
+                "{st:?}"
+            );
+        }
+    }
+
     #[test]
     fn the_capture_holds_every_handled_record_as_decoded() {
         let raw = raw_pairs(2_000);

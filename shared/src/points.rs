@@ -165,17 +165,22 @@ const fn slot(p: Point) -> usize {
 pub struct SlotMap {
     /// The set's slot of each entry, `u8::MAX` for one that is no point.
     slots: Vec<u8>,
+    /// Entry `i` is slot `i` for every entry (the guest BPF side's `ts[]`,
+    /// whose entries follow the guest points' ids): a set is filled by a
+    /// copy and a mask, without a step per entry.
+    prefix: bool,
 }
 
 impl SlotMap {
     /// `points[i]`: the point of entry `i`, if any.
     pub fn new(points: &[Option<Point>]) -> Self {
-        SlotMap {
-            slots: points
-                .iter()
-                .map(|p| p.map_or(u8::MAX, |p| slot(p) as u8))
-                .collect(),
-        }
+        let slots: Vec<u8> = points
+            .iter()
+            .map(|p| p.map_or(u8::MAX, |p| slot(p) as u8))
+            .collect();
+        let prefix =
+            slots.len() <= SLOTS && slots.iter().enumerate().all(|(i, &s)| usize::from(s) == i);
+        SlotMap { slots, prefix }
     }
 }
 
@@ -214,6 +219,28 @@ impl Points {
                 self.set_slot(usize::from(s), t);
             }
         }
+    }
+
+    /// Makes this the set of `ts`'s non-zero entries with a point (as
+    /// [`Points::new`] then [`Points::set_nonzero_from`]). With a prefix
+    /// map (entry `i` is slot `i`, as the guest's request records are)
+    /// it is a copy and a mask, branch-free: always-on decodes one such
+    /// set per request.
+    #[inline]
+    pub fn reset_nonzero_from<const N: usize>(&mut self, map: &SlotMap, ts: &[u64; N]) {
+        if !(map.prefix && map.slots.len() == N && N <= SLOTS) {
+            *self = Points::new();
+            self.set_nonzero_from(map, ts);
+            return;
+        }
+        let (head, tail) = self.vals.split_at_mut(N);
+        head.copy_from_slice(ts);
+        tail.fill(0);
+        let mut mask = 0u32;
+        for (i, &t) in ts.iter().enumerate() {
+            mask |= u32::from(t != 0) << i;
+        }
+        self.mask = mask;
     }
 
     #[inline]
@@ -478,6 +505,41 @@ mod tests {
             .filter(|(k, _)| bits & (1 << k) != 0)
             .map(|(k, p)| (*p, seed.wrapping_mul(k as u64 + 7) % 1_000_003))
             .collect()
+    }
+
+    proptest::proptest! {
+        /// A set reset from an array is the array's non-zero entries, as a
+        /// new set filled entry by entry, whatever the set held before, for
+        /// the guest's prefix map and for maps that are not one.
+        #[test]
+        fn a_reset_set_holds_the_arrays_nonzero_entries(
+            ts in proptest::array::uniform12(
+                proptest::prop_oneof![proptest::strategy::Just(0u64), 1u64..u64::MAX]),
+            before in 0u32..(1 << SLOTS),
+            shuffle in 0usize..5,
+        ) {
+            let guest: Vec<Option<Point>> = Point::ALL[..12].iter().copied().map(Some).collect();
+            let map = match shuffle {
+                0 => guest,
+                1 => guest.into_iter().rev().collect(),
+                2 => guest.into_iter().chain([None]).collect(),
+                3 => guest[..11].to_vec(),
+                _ => Point::ALL.iter().rev().copied().map(Some).collect(),
+            };
+            let map = SlotMap::new(&map);
+            let mut want = Points::new();
+            want.set_nonzero_from(&map, &ts);
+            let mut got = set_of(before, 11);
+            got.reset_nonzero_from(&map, &ts);
+            proptest::prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn the_guest_points_map_as_a_prefix() {
+        let guest: Vec<Option<Point>> = Point::ALL[..12].iter().copied().map(Some).collect();
+        assert!(SlotMap::new(&guest).prefix);
+        assert!(!SlotMap::new(&guest[1..]).prefix);
     }
 
     #[test]

@@ -73,14 +73,14 @@ const CHUNKS: usize = HIST_LEN / CHUNK;
 /// layout's 36 (5–10 KiB per histogram instead of 36 KiB).
 #[derive(Clone, Debug)]
 pub struct StageHist {
-    chunks: Box<[Option<Box<[u64; CHUNK]>>]>,
+    chunks: Box<[Option<Box<[u64; CHUNK]>>; CHUNKS]>,
     sum: u128,
 }
 
 impl StageHist {
     fn new() -> Self {
         StageHist {
-            chunks: vec![None; CHUNKS].into_boxed_slice(),
+            chunks: Box::new(std::array::from_fn(|_| None)),
             sum: 0,
         }
     }

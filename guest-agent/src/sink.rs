@@ -582,6 +582,7 @@ mod tests {
         let mut s = Sink::new(false, None, "fentry".into(), vec![], vec![], None);
         s.set_capture(w, false);
         let mut d = Decoder::new();
+        d.tables_only = true; // (as the agent decodes for a capture)
         d.name_disk((253u32 << 20) | 16, "vdb");
         for r in &raw {
             s.handle(d.decode(r).unwrap(), r);

@@ -31,13 +31,21 @@ if not a.job:
     raise SystemExit(0)
 print()
 
-marks, cur, lost = [], None, {}
+# Each mark lists the blocks whose count (since the start) changed since the
+# previous mark (before 2026-12-06 late night: every block): the counts at a
+# mark are the running state. Only the marks the two jobs need are kept.
+need = {2 * names.index(j) + k for j in (a.base, a.job) for k in (0, 1)}
+marks, state, lost, n_marks = {}, {}, {}, 0
+def snapshot():
+    if n_marks - 1 in need:
+        marks[n_marks - 1] = dict(state)
 for line in open(f"{rd}/insn-profile.txt"):
     if line.startswith("mark"):
-        w = line.split()
-        lost[len(marks)] = int(w[3])
-        cur = {}; marks.append(cur); continue
-    va, n = line.split(); cur[int(va, 16)] = int(n)
+        snapshot()
+        lost[n_marks] = int(line.split()[3])
+        n_marks += 1; continue
+    va, n = line.split(); state[int(va, 16)] = int(n)
+snapshot()
 def window(job):
     i = names.index(job)
     ios = int(results[i][1].split(";")[0]) // 4

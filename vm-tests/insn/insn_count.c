@@ -13,10 +13,15 @@
  * than one vCPU the adds race (the lab's bench runs one vCPU).
  *
  * Arguments: out=<file>; profile=<file> also counts instructions per
- * translated block's start address and writes them at each mark (`mark <n>`,
- * then `<address hex> <count>` lines of the blocks that ran), for a profile by
- * symbol: kernel ones from /proc/kallsyms (BPF programs and trampolines
- * included), user ones from a process's maps and its binary's symbols.
+ * translated block's start address and writes them at each mark (`mark <n>
+ * lost <l>`, then `<address hex> <count>` lines, counts since the start, of
+ * the blocks whose count changed since the previous mark: a reader carries the
+ * others over), for a profile by symbol: kernel ones from /proc/kallsyms (BPF
+ * programs and trampolines included), user ones from a process's maps and its
+ * binary's symbols. A block's counter is bound to it when it is translated, so
+ * slots are never reused: every process and BPF program a boot starts adds
+ * blocks at addresses of their own, and the table holds 4 M of them (a boot of
+ * six set-ups overflowed 1 M).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -65,11 +70,12 @@ static FILE *out;
 static uint64_t marks;
 
 /* profile: blocks by start address, user and kernel (open addressing; full: counted in `lost`) */
-#define PROF_BITS 20
+#define PROF_BITS 22
 #define PROF_SLOTS (1u << PROF_BITS)
 struct prof_slot {
 	uint64_t vaddr;
 	uint64_t count;
+	uint64_t written;	/* the count at the last mark */
 };
 static struct prof_slot *prof;
 static FILE *prof_out;
@@ -98,9 +104,11 @@ static void write_profile(void)
 	fprintf(prof_out, "mark %llu lost %llu\n", (unsigned long long)marks,
 		(unsigned long long)prof_lost);
 	for (uint32_t i = 0; i < PROF_SLOTS; i++) {
-		if (prof[i].count)
+		if (prof[i].count != prof[i].written) {
 			fprintf(prof_out, "%llx %llu\n", (unsigned long long)prof[i].vaddr,
 				(unsigned long long)prof[i].count);
+			prof[i].written = prof[i].count;
+		}
 	}
 	fflush(prof_out);
 }

@@ -524,7 +524,7 @@ mod tests {
     /// Request records as always-on gets them: every point a fentry-mode
     /// request has (slots 1..=10 of `C_POINTS`), each stage a few
     /// microseconds that vary by record.
-    pub(crate) fn raw_full_rqs(n: u64) -> Vec<Vec<u8>> {
+    fn raw_full_rqs(n: u64) -> Vec<Vec<u8>> {
         (0..n)
             .map(|i| {
                 let mut rq = raw_rq();

@@ -507,6 +507,11 @@ mod tests {
             .collect()
     }
 
+    /// The guest's points in id order, as the BPF record's `ts[]` holds them.
+    fn guest_points() -> Vec<Option<Point>> {
+        Point::ALL[..12].iter().copied().map(Some).collect()
+    }
+
     proptest::proptest! {
         /// A set reset from an array is the array's non-zero entries, as a
         /// new set filled entry by entry, whatever the set held before, for
@@ -518,7 +523,7 @@ mod tests {
             before in 0u32..(1 << SLOTS),
             shuffle in 0usize..5,
         ) {
-            let guest: Vec<Option<Point>> = Point::ALL[..12].iter().copied().map(Some).collect();
+            let guest = guest_points();
             let map = match shuffle {
                 0 => guest,
                 1 => guest.into_iter().rev().collect(),
@@ -537,7 +542,7 @@ mod tests {
 
     #[test]
     fn the_guest_points_map_as_a_prefix() {
-        let guest: Vec<Option<Point>> = Point::ALL[..12].iter().copied().map(Some).collect();
+        let guest = guest_points();
         assert!(SlotMap::new(&guest).prefix);
         assert!(!SlotMap::new(&guest[1..]).prefix);
     }

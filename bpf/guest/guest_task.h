@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /*
  * Task side: entry and exit of the I/O syscalls (guest_io_summary.h), through the
- * raw syscall tracepoints, which every mode can use. The file (inode, offset,
- * direct or buffered) is resolved from the fd at entry.
+ * raw syscall tracepoints, which every mode can use, or per-syscall fentry and
+ * fexit programs. The file (inode, offset, direct or buffered) is resolved
+ * from the fd at entry, or for read/write typed at vfs_read/vfs_write
+ * (guest_rw_file.h).
  */
 #ifndef VIOTRACE_GUEST_TASK_H
 #define VIOTRACE_GUEST_TASK_H
@@ -212,15 +214,58 @@ static __always_inline bool sys_task_ok(__u64 pt)
 #define FILE_AT_ARG 2	/* pread64, pwrite64: at the offset argument */
 
 /*
+ * Thread `tid` starts syscall `nr`, entered at `enter_ts` (0: now), with what
+ * is known of its file (`fi`) and where the rest comes from (`pending`): its
+ * state from its last syscall (`s`, or looked up), reset, or a new one. Not
+ * for a task the comm filter leaves out.
+ */
+static __always_inline void sys_begin(__u32 tid, struct sys_state *s, __u32 nr,
+				      const struct sys_info *fi, __u8 pending, __u64 enter_ts)
+{
+	struct ident who;
+
+	current_ident(&who);
+	if (!comm_ok(who.comm))
+		return;
+	/* the thread's entry from its last syscall, reset; created once */
+	if (!s)
+		s = sys_find(&tid);
+	if (s)
+		sys_reset(s);
+	else
+		s = sys_new(tid);
+	if (!s)
+		return;
+	s->id = who;
+	s->enter_ts = enter_ts ? enter_ts : bpf_ktime_get_ns();
+	s->nr = nr;
+	s->inode = fi->inode;
+	s->offset = fi->offset;
+	s->has_offset = fi->has_offset;
+	s->bytes = fi->bytes;
+	s->direct = fi->direct;
+	s->dio_queued = 0;
+	s->cur = *fi;
+	s->nrefs = 0;
+	s->refs_dropped = 0;
+	s->file_pending = pending;
+
+	/* Remember who dirtied the page cache of this inode (for write-back). */
+	if (is_write_nr(nr) && !fi->direct && fi->inode)
+		bpf_map_update_elem(&inode_writer, &fi->inode, &who, BPF_ANY);
+}
+
+/*
  * Entry of I/O syscall `nr` with its first four arguments: the file, offset
  * and size it names, and the thread's state for what follows. Inlined into
  * each per-syscall fentry program with a constant `nr`, so each keeps only
  * its own case.
  *
- * read, write, pread64 and pwrite64 of a thread that has a state already
- * leave the file to rw_file once its programs are attached (rw_file_hooked):
- * the entry cannot tell a file from a socket or pipe then, and a thread that
- * never did file I/O should not take a state for one.
+ * read, write, pread64 and pwrite64 leave the file to rw_file once its
+ * programs are attached (rw_file_hooked, guest_rw_file.h): a thread that has a
+ * state marks it file_pending; one without only notes its entry
+ * (guest_sys_pend.h), since the entry cannot tell a file from a socket or pipe
+ * then, and a thread that never did file I/O should not take a state for one.
  */
 static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, long a3)
 {
@@ -232,7 +277,11 @@ static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, 
 
 	switch (nr) {
 	case NR_read: case NR_write:
-		if (rw_file_hooked && (s = sys_find(&tid))) {
+		if (rw_file_hooked) {
+			if (!(s = sys_find(&tid))) {
+				pend_put(tid, nr, FILE_AT_POS, a2, 0);
+				return;
+			}
 			ok = true;
 			pending = FILE_AT_POS;
 		} else {
@@ -246,7 +295,11 @@ static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, 
 			tmp_hdr.bytes = iov_bytes((const struct iovec *)a1, a2);
 		break;
 	case NR_pread64: case NR_pwrite64:
-		if (rw_file_hooked && (s = sys_find(&tid))) {
+		if (rw_file_hooked) {
+			if (!(s = sys_find(&tid))) {
+				pend_put(tid, nr, FILE_AT_ARG, a2, a3);
+				return;
+			}
 			ok = true;
 			pending = FILE_AT_ARG;
 		} else {
@@ -309,96 +362,8 @@ static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, 
 		ok = a1 > 0;
 		break;
 	}
-	if (!ok)
-		return;
-
-	struct ident who;
-
-	current_ident(&who);
-	if (!comm_ok(who.comm))
-		return;
-
-	/* the thread's entry from its last syscall, reset; created once */
-	if (!s)
-		s = sys_find(&tid);
-	if (s)
-		sys_reset(s);
-	else
-		s = sys_new(tid);
-	if (!s)
-		return;
-	s->id = who;
-	s->enter_ts = bpf_ktime_get_ns();
-	s->nr = nr;
-	s->inode = tmp_hdr.inode;
-	s->offset = tmp_hdr.offset;
-	s->has_offset = tmp_hdr.has_offset;
-	s->bytes = tmp_hdr.bytes;
-	s->direct = tmp_hdr.direct;
-	s->dio_queued = 0;
-	s->cur = tmp_hdr;
-	s->nrefs = 0;
-	s->refs_dropped = 0;
-	s->file_pending = pending;
-
-	/* Remember who dirtied the page cache of this inode (for write-back). */
-	if (is_write_nr(nr) && !tmp_hdr.direct && tmp_hdr.inode)
-		bpf_map_update_elem(&inode_writer, &tmp_hdr.inode, &who, BPF_ANY);
-}
-
-/*
- * The file of a read, write, pread64 or pwrite64 whose entry left it here
- * (file_pending): vfs_read and vfs_write take it typed, so the file, its
- * inode and its position are plain loads where the entry's fd walk makes three
- * probe reads. Not a file or disk (socket, pipe, tty): the syscall sends no
- * record, as when the entry resolved the fd.
- */
-static __always_inline void rw_file(struct file *f)
-{
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct sys_state *s = sys_get(&tid);
-	struct inode *ino;
-	__u16 mode;
-	__u8 how;
-
-	if (!s || !s->file_pending)
-		return;
-	how = s->file_pending;
-	s->file_pending = 0;
-	ino = f->f_inode;
-	mode = ino ? ino->i_mode & VT_S_IFMT : 0;
-	if (mode != VT_S_IFREG && mode != VT_S_IFBLK) {
-		s->enter_ts = 0;
-		return;
-	}
-	s->inode = ino->i_ino;
-	s->direct = (f->f_flags & VT_O_DIRECT) != 0;
-	if (how == FILE_AT_POS) {
-		s->offset = f->f_pos;
-		s->has_offset = 1;
-	}
-	s->cur.inode = s->inode;
-	s->cur.offset = s->offset;
-	s->cur.has_offset = s->has_offset;
-	s->cur.direct = s->direct;
-	/* who dirtied the page cache of this inode (for write-back) */
-	if (is_write_nr(s->nr) && !s->direct)
-		bpf_map_update_elem(&inode_writer, &s->inode, &s->id, BPF_ANY);
-}
-
-/* vfs_read(file, buf, count, pos), vfs_write(file, buf, count, pos) */
-SEC("?fentry/vfs_read")
-int BPF_PROG(fe_vfs_read, struct file *file)
-{
-	rw_file(file);
-	return 0;
-}
-
-SEC("?fentry/vfs_write")
-int BPF_PROG(fe_vfs_write, struct file *file)
-{
-	rw_file(file);
-	return 0;
+	if (ok)
+		sys_begin(tid, s, nr, &tmp_hdr, pending, 0);
 }
 
 /*
@@ -599,8 +564,14 @@ static __always_inline void sys_exit_ret(long ret, __u32 nr)
 	if (!sys_task_ok(pt))
 		return;
 	s = sys_get(&tid);
-	if (!s)
+	if (!s) {
+		/* a read or write of a thread without a state that never reached
+		 * vfs_read/vfs_write (a bad fd): its entry's note */
+		if (rw_file_hooked && (nr == NR_ANY || nr == NR_read || nr == NR_write ||
+				       nr == NR_pread64 || nr == NR_pwrite64))
+			pend_drop(tid);
 		return;
+	}
 	if (nr == NR_ANY) {
 		nr = s->nr;
 	} else if (s->nr != nr) {

@@ -6,9 +6,12 @@
  *   guest_core_fixes.h – kernel differences (5.10 … 7.x), resolved by CO-RE
  *   guest_common.h  – configuration (filters), maps, stats, shared helpers
  *   guest_io_summary.h – the traced syscalls; latencies of those sending no record
+ *   guest_sys_pend.h – the entry of a read/write of a thread without a state,
+ *                     until its file is known
  *   guest_task.h    – syscall entry/exit (raw syscall tracepoints, every mode),
  *                     per-request files of io_uring (tracepoint) and io_submit
  *                     (io_submit_one: fentry or kprobe)
+ *   guest_rw_file.h – the file of a read/write, typed at vfs_read/vfs_write
  *   guest_bio.h     – bios queued/split/merged: attribution (raw_tp, every mode)
  *   guest_block.h   – requests inserted/issued/completed (raw_tp, every mode)
  *   guest_virtio.h  – virtio-blk / virtio_ring hooks: fentry/fexit ("?fentry"
@@ -28,7 +31,9 @@
 #include "guest_core_fixes.h"
 #include "guest_common.h"
 #include "guest_io_summary.h"
+#include "guest_sys_pend.h"
 #include "guest_task.h"
+#include "guest_rw_file.h"
 #include "guest_bio.h"
 #include "guest_block.h"
 #include "guest_virtio.h"

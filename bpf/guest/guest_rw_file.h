@@ -1,0 +1,97 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * fentry mode: the file of a read, write, pread64 or pwrite64, taken typed
+ * where the syscall reaches vfs_read or vfs_write (guest_task.h leaves it
+ * here once both programs are attached: rw_file_hooked).
+ */
+#ifndef VIOTRACE_GUEST_RW_FILE_H
+#define VIOTRACE_GUEST_RW_FILE_H
+
+/*
+ * The syscall of thread `tid`, which has no state, reached vfs_read or
+ * vfs_write with file `f` (typed): its entry's note (guest_sys_pend.h) makes
+ * the thread's state, only for a file or disk. A socket, pipe or tty: nothing
+ * (no state, no record, as when the entry resolved the fd).
+ */
+static __always_inline void rw_file_first(struct file *f, __u32 tid)
+{
+	struct sys_info fi = {};
+	struct sys_pend n;
+	struct inode *ino;
+	__u16 mode;
+
+	if (!pend_take(tid, &n))
+		return;
+	ino = f->f_inode;
+	mode = ino ? ino->i_mode & VT_S_IFMT : 0;
+	if (mode != VT_S_IFREG && mode != VT_S_IFBLK)
+		return;
+	fi.inode = ino->i_ino;
+	fi.direct = (f->f_flags & VT_O_DIRECT) != 0;
+	fi.bytes = n.bytes;
+	fi.offset = n.how == FILE_AT_POS ? f->f_pos : n.offset;
+	fi.has_offset = 1;
+	sys_begin(tid, NULL, n.nr, &fi, 0, n.enter_ts);
+}
+
+/*
+ * The file of a read, write, pread64 or pwrite64 whose entry left it here
+ * (file_pending, or a note for a thread without a state): vfs_read and
+ * vfs_write take it typed, so the file, its inode and its position are plain
+ * loads where the entry's fd walk makes three probe reads. Not a file or disk
+ * (socket, pipe, tty): the syscall sends no record, as when the entry resolved
+ * the fd.
+ */
+static __always_inline void rw_file(struct file *f)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct sys_state *s = sys_get(&tid);
+	struct inode *ino;
+	__u16 mode;
+	__u8 how;
+
+	if (!s) {
+		rw_file_first(f, tid);
+		return;
+	}
+	if (!s->file_pending)
+		return;
+	how = s->file_pending;
+	s->file_pending = 0;
+	ino = f->f_inode;
+	mode = ino ? ino->i_mode & VT_S_IFMT : 0;
+	if (mode != VT_S_IFREG && mode != VT_S_IFBLK) {
+		s->enter_ts = 0;
+		return;
+	}
+	s->inode = ino->i_ino;
+	s->direct = (f->f_flags & VT_O_DIRECT) != 0;
+	if (how == FILE_AT_POS) {
+		s->offset = f->f_pos;
+		s->has_offset = 1;
+	}
+	s->cur.inode = s->inode;
+	s->cur.offset = s->offset;
+	s->cur.has_offset = s->has_offset;
+	s->cur.direct = s->direct;
+	/* who dirtied the page cache of this inode (for write-back) */
+	if (is_write_nr(s->nr) && !s->direct)
+		bpf_map_update_elem(&inode_writer, &s->inode, &s->id, BPF_ANY);
+}
+
+/* vfs_read(file, buf, count, pos), vfs_write(file, buf, count, pos) */
+SEC("?fentry/vfs_read")
+int BPF_PROG(fe_vfs_read, struct file *file)
+{
+	rw_file(file);
+	return 0;
+}
+
+SEC("?fentry/vfs_write")
+int BPF_PROG(fe_vfs_write, struct file *file)
+{
+	rw_file(file);
+	return 0;
+}
+
+#endif /* VIOTRACE_GUEST_RW_FILE_H */

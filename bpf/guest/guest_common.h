@@ -43,9 +43,6 @@ volatile __u8 aio_iocb_hooked = 0;
  * probe reads).
  */
 volatile __u8 rw_file_hooked = 0;
-/* Set once a thread lost a free sys slot's claim (sys_new): from then on a
- * free slot does not prove that its threads have no state (sys_find). */
-volatile __u8 sys_claim_raced = 0;
 
 /*
  * Never used: gives struct vt_io_event a place in the object's BTF (a local
@@ -260,14 +257,19 @@ struct {
 
 /*
  * Per-thread syscall states, direct-mapped first (see dm_find): thread `tid`'s
- * slot is tid % SYS_SLOTS (thread ids are small and dense), held for good by
- * the first thread that needed it; a thread whose slot another one holds (or
- * held: a thread that exited keeps it) uses `sys_inflight`, as all did before.
- * A thread's state is looked up in about six programs per I/O.
+ * slot is tid % SYS_SLOTS (thread ids are small and dense), held by the first
+ * thread that needed it until that thread exits (sys_thread_exit); a thread
+ * whose slot another one holds uses `sys_inflight`, as all did before, and
+ * counts itself in the slot's `hashed` until it exits. A thread's state is
+ * looked up in about six programs per I/O; a thread without one (a socket's)
+ * misses at each of its reads and writes, and looks in the hash map only when
+ * `hashed` says a state of its slot may be there.
  */
 #define SYS_SLOTS 1024
 struct sys_slot {
 	__u64 key;		/* tid, 0: free (tid 0 is the idle task) */
+	__u32 hashed;		/* states of threads of this slot in sys_inflight (at most) */
+	__u32 pad;
 	struct sys_state s;
 };
 
@@ -518,11 +520,10 @@ static __always_inline struct sys_state *sys_find(__u32 *tid)
 
 	if (sl && sl->key == *tid)
 		return &sl->s;
-	/* A slot no thread holds: its threads are in sys_inflight only if one
-	 * lost the slot's claim to another that had not written its key yet
-	 * (sys_claim_raced). Else no hash lookup: a thread that never took a
-	 * state (socket or pipe I/O only) misses here at each of its syscalls. */
-	if (sl && !sl->key && *tid && !sys_claim_raced)
+	/* No state of a thread of this slot in sys_inflight: no hash lookup (a
+	 * thread that never took a state, socket or pipe I/O only, misses here
+	 * at each of its syscalls). */
+	if (sl && !sl->hashed)
 		return NULL;
 	return bpf_map_lookup_elem(&sys_inflight, tid);
 }

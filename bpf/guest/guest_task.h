@@ -168,23 +168,56 @@ static __always_inline void sys_reset(struct sys_state *s)
 	s->qbio_next = 0;	/* the slots' old bios are not looked at again */
 }
 
-/* A state for thread `tid`, which has none: its slot if never used (zeroed),
- * claimed by an atomic insert into sys_claims (two CPUs never take the same
- * one), else an entry of sys_inflight. */
+/* A state for thread `tid`, which has none: its slot if free, claimed by an
+ * atomic insert into sys_claims (two CPUs never take the same one), else an
+ * entry of sys_inflight, counted in the slot's `hashed` first (a lookup that
+ * sees 0 there does not look in the hash map). Not reset. */
 static __always_inline struct sys_state *sys_new(__u32 tid)
 {
 	__u64 key = tid;
 	__u32 i;
 	struct sys_slot *sl = sys_slot(tid, &i);
+	struct sys_state *s;
 
-	if (sl && !sl->key && tid) {
-		if (!bpf_map_update_elem(&sys_claims, &i, &key, BPF_NOEXIST)) {
-			sl->key = key;
-			return &sl->s;
-		}
-		sys_claim_raced = 1;
+	if (!sl || !tid)
+		return NULL;
+	if (!sl->key && !bpf_map_update_elem(&sys_claims, &i, &key, BPF_NOEXIST)) {
+		sl->key = key;
+		return &sl->s;
 	}
-	return map_insert(&sys_inflight, &tid, &zero_sys, S_FULL_SYS);
+	__sync_fetch_and_add(&sl->hashed, 1);
+	s = map_insert(&sys_inflight, &tid, &zero_sys, S_FULL_SYS);
+	if (s)
+		stat_inc(S_SYS_HASHED);
+	else
+		__sync_fetch_and_add(&sl->hashed, -1);
+	return s;
+}
+
+/*
+ * A thread exits: its syscall state goes. Its slot serves the next thread
+ * that maps there (until 2026-12-07 a slot was held for good, and in a
+ * machine up for long nearly every new thread's state ended up in the hash
+ * map). The claim goes before the key, so a thread that sees the slot free
+ * can claim it. A state in sys_inflight is deleted, and uncounted.
+ */
+SEC("raw_tp/sched_process_exit")
+int sys_thread_exit(void *ctx)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u32 i;
+	struct sys_slot *sl = sys_slot(tid, &i);
+
+	if (!sl || !tid)
+		return 0;
+	if (sl->key == tid) {
+		bpf_map_delete_elem(&sys_claims, &i);
+		*(volatile __u64 *)&sl->key = 0;
+	} else if (sl->hashed && !bpf_map_delete_elem(&sys_inflight, &tid)) {
+		__sync_fetch_and_add(&sl->hashed, -1);
+	}
+	pend_drop(tid);
+	return 0;
 }
 
 /* Whether `nr` is one of the traced I/O syscalls. */
@@ -227,15 +260,15 @@ static __always_inline void sys_begin(__u32 tid, struct sys_state *s, __u32 nr,
 	current_ident(&who);
 	if (!comm_ok(who.comm))
 		return;
-	/* the thread's entry from its last syscall, reset; created once */
+	/* the thread's entry from its last syscall, or a new one (a slot may
+	 * hold an exited thread's), reset */
 	if (!s)
 		s = sys_find(&tid);
-	if (s)
-		sys_reset(s);
-	else
+	if (!s)
 		s = sys_new(tid);
 	if (!s)
 		return;
+	sys_reset(s);
 	s->id = who;
 	s->enter_ts = enter_ts ? enter_ts : bpf_ktime_get_ns();
 	s->nr = nr;

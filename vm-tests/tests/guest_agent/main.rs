@@ -431,6 +431,41 @@ fn final_stats(r: &RunResult) -> Stats {
         .unwrap_or_else(|| panic!("no final stats line; log:\n{}", guest_log(r)))
 }
 
+/// Threads that exit give their syscall slots back: 1 500 short-lived dd processes (as many
+/// thread ids, more than the 1 024 slots) each read one block of vdb. Each finds the slot of
+/// its thread id free (a dd before it freed it), so hardly any state goes to the hash map
+/// (before 2026-12-07 a slot was held for good: about 480 would have); every read has its
+/// record, with its request and its offset, though its thread had no state at its entry.
+#[test]
+fn exited_threads_give_back_their_syscall_slots() {
+    const N: u64 = 1500;
+    let workload = format!(
+        "i=0\nwhile [ $i -lt {N} ]; do dd if=/dev/vdb of=/dev/null bs=4k count=1 skip=$i \
+         iflag=direct status=none; i=$((i+1)); done\n"
+    );
+    let cfg = VmConfig {
+        guest_args: "--mode fentry".into(),
+        ..VmConfig::default()
+    };
+    let r = run_guest("guest-exited-threads", cfg, &workload);
+    let recs = r.records("guest.jsonl").unwrap();
+    let reads: Vec<_> = recs
+        .guest_ios()
+        .into_iter()
+        .filter(|v| v.comm == "dd" && v.syscall == "read")
+        .filter(|v| v.requests.iter().any(|q| q.disk == "vdb"))
+        .collect();
+    let mut offsets: Vec<u64> = reads.iter().filter_map(|io| io.file_offset).collect();
+    offsets.sort_unstable();
+    assert_eq!(offsets, (0..N).map(|i| i * 4096).collect::<Vec<_>>());
+    let tids: std::collections::BTreeSet<u32> = reads.iter().map(|io| io.tid).collect();
+    assert_eq!(tids.len() as u64, N, "one thread per dd");
+    let counters = final_stats(&r).counters.unwrap_or_default();
+    let hashed = counters.get("syscall_states_hashed").copied();
+    assert!(hashed.is_some_and(|h| h < 50), "{counters:?}");
+    assert_eq!(counters.get("syscall_entry_lost"), Some(&0), "{counters:?}");
+}
+
 /// Always-on (no `--json`, no `-t`): the syscalls send no records, the kernel counts their
 /// latencies (`io_hist`), and the syscall table still has every one of them.
 #[test]

@@ -9,9 +9,10 @@
  *   guest_sys_pend.h – the entry of a read/write of a thread without a state,
  *                     until its file is known
  *   guest_task.h    – syscall entry/exit (raw syscall tracepoints, every mode),
- *                     per-request files of io_uring (tracepoint) and io_submit
- *                     (io_submit_one: fentry or kprobe)
+ *                     per-request files of io_submit (aio_prep_rw: fentry or
+ *                     kprobe)
  *   guest_rw_file.h – the file of a read/write, typed at vfs_read/vfs_write
+ *   guest_uring.h   – io_uring requests' files and offsets (tracepoint, typed or raw)
  *   guest_bio.h     – bios queued/split/merged: attribution (raw_tp, every mode)
  *   guest_block.h   – requests inserted/issued/completed (raw_tp, every mode)
  *   guest_virtio.h  – virtio-blk / virtio_ring hooks: fentry/fexit ("?fentry"
@@ -34,6 +35,7 @@
 #include "guest_sys_pend.h"
 #include "guest_task.h"
 #include "guest_rw_file.h"
+#include "guest_uring.h"
 #include "guest_bio.h"
 #include "guest_block.h"
 #include "guest_virtio.h"

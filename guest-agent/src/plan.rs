@@ -126,6 +126,8 @@ pub const TYPED_FILE_TARGETS: [&str; 2] = ["vfs_read", "vfs_write"];
 pub const OPTIONAL_TP_PROGS: &[&str] = &[
     "uring_submit",
     "uring_submit_sqe",
+    "tb_uring_submit",
+    "tb_uring_submit_sqe",
     "irq_entry",
     "off_cpu_switch",
     "off_cpu_wakeup",
@@ -133,6 +135,14 @@ pub const OPTIONAL_TP_PROGS: &[&str] = &[
 
 /// The off-CPU accounting of traced syscalls (for the verdicts, `-t`).
 pub const OFF_CPU_PROGS: [&str; 2] = ["off_cpu_switch", "off_cpu_wakeup"];
+
+/// The io_uring submit programs' typed twins (tp_btf; fentry mode, 6.0+, where the
+/// tracepoint's request comes first): (typed, raw). A refused typed one gives way
+/// to its raw twin.
+pub const URING_TYPED: [(&str, &str); 2] = [
+    ("tb_uring_submit", "uring_submit"),
+    ("tb_uring_submit_sqe", "uring_submit_sqe"),
+];
 
 /// What io_uring requests' files and offsets come from.
 const URING_SEES: &str = "file and offset of io_uring requests";
@@ -255,7 +265,15 @@ impl Plan {
             }
         }
         if matches!(self.uring, Ok(u) if u == prog) {
-            self.uring = Err(why.clone());
+            self.uring = match URING_TYPED.iter().find(|(t, _)| *t == prog) {
+                Some((_, raw)) => {
+                    self.notes.push(format!(
+                        "io_uring requests: {why}: the raw tracepoint's program {raw} instead"
+                    ));
+                    Ok(raw)
+                }
+                None => Err(why.clone()),
+            };
         }
         if prog == "irq_entry" {
             self.variants.vring_interrupt_addr = 0;
@@ -557,6 +575,16 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
         .filter(|t| typed && f.version() >= t.since)
         .map(|t| t.typed)
         .collect();
+    // (the raw uring_submit_sqe's request position 0: 5.19-6.1; 1 on 5.10 and 5.15)
+    let uring = match uring {
+        Ok(raw) if typed && f.version() >= (6, 0) && variants.tp_uring_sqe_req_pos == 0 => {
+            Ok(URING_TYPED
+                .iter()
+                .find(|(_, r)| *r == raw)
+                .map_or(raw, |(t, _)| *t))
+        }
+        u => u,
+    };
     let typed_file = typed
         && TYPED_FILE_TARGETS
             .iter()

@@ -212,9 +212,36 @@ fn linux_6_1_fentry_uses_module_btf_and_the_two_argument_submit_sqe() {
     assert_eq!(p.notes.len(), 1, "{:?}", p.notes);
     assert!(p.notes[0].starts_with("syscalls: fentry/fexit"));
     assert_eq!(p.variants, Variants::default());
-    assert_eq!(p.uring, Ok("uring_submit_sqe"));
+    assert_eq!(p.uring, Ok("tb_uring_submit_sqe"));
     let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
     assert!(r.blind_points.is_empty() && r.blind.is_empty(), "{r:?}");
+}
+
+/// io_uring requests: typed (tp_btf) in fentry mode from 6.0, on whichever submit
+/// tracepoint the kernel has; raw in the other modes and on 5.10 (whose backported
+/// tracepoint takes the ring first); a refused typed program gives way to its raw
+/// twin, with a note, and nothing goes blind.
+#[test]
+fn io_uring_requests_are_typed_in_fentry_mode_from_6_0() {
+    assert_eq!(plan(Mode::Fentry, &k6_1()).uring, Ok("tb_uring_submit_sqe"));
+    assert_eq!(plan(Mode::Fentry, &k7_2()).uring, Ok("tb_uring_submit"));
+    assert_eq!(plan(Mode::Fentry, &k5_10()).uring, Ok("uring_submit_sqe"));
+    assert_eq!(plan(Mode::Kprobe, &k7_2()).uring, Ok("uring_submit"));
+    assert_eq!(plan(Mode::Tracepoint, &k6_1()).uring, Ok("uring_submit_sqe"));
+    let f = k7_2();
+    let mut p = plan(Mode::Fentry, &f);
+    assert!(p.programs().contains("tb_uring_submit") && !p.programs().contains("uring_submit"));
+    p.drop_program("tb_uring_submit");
+    assert_eq!(p.uring, Ok("uring_submit"));
+    assert!(p.programs().contains("uring_submit") && !p.programs().contains("tb_uring_submit"));
+    assert!(p.notes.iter().any(|n| n
+        == "io_uring requests: program tb_uring_submit refused by this kernel: the raw \
+            tracepoint's program uring_submit instead"));
+    let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+    assert!(r.blind.iter().all(|l| !l.contains("io_uring")), "{:?}", r.blind);
+    for (typed, raw) in URING_TYPED {
+        assert!(is_optional(typed) && is_optional(raw));
+    }
 }
 
 #[test]

@@ -227,7 +227,10 @@ fn io_uring_requests_are_typed_in_fentry_mode_from_6_0() {
     assert_eq!(plan(Mode::Fentry, &k7_2()).uring, Ok("tb_uring_submit"));
     assert_eq!(plan(Mode::Fentry, &k5_10()).uring, Ok("uring_submit_sqe"));
     assert_eq!(plan(Mode::Kprobe, &k7_2()).uring, Ok("uring_submit"));
-    assert_eq!(plan(Mode::Tracepoint, &k6_1()).uring, Ok("uring_submit_sqe"));
+    assert_eq!(
+        plan(Mode::Tracepoint, &k6_1()).uring,
+        Ok("uring_submit_sqe")
+    );
     let f = k7_2();
     let mut p = plan(Mode::Fentry, &f);
     assert!(p.programs().contains("tb_uring_submit") && !p.programs().contains("uring_submit"));
@@ -238,7 +241,11 @@ fn io_uring_requests_are_typed_in_fentry_mode_from_6_0() {
         == "io_uring requests: program tb_uring_submit refused by this kernel: the raw \
             tracepoint's program uring_submit instead"));
     let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
-    assert!(r.blind.iter().all(|l| !l.contains("io_uring")), "{:?}", r.blind);
+    assert!(
+        r.blind.iter().all(|l| !l.contains("io_uring")),
+        "{:?}",
+        r.blind
+    );
     for (typed, raw) in URING_TYPED {
         assert!(is_optional(typed) && is_optional(raw));
     }

@@ -17,20 +17,14 @@ static __always_inline void rw_file_first(struct file *f, __u32 tid)
 {
 	struct sys_info fi = {};
 	struct sys_pend n;
-	struct inode *ino;
-	__u16 mode;
 
-	if (!pend_take(tid, &n))
+	if (!pend_take(tid, &n) || !file_info_typed(&fi, f, n.how == FILE_AT_POS))
 		return;
-	ino = f->f_inode;
-	mode = ino ? ino->i_mode & VT_S_IFMT : 0;
-	if (mode != VT_S_IFREG && mode != VT_S_IFBLK)
-		return;
-	fi.inode = ino->i_ino;
-	fi.direct = (f->f_flags & VT_O_DIRECT) != 0;
 	fi.bytes = n.bytes;
-	fi.offset = n.how == FILE_AT_POS ? f->f_pos : n.offset;
-	fi.has_offset = 1;
+	if (n.how != FILE_AT_POS) {
+		fi.offset = n.offset;
+		fi.has_offset = 1;
+	}
 	sys_begin(tid, NULL, n.nr, &fi, 0, n.enter_ts);
 }
 
@@ -46,9 +40,7 @@ static __always_inline void rw_file(struct file *f)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct sys_state *s = sys_get(&tid);
-	struct inode *ino;
-	__u16 mode;
-	__u8 how;
+	bool ok;
 
 	if (!s) {
 		rw_file_first(f, tid);
@@ -56,24 +48,17 @@ static __always_inline void rw_file(struct file *f)
 	}
 	if (!s->file_pending)
 		return;
-	how = s->file_pending;
+	/* the entry set `cur` (pread64/pwrite64: its offset argument) */
+	ok = file_info_typed(&s->cur, f, s->file_pending == FILE_AT_POS);
 	s->file_pending = 0;
-	ino = f->f_inode;
-	mode = ino ? ino->i_mode & VT_S_IFMT : 0;
-	if (mode != VT_S_IFREG && mode != VT_S_IFBLK) {
+	if (!ok) {
 		s->enter_ts = 0;
 		return;
 	}
-	s->inode = ino->i_ino;
-	s->direct = (f->f_flags & VT_O_DIRECT) != 0;
-	if (how == FILE_AT_POS) {
-		s->offset = f->f_pos;
-		s->has_offset = 1;
-	}
-	s->cur.inode = s->inode;
-	s->cur.offset = s->offset;
-	s->cur.has_offset = s->has_offset;
-	s->cur.direct = s->direct;
+	s->inode = s->cur.inode;
+	s->direct = s->cur.direct;
+	s->offset = s->cur.offset;
+	s->has_offset = s->cur.has_offset;
 	/* who dirtied the page cache of this inode (for write-back) */
 	if (is_write_nr(s->nr) && !s->direct)
 		bpf_map_update_elem(&inode_writer, &s->inode, &s->id, BPF_ANY);

@@ -81,11 +81,7 @@ static __always_inline bool pend_take(__u32 tid, struct sys_pend *out)
 	if (!p || !tid || PEND_TID(p) != tid)
 		return false;
 	barrier();
-	out->nr = p->nr;
-	out->how = p->how;
-	out->bytes = p->bytes;
-	out->offset = p->offset;
-	out->enter_ts = p->enter_ts;
+	*out = *p;
 	barrier();
 	if (PEND_TID(p) != tid)
 		return false;

@@ -120,6 +120,29 @@ static __always_inline bool file_info(struct sys_info *s, struct file *f, bool u
 	return true;
 }
 
+/* The same from a typed file (fentry, tp_btf): plain loads. */
+static __always_inline bool file_info_typed(struct sys_info *s, struct file *f, bool use_pos)
+{
+	struct inode *ino;
+	__u16 mode;
+
+	if (!f)
+		return false;
+	ino = f->f_inode;
+	if (!ino)
+		return false;
+	mode = ino->i_mode & VT_S_IFMT;
+	if (mode != VT_S_IFREG && mode != VT_S_IFBLK)
+		return false;
+	s->inode = ino->i_ino;
+	s->direct = (f->f_flags & VT_O_DIRECT) != 0;
+	if (use_pos) {
+		s->offset = f->f_pos;
+		s->has_offset = 1;
+	}
+	return true;
+}
+
 /* The same from an fd of the current task. */
 static __always_inline bool sys_file(struct sys_info *s, int fd, bool use_pos)
 {
@@ -472,23 +495,12 @@ int BPF_PROG(fe_aio_prep_rw, struct kiocb *req, const struct iocb *iocb)
 {
 	struct sys_state *s = aio_sys();
 	struct sys_info fi = {};
-	struct inode *ino;
-	struct file *f;
-	__u16 mode;
 
 	if (!s)
 		return 0;
 	s->bytes += iocb->aio_nbytes;
-	f = req->ki_filp;
-	ino = f ? f->f_inode : NULL;
-	if (!ino)
-		return 0;
-	mode = ino->i_mode & VT_S_IFMT;
-	if (mode != VT_S_IFREG && mode != VT_S_IFBLK)
-		return 0;
-	fi.inode = ino->i_ino;
-	fi.direct = (f->f_flags & VT_O_DIRECT) != 0;
-	aio_next(s, &fi, iocb->aio_offset);
+	if (file_info_typed(&fi, req->ki_filp, false))
+		aio_next(s, &fi, iocb->aio_offset);
 	return 0;
 }
 

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use thiserror::Error;
 use viotrace_shared::points::SlotMap;
-use viotrace_shared::proto::rq_bpf;
+use viotrace_shared::proto::{io_bpf, rq_bpf};
 use viotrace_shared::record::{GuestIo, GuestRq, Name, OffCpu, Op, Point, Points, RqRef};
 
 use crate::bpf::types::{vt_io_event, vt_rq_event};
@@ -14,7 +14,7 @@ use crate::bpf::types::{vt_io_event, vt_rq_event};
 pub const RQ_SIZE: usize = std::mem::size_of::<vt_rq_event>();
 /// `sizeof(struct vt_io_event)`.
 pub const IO_SIZE: usize = std::mem::size_of::<vt_io_event>();
-const MAX_REFS: usize = 16;
+const MAX_REFS: usize = io_bpf::MAX_REFS;
 
 // The sizes the C header asserts (`_Static_assert` in viotrace_guest.h).
 const _: () = assert!(RQ_SIZE == 184 && IO_SIZE == 400);
@@ -40,6 +40,26 @@ const _: () = {
     assert!(std::mem::size_of::<[u64; rq_bpf::TS_LEN]>() == off::SECTOR - off::TS);
 };
 
+// A syscall record goes to a capture as it is (`io_bpf`), read back by the
+// offsets the protocol names.
+const _: () = {
+    use io_bpf::off;
+    use std::mem::{offset_of, size_of};
+    type R = vt_io_event;
+    type F = crate::bpf::types::vt_rq_ref;
+    assert!(IO_SIZE == io_bpf::RECORD_LEN && MAX_REFS == io_bpf::MAX_REFS);
+    assert!(offset_of!(R, kind) == off::KIND && offset_of!(R, nr) == off::NR);
+    assert!(offset_of!(R, enter_ts) == off::ENTER_TS && offset_of!(R, exit_ts) == off::EXIT_TS);
+    assert!(offset_of!(R, ret) == off::RET && offset_of!(R, bytes) == off::BYTES);
+    assert!(offset_of!(R, inode) == off::INODE && offset_of!(R, file_offset) == off::FILE_OFFSET);
+    assert!(offset_of!(R, cgroup_id) == off::CGROUP_ID && offset_of!(R, pid) == off::PID);
+    assert!(offset_of!(R, tid) == off::TID && offset_of!(R, nrefs) == off::NREFS);
+    assert!(offset_of!(R, has_file_offset) == off::HAS_FILE_OFFSET);
+    assert!(offset_of!(R, comm) == off::COMM && offset_of!(R, refs) == off::REFS);
+    assert!(size_of::<F>() == io_bpf::REF_LEN && offset_of!(F, sector) == off::REF_SECTOR);
+    assert!(offset_of!(F, dev) == off::REF_DEV && offset_of!(F, bytes) == off::REF_BYTES);
+};
+
 include!(concat!(env!("OUT_DIR"), "/guest_stats.rs"));
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -57,28 +77,7 @@ fn kicked(v: u8) -> Option<bool> {
 
 pub use rq_bpf::blk_status_errno;
 
-/// x86-64 syscall number → name (the ones the BPF side traces).
-pub fn syscall_name(nr: u32) -> Name {
-    match nr {
-        0 => "read",
-        1 => "write",
-        17 => "pread64",
-        18 => "pwrite64",
-        19 => "readv",
-        20 => "writev",
-        74 => "fsync",
-        75 => "fdatasync",
-        209 => "io_submit",
-        277 => "sync_file_range",
-        295 => "preadv",
-        296 => "pwritev",
-        327 => "preadv2",
-        328 => "pwritev2",
-        426 => "io_uring_enter",
-        n => return compact_str::format_compact!("syscall_{n}"),
-    }
-    .into()
-}
+pub use viotrace_shared::proto::io_bpf::syscall_name;
 
 /// Record structs generated from the BPF object's BTF that may be read from
 /// any byte pattern.
@@ -153,9 +152,11 @@ pub enum Record<'a> {
 pub struct Decoder {
     /// The off-CPU programs are loaded: syscall records carry their `off_cpu`.
     pub off_cpu: bool,
-    /// Only the per-stage tables read the records (no JSON, capture, uplink or
-    /// threshold): a request record's wall-clock time and task name, which
-    /// nothing else reads, are not decoded (`time` stays `None`, `comm` empty).
+    /// Only the per-stage tables read the records (no JSON, no threshold; a
+    /// capture and the uplink take the ring buffer's bytes): a request
+    /// record's wall-clock time and task name, and of a syscall record all but
+    /// its points, name and references, are not decoded (`time` stays `None`,
+    /// the rest holds what an earlier record left).
     pub tables_only: bool,
     disks: HashMap<u32, Name>,
     /// The last disk named (records come in runs of one disk).
@@ -196,22 +197,7 @@ impl Decoder {
             last_disk: None,
             slots: SlotMap::new(&point_slots()),
             rq: viotrace_shared::proto::rq::blank(),
-            io: GuestIo {
-                syscall: Name::default(),
-                time: None,
-                pid: 0,
-                tid: 0,
-                comm: Name::default(),
-                cgroup_id: 0,
-                inode: 0,
-                file_offset: None,
-                bytes: 0,
-                ret: 0,
-                requests: Default::default(),
-                ts: Points::new(),
-                off_cpu: None,
-                cause: None,
-            },
+            io: io_bpf::blank(),
             rq_dev: None,
             io_nr: None,
         }
@@ -314,6 +300,17 @@ impl Decoder {
                 bytes: f.bytes,
             });
         }
+        if self.io_nr != Some(r.nr) {
+            self.io.syscall = syscall_name(r.nr);
+            self.io_nr = Some(r.nr);
+        }
+        self.io.requests = requests;
+        self.io.ts = ts;
+        if self.tables_only {
+            // (the tables read the points and the name; a capture copies the
+            // record and names its references' disks)
+            return;
+        }
         let off_cpu = self.off_cpu.then(|| OffCpu {
             runnable_ns: r.runq_ns,
             blocked_ns: r.blocked_ns,
@@ -321,11 +318,7 @@ impl Decoder {
                 .then(|| format!("pid {} {}", r.holder_pid, cstr(&r.holder_comm))),
         });
         let io = &mut self.io;
-        io.time = viotrace_shared::walltime::of_points(&ts);
-        if self.io_nr != Some(r.nr) {
-            io.syscall = syscall_name(r.nr);
-            self.io_nr = Some(r.nr);
-        }
+        io.time = viotrace_shared::walltime::of_points(&io.ts);
         io.pid = r.pid;
         io.tid = r.tid;
         set_cstr(&mut io.comm, &r.comm);
@@ -334,8 +327,6 @@ impl Decoder {
         io.file_offset = (r.has_file_offset != 0).then_some(r.file_offset);
         io.bytes = r.bytes;
         io.ret = r.ret;
-        io.requests = requests;
-        io.ts = ts;
         io.off_cpu = off_cpu;
         io.cause = None;
     }

@@ -12,7 +12,7 @@ use viotrace_shared::proto::{Counter, GuestRecordRef, GuestStats};
 use viotrace_shared::record::{GuestIo, GuestRq, Point, Points, Stats};
 use viotrace_shared::stats::{render_waterfall, Aggregator};
 use viotrace_shared::transport::GuestSender;
-use viotrace_shared::walltime;
+use viotrace_shared::walltime::{self, WallTime};
 
 use crate::io_hist::Gained;
 use crate::raw::{DecodeError, Record};
@@ -67,11 +67,11 @@ fn first_last(p: &Points) -> Option<u64> {
     (hi >= lo).then(|| hi - lo)
 }
 
-/// The wall-clock offset sent with a request record in the BPF layout, from
-/// which its reader gives it its time (its first point plus the offset): the
-/// one its decoded `time` was made with, else the guest's near its last point.
-fn wall_offset(r: &GuestRq) -> i64 {
-    match (r.time, r.ts.min_max()) {
+/// The wall-clock offset sent with a record in the BPF layout, from which its
+/// reader gives it its time (its first point plus the offset): the one its
+/// decoded `time` was made with, else the guest's near its last point.
+fn wall_offset(time: Option<WallTime>, ts: &Points) -> i64 {
+    match (time, ts.min_max()) {
         (Some(t), Some((first, _))) => t.unix_ns().wrapping_sub(first as i64),
         (_, last) => walltime::offset_near(last.map_or(0, |(_, l)| l)),
     }
@@ -219,7 +219,7 @@ impl Sink {
                 // (the capture and the uplink take the record as the ring
                 // buffer holds it: copied, not encoded)
                 if self.capture.is_some() || self.uplink.is_some() {
-                    let off = wall_offset(r);
+                    let off = wall_offset(r.time, &r.ts);
                     if let Some(c) = &mut self.capture {
                         c.push_rq_bpf(raw, off, &r.disk);
                     }
@@ -236,7 +236,14 @@ impl Sink {
                 // half the uplink's cost)
                 self.on_io(io);
                 if let Some(c) = &mut self.capture {
-                    c.push(GuestRecordRef::Io(io));
+                    // (as the ring buffer holds it, unless user space added
+                    // to it: off-CPU time and a cause are not in the layout)
+                    if io.off_cpu.is_none() && io.cause.is_none() {
+                        let disks = io.requests.iter().map(|r| r.disk.as_str());
+                        c.push_io_bpf(raw, wall_offset(io.time, &io.ts), disks);
+                    } else {
+                        c.push(GuestRecordRef::Io(io));
+                    }
                 }
             }
         }

@@ -11,7 +11,9 @@
 //!   them: [`encode_record_into`](crate::proto::encode_record_into)'s, or a
 //!   request record in the guest BPF layout
 //!   ([`rq_bpf::encode_record`](crate::proto::rq_bpf::encode_record), since
-//!   protocol 8: the guest agent's captures);
+//!   protocol 8: the guest agent's captures), or a syscall record in the
+//!   guest BPF layout ([`io_bpf::encode_record`](crate::proto::io_bpf::encode_record),
+//!   since format 2: a guest agent's record without off-CPU time or cause);
 //! - [`END`] (last, once): the writer's final `"kind":"stats"` JSON line.
 //!
 //! A file without its `END` chunk is a capture that did not finish (the agent
@@ -26,8 +28,14 @@ use crate::proto::{
 };
 use crate::varint;
 
-/// The first bytes of a capture file (the format's version is the last byte).
-pub const MAGIC: &[u8; 8] = b"VIOTCAP\x01";
+/// The first bytes of a capture file; the last is the format's version
+/// ([`FORMAT`]).
+pub const MAGIC: &[u8; 8] = b"VIOTCAP\x02";
+/// The capture format this writer writes (2: records may be syscall records
+/// in the guest BPF layout, record tag 3) and the newest its reader reads.
+pub const FORMAT: u8 = 2;
+/// The oldest capture format the reader reads (1: tags 0 to 2).
+pub const OLDEST_FORMAT: u8 = 1;
 /// The oldest protocol version whose captures this reader decodes (7's
 /// records are a subset of 8's: 8 added request records in the BPF layout).
 pub const OLDEST_VERSION: u16 = 7;
@@ -46,6 +54,11 @@ const CHUNK_HEADER: usize = 5;
 pub enum CaptureError {
     #[error("not a viotrace capture file (bad magic {0:02x?})")]
     BadMagic(Vec<u8>),
+    #[error(
+        "capture format {got}; this reader reads formats {OLDEST_FORMAT} to {FORMAT} \
+         (a newer viotrace wrote it)"
+    )]
+    Format { got: u8 },
     #[error(
         "capture written with protocol version {got}; this reader decodes versions {} to {want}",
         OLDEST_VERSION
@@ -130,6 +143,21 @@ impl<W: Write> CaptureWriter<W> {
         // buffer's request records always are)
         self.append(|buf| {
             crate::proto::rq_bpf::encode_record(bpf, wall_offset, disk, buf).ok_or(None)
+        });
+    }
+
+    /// Adds a syscall record in the guest BPF object's layout, as the ring
+    /// buffer held it ([`crate::proto::io_bpf`]), with its references' disk
+    /// names: copied, not encoded. (The record must have no off-CPU time and
+    /// no cause: those are the agent's, not in the layout.)
+    pub fn push_io_bpf<'a>(
+        &mut self,
+        bpf: &[u8],
+        wall_offset: i64,
+        disks: impl ExactSizeIterator<Item = &'a str> + Clone,
+    ) {
+        self.append(|buf| {
+            crate::proto::io_bpf::encode_record(bpf, wall_offset, disks, buf).ok_or(None)
         });
     }
 
@@ -229,8 +257,11 @@ impl<R: Read> CaptureReader<R> {
     pub fn new(mut r: R) -> Result<Self, CaptureError> {
         let mut m = [0u8; 8];
         let n = read_full(&mut r, &mut m)?;
-        if n < m.len() || &m != MAGIC {
+        if n < m.len() || m[..7] != MAGIC[..7] {
             return Err(CaptureError::BadMagic(m[..n].to_vec()));
+        }
+        if !(OLDEST_FORMAT..=FORMAT).contains(&m[7]) {
+            return Err(CaptureError::Format { got: m[7] });
         }
         let (mut at, mut chunk) = (MAGIC.len() as u64, Vec::new());
         let hello_at = at;

@@ -306,3 +306,47 @@ fn a_full_disk_counts_every_record_it_refused() {
     let e = w.finish(STATS.as_bytes()).err().unwrap();
     assert!(e.to_string().contains("No space"), "{e}");
 }
+
+#[test]
+fn syscall_records_in_the_bpf_layout_read_back_between_the_others() {
+    let mut bare = io(1); // (odd: no cause)
+    bare.off_cpu = None;
+    let (bpf, disks) = crate::proto::io_bpf::bpf_of(&bare);
+    let names = || disks.iter().map(String::as_str);
+    let mut w = CaptureWriter::new(Vec::new(), &hello()).unwrap();
+    w.push(GuestRecord::Rq(rq(1)).borrowed());
+    w.push_io_bpf(&bpf, 5_000, names());
+    w.push(GuestRecord::Io(io(2)).borrowed());
+    // Names that do not match its references: lost alone, counted.
+    w.push_io_bpf(&bpf, 0, names().take(0));
+    assert_eq!((w.written, w.lost), (0, 1));
+    let bytes = w.finish(STATS.as_bytes()).unwrap();
+    let (recs, end) = read_all(&bytes);
+    assert_eq!(end.unwrap(), STATS);
+    let want = GuestIo {
+        time: Some(WallTime(10 + 5_000)),
+        ..bare
+    };
+    assert_eq!(
+        recs,
+        vec![
+            GuestRecord::Rq(rq(1)),
+            GuestRecord::Io(want),
+            GuestRecord::Io(io(2))
+        ]
+    );
+}
+
+#[test]
+fn format_1_reads_and_a_newer_format_is_refused_by_name() {
+    let recs = records(10);
+    let mut bytes = capture(&recs);
+    assert_eq!(bytes[7], FORMAT);
+    bytes[7] = 1;
+    let (back, end) = read_all(&bytes);
+    assert_eq!((back, end.unwrap()), (recs, STATS.to_string()));
+    bytes[7] = FORMAT + 1;
+    let e = CaptureReader::new(&bytes[..]).err().unwrap();
+    assert!(matches!(e, CaptureError::Format { got: 3 }), "{e}");
+    assert!(e.to_string().contains("reads formats 1 to 2"), "{e}");
+}

@@ -40,6 +40,7 @@ use crate::record::{GuestIo, GuestRq};
 use crate::varint;
 
 mod batch;
+pub mod io_bpf;
 mod io_wire;
 pub mod rq;
 pub mod rq_bpf;

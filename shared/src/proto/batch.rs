@@ -10,7 +10,7 @@
 //! decoding of the message accepts and yields the same message (a
 //! differential test holds it to that); only the errors say more.
 
-use super::{rq, rq_bpf, GuestRecord, GuestRecordRef, Message, ProtoError};
+use super::{io_bpf, rq, rq_bpf, GuestRecord, GuestRecordRef, Message, ProtoError};
 use crate::record::{GuestIo, GuestRq};
 use crate::varint;
 
@@ -36,18 +36,25 @@ enum Kind {
     Io,
     /// A request record in the BPF layout ([`rq_bpf`]).
     RqBpf,
+    /// A syscall record in the BPF layout ([`io_bpf`]).
+    IoBpf,
 }
 
 /// Takes one record off the front of `b`: its kind and its bytes (a request
 /// record's body; a syscall record's whole postcard form, checked).
 fn next_record<'a>(b: &mut &'a [u8], index: usize) -> Result<(Kind, &'a [u8]), ProtoError> {
     match varint::take_u32(b).ok_or_else(|| bad_varint(b))? {
-        t @ (0 | 2) => {
+        t @ (0 | 2 | 3) => {
             let len = varint::take(b).ok_or_else(|| bad_varint(b))?;
             let len = usize::try_from(len).map_err(|_| end())?;
             let (rec, rest) = b.split_at_checked(len).ok_or_else(end)?;
             *b = rest;
-            Ok((if t == 0 { Kind::Rq } else { Kind::RqBpf }, rec))
+            let kind = match t {
+                0 => Kind::Rq,
+                2 => Kind::RqBpf,
+                _ => Kind::IoBpf,
+            };
+            Ok((kind, rec))
         }
         1 => {
             let (_, rest) =
@@ -175,6 +182,13 @@ impl BatchReader {
                     Ok(io) => each(Ok(GuestRecordRef::Io(self.io.insert(io)))),
                     Err(e) => each(Err(ProtoError::Malformed(e))),
                 },
+                Ok((Kind::IoBpf, rec)) => {
+                    let io = self.io.get_or_insert_with(io_bpf::blank);
+                    match io_bpf::decode_into(rec, io) {
+                        Ok(()) => each(Ok(GuestRecordRef::Io(io))),
+                        Err(source) => each(Err(ProtoError::BadRecord { index, source })),
+                    }
+                }
                 // (Not after a skim: it checked every record's extent.)
                 Err(e) => return each(Err(e)),
             }

@@ -61,6 +61,8 @@ pub enum RqWireError {
     Tag(u32),
     #[error("request record in the BPF layout of {0} bytes")]
     Length(usize),
+    #[error("syscall record in the BPF layout of {0} bytes, not what its references need")]
+    IoLength(usize),
 }
 
 /// A string as postcard writes one: its length, then its bytes.
@@ -297,11 +299,38 @@ impl<'de> Visitor<'de> for RecordVisitor {
             2 => v
                 .newtype_variant_seed(BinSeed { bpf: true })
                 .map(GuestRecord::Rq),
+            3 => v.newtype_variant_seed(IoBpfSeed).map(GuestRecord::Io),
             t => Err(de::Error::invalid_value(
                 de::Unexpected::Unsigned(u64::from(t)),
-                &"record tag 0, 1 or 2",
+                &"record tag 0, 1, 2 or 3",
             )),
         }
+    }
+}
+
+/// Reads a syscall record's byte string in the guest BPF layout
+/// ([`super::io_bpf`]).
+struct IoBpfSeed;
+
+impl<'de> DeserializeSeed<'de> for IoBpfSeed {
+    type Value = GuestIo;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<GuestIo, D::Error> {
+        d.deserialize_bytes(self)
+    }
+}
+
+impl Visitor<'_> for IoBpfSeed {
+    type Value = GuestIo;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a syscall record in the guest BPF layout")
+    }
+
+    fn visit_bytes<E: de::Error>(self, b: &[u8]) -> Result<GuestIo, E> {
+        let mut io = super::io_bpf::blank();
+        super::io_bpf::decode_into(b, &mut io).map_err(E::custom)?;
+        Ok(io)
     }
 }
 

@@ -2,8 +2,10 @@
 //!
 //! Optional programs (hook flavours, io_uring generations, the irq tracepoint)
 //! are enabled as the [`Plan`] says. If the kernel still refuses one of them at
-//! load (the verifier has the last word), that program is left out and the
-//! object is loaded again: an optional program never takes the others down.
+//! load (the verifier has the last word), or libbpf cannot apply one of its
+//! CO-RE relocations to this kernel's types (which fails the whole object's
+//! load), that program is left out and the object is loaded again: an
+//! optional program never takes the others down.
 //! What finally runs decides the [`Report`].
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -176,15 +178,11 @@ pub fn libbpf_print(level: libbpf_rs::PrintLevel, msg: String) {
         }
         return;
     }
-    if let Some(name) = msg
-        .strip_prefix("libbpf: prog '")
-        .and_then(|m| m.split_once("': failed to load"))
-        .map(|(n, _)| n.to_string())
-    {
+    if let Some(name) = failed_program(&msg) {
         LOAD_FAILED
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(name);
+            .push(name.to_string());
     }
     let optional_tp = plan::OPTIONAL_TP_PROGS
         .iter()
@@ -192,6 +190,16 @@ pub fn libbpf_print(level: libbpf_rs::PrintLevel, msg: String) {
     if !optional_tp {
         eprint!("{msg}");
     }
+}
+
+/// The program a libbpf warning says failed: its load (the verifier refused
+/// it) or one of its CO-RE relocations (a field or type this kernel lacks in
+/// a form libbpf cannot poison, a load of another size than the field's),
+/// which fails the whole object's load before any program is loaded.
+fn failed_program(msg: &str) -> Option<&str> {
+    let (name, tail) = msg.strip_prefix("libbpf: prog '")?.split_once('\'')?;
+    let relo = tail.starts_with(": relo #") && tail.contains(": failed to ");
+    (tail.starts_with(": failed to load") || relo).then_some(name)
 }
 
 fn set_config(open: &mut OpenViotraceGuestSkel<'_>, f: &Filters, p: &Plan) -> Result<()> {
@@ -298,7 +306,10 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
                     return Err(e).with_context(|| format!("loading BPF object ({mode} mode)"));
                 }
                 for p in optional {
-                    eprintln!("viotrace-guest: leaving out program {p}: the kernel refused it");
+                    eprintln!(
+                        "viotrace-guest: leaving out program {p}: it does not load on this \
+                         kernel (libbpf's message above)"
+                    );
                     failed.insert(p.to_string(), format!("load failed: {e}"));
                     plan.drop_program(p);
                 }
@@ -459,6 +470,43 @@ pub fn start_any(modes: &[Mode], facts: &Facts, f: &Filters) -> Result<Running> 
 mod tests {
     use super::*;
     use crate::probe::HOOKS;
+
+    /// libbpf 1.7's warnings (libbpf.c, relo_core.c), as its print callback
+    /// gets them: those that name a failed program, and those that do not.
+    #[test]
+    fn failed_programs_are_named_from_libbpf_warnings() {
+        let named = [
+            (
+                "libbpf: prog 'fe_vfs_read': failed to load: -13\n",
+                "fe_vfs_read",
+            ),
+            (
+                "libbpf: prog 'tb_uring_submit': relo #4: failed to relocate: -EINVAL\n",
+                "tb_uring_submit",
+            ),
+            (
+                "libbpf: prog 'tb_uring_submit': relo #4: failed to patch insn #12: -EINVAL\n",
+                "tb_uring_submit",
+            ),
+            (
+                "libbpf: prog 'x': relo #0: failed to record relocation: -ENOMEM\n",
+                "x",
+            ),
+        ];
+        for (msg, name) in named {
+            assert_eq!(failed_program(msg), Some(name), "{msg}");
+        }
+        let not = [
+            "libbpf: prog 'tb_uring_submit': relo #4: insn #12 (LDX/ST/STX) unexpected mem size: got 1, exp 8\n",
+            "libbpf: failed to perform CO-RE relocations: -EINVAL\n",
+            "libbpf: prog 'irq_entry': failed to attach: No such file or directory\n",
+            "libbpf: prog 'a: failed to load\n",
+            "libbpf: map 'rqs': failed to create: -12\n",
+        ];
+        for msg in not {
+            assert_eq!(failed_program(msg), None, "{msg}");
+        }
+    }
 
     /// The planner names programs by string (it is pure and unit-tested on the
     /// facts of real kernels); this ties those names to the object itself: every

@@ -647,7 +647,7 @@ pub fn sample_rq(i: u64) -> GuestRq {
         time: None,
         disk: "vda".into(),
         op: Op::Write,
-        sector: 8 * i,
+        sector: 8u64.wrapping_mul(i),
         bytes: 4096,
         queue: Some(0),
         head: Some((i % 128) as u16),
@@ -656,7 +656,8 @@ pub fn sample_rq(i: u64) -> GuestRq {
         comm: "fio".into(),
         cgroup_id: 7,
         inode: 12,
-        file_offset: Some(4096 * i),
+        // (wrapping: the tests also take i up to u64::MAX / 2, the longest varints)
+        file_offset: Some(4096u64.wrapping_mul(i)),
         kicked: Some(true),
         bios: 1,
         error: 0,

@@ -28,7 +28,7 @@
 //! decoder takes it (up to its NUL, lossy UTF-8).
 
 use super::rq::RqWireError;
-use super::rq_bpf::{set_cstr, MAX_DISK};
+use super::rq_bpf::{set_cstr, u32_at, u64_at, MAX_DISK};
 use crate::record::{GuestIo, Name, Point, Points, RqRef};
 use crate::varint;
 use crate::walltime::WallTime;
@@ -96,16 +96,6 @@ pub fn syscall_name(nr: u32) -> Name {
         n => return compact_str::format_compact!("syscall_{n}"),
     }
     .into()
-}
-
-#[inline]
-fn u64_at(b: &[u8], o: usize) -> u64 {
-    u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
-}
-
-#[inline]
-fn u32_at(b: &[u8], o: usize) -> u32 {
-    u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
 }
 
 /// Appends the record's whole batch entry (tag, length, body) to `out`.

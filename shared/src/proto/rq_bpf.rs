@@ -85,12 +85,12 @@ pub fn encode_record(bpf: &[u8], wall_offset: i64, disk: &str, out: &mut Vec<u8>
 }
 
 #[inline]
-fn u64_at(b: &[u8], o: usize) -> u64 {
+pub(super) fn u64_at(b: &[u8], o: usize) -> u64 {
     u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
 }
 
 #[inline]
-fn u32_at(b: &[u8], o: usize) -> u32 {
+pub(super) fn u32_at(b: &[u8], o: usize) -> u32 {
     u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
 }
 

@@ -47,7 +47,8 @@ const _: () = {
     use std::mem::{offset_of, size_of};
     type R = vt_io_event;
     type F = crate::bpf::types::vt_rq_ref;
-    assert!(IO_SIZE == io_bpf::RECORD_LEN && MAX_REFS == io_bpf::MAX_REFS);
+    assert!(IO_SIZE == io_bpf::RECORD_LEN);
+    assert!(offset_of!(R, runq_ns) - offset_of!(R, refs) == MAX_REFS * io_bpf::REF_LEN);
     assert!(offset_of!(R, kind) == off::KIND && offset_of!(R, nr) == off::NR);
     assert!(offset_of!(R, enter_ts) == off::ENTER_TS && offset_of!(R, exit_ts) == off::EXIT_TS);
     assert!(offset_of!(R, ret) == off::RET && offset_of!(R, bytes) == off::BYTES);
@@ -197,7 +198,7 @@ impl Decoder {
             last_disk: None,
             slots: SlotMap::new(&point_slots()),
             rq: viotrace_shared::proto::rq::blank(),
-            io: io_bpf::blank(),
+            io: GuestIo::default(),
             rq_dev: None,
             io_nr: None,
         }

@@ -126,7 +126,7 @@ pub struct GuestRq {
 }
 
 /// One finished syscall-level I/O in the guest (`"kind":"guest_io"`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct GuestIo {
     /// Syscall name (`read`, `pwrite64`, `fsync`, `io_submit`, `io_uring_enter`, …).
     pub syscall: Name,

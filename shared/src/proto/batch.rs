@@ -183,7 +183,7 @@ impl BatchReader {
                     Err(e) => each(Err(ProtoError::Malformed(e))),
                 },
                 Ok((Kind::IoBpf, rec)) => {
-                    let io = self.io.get_or_insert_with(io_bpf::blank);
+                    let io = self.io.get_or_insert_with(GuestIo::default);
                     match io_bpf::decode_into(rec, io) {
                         Ok(()) => each(Ok(GuestRecordRef::Io(io))),
                         Err(source) => each(Err(ProtoError::BadRecord { index, source })),

@@ -159,10 +159,8 @@ pub fn decode_into(b: &[u8], io: &mut GuestIo) -> Result<(), RqWireError> {
     ts.set_nonzero(Point::SyscallExit, u64_at(b, off::EXIT_TS));
     let wall_offset = u64_at(b, fixed) as i64;
     io.time = ts
-        .iter()
-        .map(|(_, t)| t)
-        .min()
-        .map(|t| WallTime((t as i64).saturating_add(wall_offset)));
+        .min_max()
+        .map(|(first, _)| WallTime((first as i64).saturating_add(wall_offset)));
     io.ts = ts;
     io.ret = u64_at(b, off::RET) as i64;
     io.bytes = u64_at(b, off::BYTES);
@@ -211,26 +209,6 @@ pub fn decode_into(b: &[u8], io: &mut GuestIo) -> Result<(), RqWireError> {
     io.off_cpu = None;
     io.cause = None;
     Ok(())
-}
-
-/// An empty syscall record to decode into.
-pub fn blank() -> GuestIo {
-    GuestIo {
-        syscall: Name::default(),
-        time: None,
-        pid: 0,
-        tid: 0,
-        comm: Name::default(),
-        cgroup_id: 0,
-        inode: 0,
-        file_offset: None,
-        bytes: 0,
-        ret: 0,
-        requests: Default::default(),
-        ts: Points::new(),
-        off_cpu: None,
-        cause: None,
-    }
 }
 
 /// The BPF record a guest's ring buffer would hold for `io` (tests and

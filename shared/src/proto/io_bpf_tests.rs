@@ -44,7 +44,7 @@ fn body(bpf: &[u8], offset: i64, disks: &[String]) -> Vec<u8> {
 
 fn roundtrip(want: &GuestIo, offset: i64) -> GuestIo {
     let (bpf, disks) = bpf_of(want);
-    let mut got = blank();
+    let mut got = GuestIo::default();
     decode_into(&body(&bpf, offset, &disks), &mut got).unwrap();
     got
 }
@@ -87,7 +87,7 @@ fn absent_fields_and_unknown_syscalls() {
 
 #[test]
 fn decoding_over_a_used_record_leaves_nothing_of_it() {
-    let mut got = blank();
+    let mut got = GuestIo::default();
     let (bpf, disks) = bpf_of(&io(3));
     decode_into(&body(&bpf, 0, &disks), &mut got).unwrap();
     got.off_cpu = Some(OffCpu::default());
@@ -126,8 +126,8 @@ fn the_encoder_refuses_what_the_layout_cannot_hold() {
 fn the_decoder_refuses_what_the_bpf_side_never_writes() {
     let (bpf, disks) = bpf_of(&io(2));
     let good = body(&bpf, 0, &disks);
-    let mut io = blank();
-    let err = |b: &[u8]| decode_into(b, &mut blank()).unwrap_err();
+    let mut io = GuestIo::default();
+    let err = |b: &[u8]| decode_into(b, &mut GuestIo::default()).unwrap_err();
     assert!(decode_into(&good, &mut io).is_ok());
     assert_eq!(err(&good[..HEAD_LEN]), RqWireError::IoLength(HEAD_LEN));
     assert!(matches!(
@@ -214,8 +214,8 @@ proptest! {
         let mut b = body(&bpf, 0, &disks);
         let at = at % b.len();
         b[at] ^= x;
-        let _ = decode_into(&b, &mut blank());
+        let _ = decode_into(&b, &mut GuestIo::default());
         b.truncate(cut.min(b.len()));
-        let _ = decode_into(&b, &mut blank());
+        let _ = decode_into(&b, &mut GuestIo::default());
     }
 }

@@ -328,7 +328,7 @@ impl Visitor<'_> for IoBpfSeed {
     }
 
     fn visit_bytes<E: de::Error>(self, b: &[u8]) -> Result<GuestIo, E> {
-        let mut io = super::io_bpf::blank();
+        let mut io = GuestIo::default();
         super::io_bpf::decode_into(b, &mut io).map_err(E::custom)?;
         Ok(io)
     }

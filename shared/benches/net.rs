@@ -23,8 +23,8 @@ use viotrace_shared::transport::local_hello;
 
 const RECORDS_PER_BATCH: usize = 560;
 const BATCH_EVERY: Duration = Duration::from_millis(100);
-/// The guest's largest write (`transport::stream::WRITE_CHUNK`).
-const PIECE: usize = 16 * 1024;
+/// The guest's largest write.
+const PIECE: usize = viotrace_shared::transport::guest::WRITE_CHUNK;
 const PIECE_GAP: Duration = Duration::from_micros(20);
 const RUN: Duration = Duration::from_secs(4);
 

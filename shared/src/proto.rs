@@ -616,6 +616,19 @@ const ENCODED_GUESS: usize = 160;
 /// tag, two varints).
 pub const BATCH_OVERHEAD: usize = FRAME_HEADER + 1 + 2 * varint::MAX_LEN;
 
+/// Appends the head of a [`Message::Batch`] frame of `count` records already
+/// encoded with [`encode_record`] that take `records_len` bytes: the frame is
+/// this head, then the records (byte-identical to [`batch_frame`]'s frame), so
+/// a writer can send the records from where they are.
+pub fn batch_header(first_seq: u64, count: usize, records_len: usize, out: &mut Vec<u8>) {
+    let mut head = [0u8; 1 + 2 * varint::MAX_LEN];
+    head[0] = BATCH_TAG;
+    let at = varint::put(&mut head, 1, first_seq);
+    let at = varint::put(&mut head, at, count as u64);
+    out.extend_from_slice(&((at + records_len) as u32).to_le_bytes());
+    out.extend_from_slice(&head[..at]);
+}
+
 /// Appends one complete [`Message::Batch`] frame of `count` records already
 /// encoded with [`encode_record`], whose bytes are `records` concatenated (in
 /// any number of pieces); byte-identical to postcard's encoding of the message.

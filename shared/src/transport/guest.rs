@@ -15,7 +15,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::ring::RecordRing;
+use super::ring::{Batch, RecordRing};
 use super::stream::Conn;
 use super::Endpoint;
 use crate::clock::monotonic_ns;
@@ -536,6 +536,8 @@ fn reader_main(mut conn: Conn, sh: Arc<Shared>, alive: Arc<AtomicBool>) {
 
 /// What one pass of the writer takes out of the shared queue.
 struct Work {
+    /// Batch frames of records due, written first.
+    batches: Vec<Batch>,
     control: Vec<Message>,
     stats: Option<GuestStats>,
     closing: Option<String>,
@@ -543,13 +545,12 @@ struct Work {
 }
 
 /// Waits until there is something to write (or the connection died), then
-/// appends the frames of the records due to `out`.
+/// takes the batch frames of the records due and the control messages.
 fn next_work(
     cfg: &GuestSenderConfig,
     sh: &Shared,
     alive: &AtomicBool,
     last_probe: Option<Instant>,
-    out: &mut Vec<u8>,
 ) -> Work {
     let probe_in = |lp: Option<Instant>| {
         if cfg.probe_interval.is_zero() {
@@ -592,23 +593,27 @@ fn next_work(
     }
     let flush = q.unsent() > 0
         && (q.closing.is_some() || q.unsent() >= sh.batch_max || flush_in(&q).is_zero());
+    let mut batches = Vec::new();
     if flush {
         // At most 16 full batches per pass, so control messages never wait long.
         let limit = if q.closing.is_some() { usize::MAX } else { 16 };
-        let mut frames = 0;
-        while q.unsent() > 0 && frames < limit {
+        while batches.len() < limit {
             let first = q.sent();
             let room = BATCH_BYTES - proto::BATCH_OVERHEAD;
-            let n = q.ring.write_batch(first, sh.batch_max, room, out) as u64;
+            let Some(b) = q.ring.next_batch(first, sh.batch_max, room) else {
+                break;
+            };
+            let n = q.sent() - first;
             let resent = q.sent_high.saturating_sub(first).min(n);
             sh.count(&sh.c.resent, resent);
             q.sent_high = q.sent_high.max(first + n);
-            frames += 1;
+            batches.push(b);
         }
-        sh.count(&sh.c.sent_frames, frames as u64);
+        sh.count(&sh.c.sent_frames, batches.len() as u64);
         q.unsent_since = (q.unsent() > 0).then(Instant::now);
     }
     Work {
+        batches,
         control: q.control.drain(..).collect(),
         stats: q.stats.take(),
         closing: q.closing.clone(),
@@ -647,7 +652,7 @@ fn writer_loop(
             return Ok(dead);
         }
         out.clear();
-        let w = next_work(cfg, sh, alive, last_probe, &mut out);
+        let w = next_work(cfg, sh, alive, last_probe);
         for mut m in w.control {
             if let Message::ClockPong { g3, .. } = &mut m {
                 *g3 = monotonic_ns();
@@ -680,10 +685,15 @@ fn writer_loop(
                 &mut out,
             )?;
         }
-        if !out.is_empty() {
-            if let Err(e) = conn.write_chunked(&out) {
-                return Ok(Done::Failed(e.into()));
-            }
+        // The batches from the ring's blocks as they lie, then the rest.
+        let bufs: Vec<&[u8]> = w
+            .batches
+            .iter()
+            .flat_map(Batch::slices)
+            .chain([out.as_slice()])
+            .collect();
+        if let Err(e) = conn.write_all_chunked(&bufs) {
+            return Ok(Done::Failed(e.into()));
         }
         if w.closing.is_some() {
             // Wait for the host to acknowledge everything (the caller's

@@ -10,7 +10,7 @@ use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::jsonl::JsonLines;
 use viotrace_shared::proto::{Counter, GuestRecordRef, GuestStats};
 use viotrace_shared::record::{GuestIo, GuestRq, Point, Points, Stats};
-use viotrace_shared::stats::{render_waterfall, Aggregator};
+use viotrace_shared::stats::{render_waterfall, Aggregator, StageHist};
 use viotrace_shared::transport::GuestSender;
 use viotrace_shared::walltime::{self, WallTime};
 
@@ -30,6 +30,11 @@ pub struct Sink {
     blind_points: Vec<&'static str>,
     out: JsonLines<BufWriter<Stdout>>,
     interval: Aggregator,
+    /// The interval's syscall latencies by syscall, added to `interval` when
+    /// it is read: a record finds its histogram by one name compared with the
+    /// last one's, not by the table's two lookups (label, then stage) per record.
+    syscalls: Vec<(viotrace_shared::record::Name, StageHist)>,
+    syscall_last: usize,
     total: Aggregator,
     /// (disk, sector) → points of recently finished requests, and whether
     /// their waterfall was printed (then their syscall's is not).
@@ -144,6 +149,8 @@ impl Sink {
             blind_points,
             out: JsonLines::new(BufWriter::with_capacity(64 * 1024, io::stdout())),
             interval: Aggregator::new(),
+            syscalls: Vec::new(),
+            syscall_last: 0,
             total: Aggregator::new(),
             recent: HashMap::new(),
             rqs: 0,
@@ -292,7 +299,7 @@ impl Sink {
             return;
         };
         let d = b.saturating_sub(a);
-        self.interval.record(SYSCALL_LABEL, &io.syscall, d);
+        self.record_syscall(&io.syscall, d);
         if let Some(th) = self.threshold_ns {
             let caused: Vec<&(Points, bool)> = io
                 .requests
@@ -332,11 +339,36 @@ impl Sink {
         }
     }
 
+    /// One syscall's latency into the interval's histogram of its syscall.
+    fn record_syscall(&mut self, name: &viotrace_shared::record::Name, ns: u64) {
+        let i = match self.syscalls.get(self.syscall_last) {
+            Some((n, _)) if n == name => self.syscall_last,
+            _ => match self.syscalls.iter().position(|(n, _)| n == name) {
+                Some(i) => i,
+                None => {
+                    self.syscalls.push((name.clone(), StageHist::new()));
+                    self.syscalls.len() - 1
+                }
+            },
+        };
+        self.syscalls[i].1.record(ns);
+        self.syscall_last = i;
+    }
+
+    /// Adds the syscall histograms to the interval's table (before it is read).
+    fn take_syscalls(&mut self) {
+        for (name, h) in &mut self.syscalls {
+            self.interval.add_hist(SYSCALL_LABEL, name, h);
+        }
+        self.syscalls.clear();
+    }
+
     /// The per-stage table of the interval that just ended (skipped when idle).
     pub fn interval_table(&mut self, elapsed: Duration) {
         if self.interval_records == 0 {
             return;
         }
+        self.take_syscalls();
         self.total.merge(&self.interval);
         let t = self.interval.render_table(&format!(
             "--- interval ending at {:.1}s ---",
@@ -438,6 +470,7 @@ impl Sink {
         elapsed: Duration,
         counters: &[(&'static str, u64)],
     ) -> anyhow::Result<()> {
+        self.take_syscalls();
         self.total.merge(&self.interval);
         self.interval.clear();
         let mut t = self.total.render_table(&format!(
@@ -578,6 +611,49 @@ mod tests {
                 "{st:?}"
             );
         }
+    }
+
+    /// Syscall records counted aside by syscall come to the same table as
+    /// recorded one by one, also when the syscalls alternate and across
+    /// intervals.
+    #[test]
+    fn syscall_latencies_reach_the_table_as_recorded_one_by_one() {
+        let nrs = [18u32, 17, 209, 17, 0];
+        let mut s = Sink::new(false, None, "fentry".into(), vec![], vec![], None);
+        let mut d = Decoder::new();
+        d.tables_only = true;
+        d.name_disk((253u32 << 20) | 16, "vdb");
+        let mut want = Aggregator::new();
+        for i in 0..3_000u64 {
+            let nr = nrs[(i as usize * 7 / 3) % nrs.len()];
+            let ns = 1 + (i * 7_919) % 3_000_000;
+            let mut io = raw_io();
+            put(&mut io, 4, &nr.to_ne_bytes());
+            put(&mut io, 8, &1_000u64.to_ne_bytes());
+            put(&mut io, 16, &(1_000 + ns).to_ne_bytes());
+            s.handle(d.decode(&io).unwrap(), &io);
+            want.record(SYSCALL_LABEL, &crate::raw::syscall_name(nr), ns);
+            if i == 1_000 {
+                // (the interval's table holds the interval's syscalls)
+                s.interval_table(Duration::from_secs(1));
+                let n: u64 = s.total.summaries().iter().map(|x| x.summary.count).sum();
+                assert_eq!(n, 1_001);
+            }
+        }
+        s.take_syscalls();
+        let mut got = std::mem::take(&mut s.total);
+        got.merge(&s.interval);
+        let key = |a: &Aggregator| {
+            let mut v: Vec<String> = a
+                .summaries()
+                .iter()
+                .map(|x| format!("{} {} {:?}", x.label, x.stage, x.summary))
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(key(&got), key(&want));
+        assert_eq!(key(&got).len(), 4);
     }
 
     #[test]

@@ -77,8 +77,14 @@ pub struct StageHist {
     sum: u128,
 }
 
+impl Default for StageHist {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl StageHist {
-    fn new() -> Self {
+    pub fn new() -> Self {
         StageHist {
             chunks: Box::new(std::array::from_fn(|_| None)),
             sum: 0,
@@ -101,8 +107,9 @@ impl StageHist {
         })
     }
 
+    /// Counts one value (ns).
     #[inline]
-    fn record(&mut self, ns: u64) {
+    pub fn record(&mut self, ns: u64) {
         let i = hist_index(ns.max(1));
         let i = if i < HIST_LEN {
             i
@@ -399,6 +406,14 @@ impl Aggregator {
         let ls = self.label_mut(label);
         let i = ls.index_of_name(stage);
         ls.stages[i].1.add_slots(slots, sum);
+    }
+
+    /// Adds the values of a histogram kept aside to `(label, stage)` (a caller
+    /// that finds its histogram by a number, not by two names, per value).
+    pub fn add_hist(&mut self, label: &str, stage: &str, h: &StageHist) {
+        let ls = self.label_mut(label);
+        let i = ls.index_of_name(stage);
+        ls.stages[i].1.add(h);
     }
 
     /// Records the stages of a record's points (see [`crate::stages::derive`])

@@ -8,7 +8,7 @@ use viotrace_shared::capture::CaptureWriter;
 use viotrace_shared::cause::syscall::SyscallVerdicts;
 use viotrace_shared::clock::monotonic_ns;
 use viotrace_shared::jsonl::JsonLines;
-use viotrace_shared::proto::{Counter, GuestRecordRef, GuestStats};
+use viotrace_shared::proto::{io_bpf, Counter, GuestRecordRef, GuestStats};
 use viotrace_shared::record::{GuestIo, GuestRq, Point, Points, Stats};
 use viotrace_shared::stats::{render_waterfall, Aggregator, StageHist};
 use viotrace_shared::transport::GuestSender;
@@ -30,10 +30,10 @@ pub struct Sink {
     blind_points: Vec<&'static str>,
     out: JsonLines<BufWriter<Stdout>>,
     interval: Aggregator,
-    /// The interval's syscall latencies by syscall, added to `interval` when
-    /// it is read: a record finds its histogram by one name compared with the
-    /// last one's, not by the table's two lookups (label, then stage) per record.
-    syscalls: Vec<(viotrace_shared::record::Name, StageHist)>,
+    /// The interval's syscall latencies by syscall number, added to `interval`
+    /// when it is read: a record finds its histogram by its number, not by the
+    /// table's two lookups by name (label, then stage).
+    syscalls: Vec<(u32, viotrace_shared::record::Name, StageHist)>,
     syscall_last: usize,
     total: Aggregator,
     /// (disk, sector) → points of recently finished requests, and whether
@@ -74,12 +74,16 @@ fn first_last(p: &Points) -> Option<u64> {
 
 /// The wall-clock offset sent with a record in the BPF layout, from which its
 /// reader gives it its time (its first point plus the offset): the one its
-/// decoded `time` was made with, else the guest's near its last point.
+/// decoded `time` was made with, else the guest's now (measured again if its
+/// last measurement is a second older than the record's last point in path
+/// order: any of its points would do, and that one is read without a pass
+/// over them).
 fn wall_offset(time: Option<WallTime>, ts: &Points) -> i64 {
-    match (time, ts.min_max()) {
-        (Some(t), Some((first, _))) => t.unix_ns().wrapping_sub(first as i64),
-        (_, last) => walltime::offset_near(last.map_or(0, |(_, l)| l)),
-    }
+    time.and_then(|t| {
+        let (first, _) = ts.min_max()?;
+        Some(t.unix_ns().wrapping_sub(first as i64))
+    })
+    .unwrap_or_else(|| walltime::offset_near(ts.last_in_path().unwrap_or(0)))
 }
 
 fn rq_header(r: &GuestRq) -> String {
@@ -241,7 +245,11 @@ impl Sink {
                 }
                 // (not streamed: the join has no use for it, and it would be
                 // half the uplink's cost)
-                self.on_io(io);
+                // (the syscall's number, as the record's bytes hold it)
+                let nr = raw
+                    .get(io_bpf::off::NR..io_bpf::off::NR + 4)
+                    .map_or(u32::MAX, |b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+                self.on_io(io, nr);
                 if let Some(c) = &mut self.capture {
                     // (as the ring buffer holds it, unless user space added
                     // to it: off-CPU time and a cause are not in the layout)
@@ -287,7 +295,7 @@ impl Sink {
         }
     }
 
-    fn on_io(&mut self, io: &GuestIo) {
+    fn on_io(&mut self, io: &GuestIo, nr: u32) {
         self.ios += 1;
         if self.json {
             let _ = self.out.write(io);
@@ -299,7 +307,7 @@ impl Sink {
             return;
         };
         let d = b.saturating_sub(a);
-        self.record_syscall(&io.syscall, d);
+        self.record_syscall(nr, &io.syscall, d);
         if let Some(th) = self.threshold_ns {
             let caused: Vec<&(Points, bool)> = io
                 .requests
@@ -339,25 +347,26 @@ impl Sink {
         }
     }
 
-    /// One syscall's latency into the interval's histogram of its syscall.
-    fn record_syscall(&mut self, name: &viotrace_shared::record::Name, ns: u64) {
+    /// One latency of syscall `nr` (named `name`) into the interval's
+    /// histogram of it.
+    fn record_syscall(&mut self, nr: u32, name: &viotrace_shared::record::Name, ns: u64) {
         let i = match self.syscalls.get(self.syscall_last) {
-            Some((n, _)) if n == name => self.syscall_last,
-            _ => match self.syscalls.iter().position(|(n, _)| n == name) {
+            Some((n, ..)) if *n == nr => self.syscall_last,
+            _ => match self.syscalls.iter().position(|(n, ..)| *n == nr) {
                 Some(i) => i,
                 None => {
-                    self.syscalls.push((name.clone(), StageHist::new()));
+                    self.syscalls.push((nr, name.clone(), StageHist::new()));
                     self.syscalls.len() - 1
                 }
             },
         };
-        self.syscalls[i].1.record(ns);
+        self.syscalls[i].2.record(ns);
         self.syscall_last = i;
     }
 
     /// Adds the syscall histograms to the interval's table (before it is read).
     fn take_syscalls(&mut self) {
-        for (name, h) in &mut self.syscalls {
+        for (_, name, h) in &mut self.syscalls {
             self.interval.add_hist(SYSCALL_LABEL, name, h);
         }
         self.syscalls.clear();

@@ -324,6 +324,12 @@ impl Points {
         present(self.mask).map(|i| (Point::ALL[i], self.vals[i]))
     }
 
+    /// The value of the present point latest in path order (None for an
+    /// empty set): one read, where any of a record's times will do.
+    pub fn last_in_path(&self) -> Option<u64> {
+        (self.mask != 0).then(|| self.vals[31 - self.mask.leading_zeros() as usize])
+    }
+
     /// The earliest and the latest value (None for an empty set).
     pub fn min_max(&self) -> Option<(u64, u64)> {
         present(self.mask).map(|i| self.vals[i]).fold(None, |r, v| {
@@ -537,6 +543,20 @@ mod tests {
             let mut got = set_of(before, 11);
             got.reset_nonzero_from(&map, &ts);
             proptest::prop_assert_eq!(got, want);
+        }
+    }
+
+    /// The last point in path order is the one `iter` gives last, for every
+    /// set of points.
+    #[test]
+    fn the_last_in_path_is_the_last_iterated() {
+        for bits in (0..1u32 << SLOTS.min(16)).chain([(1u32 << SLOTS) - 1, 1 << (SLOTS - 1)]) {
+            let p = set_of(bits, 5 + u64::from(bits));
+            assert_eq!(
+                p.last_in_path(),
+                p.iter().last().map(|(_, t)| t),
+                "{bits:#x}"
+            );
         }
     }
 

@@ -618,8 +618,8 @@ pub const BATCH_OVERHEAD: usize = FRAME_HEADER + 1 + 2 * varint::MAX_LEN;
 
 /// Appends the head of a [`Message::Batch`] frame of `count` records already
 /// encoded with [`encode_record`] that take `records_len` bytes: the frame is
-/// this head, then the records (byte-identical to [`batch_frame`]'s frame), so
-/// a writer can send the records from where they are.
+/// this head, then the records (as [`batch_frame`] appends them), so a writer
+/// can send the records from where they are.
 pub fn batch_header(first_seq: u64, count: usize, records_len: usize, out: &mut Vec<u8>) {
     let mut head = [0u8; 1 + 2 * varint::MAX_LEN];
     head[0] = BATCH_TAG;
@@ -633,22 +633,17 @@ pub fn batch_header(first_seq: u64, count: usize, records_len: usize, out: &mut 
 /// encoded with [`encode_record`], whose bytes are `records` concatenated (in
 /// any number of pieces); byte-identical to postcard's encoding of the message.
 /// The caller keeps the total under [`MAX_FRAME`] (see [`BATCH_OVERHEAD`]).
-pub fn batch_frame<'a>(
-    first_seq: u64,
-    count: usize,
-    records: impl IntoIterator<Item = &'a [u8]>,
-    out: &mut Vec<u8>,
-) {
-    let start = out.len();
-    out.extend_from_slice(&[0; FRAME_HEADER]);
-    out.push(BATCH_TAG);
-    varint::push(out, first_seq);
-    varint::push(out, count as u64);
+pub fn batch_frame<'a, I>(first_seq: u64, count: usize, records: I, out: &mut Vec<u8>)
+where
+    I: IntoIterator<Item = &'a [u8]>,
+    I::IntoIter: Clone,
+{
+    let records = records.into_iter();
+    let len = records.clone().map(<[u8]>::len).sum();
+    batch_header(first_seq, count, len, out);
     for r in records {
         out.extend_from_slice(r);
     }
-    let len = (out.len() - start - FRAME_HEADER) as u32;
-    out[start..start + FRAME_HEADER].copy_from_slice(&len.to_le_bytes());
 }
 
 /// A typical guest request record, varied by `i` (sector, head, offset, points): for

@@ -283,116 +283,14 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
     let mut failed: BTreeMap<String, String> = BTreeMap::new();
     let mut startup = Startup::default();
     let t_load = std::time::Instant::now();
-    let skel = loop {
-        startup.attempts += 1;
-        LOAD_FAILED
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
-        match load(&plan, f) {
-            Ok(s) => break s,
-            Err(e) => {
-                let names: BTreeSet<String> =
-                    std::mem::take(&mut *LOAD_FAILED.lock().unwrap_or_else(|p| p.into_inner()))
-                        .into_iter()
-                        .collect();
-                let enabled = plan.programs();
-                let optional: Vec<&'static str> = enabled
-                    .iter()
-                    .copied()
-                    .filter(|p| names.contains(*p))
-                    .collect();
-                if optional.is_empty() || names.len() != optional.len() {
-                    return Err(e).with_context(|| format!("loading BPF object ({mode} mode)"));
-                }
-                for p in optional {
-                    eprintln!(
-                        "viotrace-guest: leaving out program {p}: it does not load on this \
-                         kernel (libbpf's message above)"
-                    );
-                    failed.insert(p.to_string(), format!("load failed: {e}"));
-                    plan.drop_program(p);
-                }
-            }
-        }
-    };
+    let skel = load_leaving_out(&mut plan, mode, f, &mut startup, &mut failed)?;
     startup.load = t_load.elapsed();
     startup.verified_insns = verified_insns(&skel);
     let t_attach = std::time::Instant::now();
-    let mut links = Vec::new();
-    let mut live = HashSet::new();
-    for (round, p) in (0..4).flat_map(|r| skel.object().progs_mut().map(move |p| (r, p))) {
-        let name = p.name().to_string_lossy().into_owned();
-        if plan::attach_round(&name) != round {
-            continue;
-        }
-        let optional = plan::is_optional(&name);
-        if optional && !plan.programs().contains(name.as_str()) {
-            continue;
-        }
-        // The raw syscall tracepoints wait until the per-syscall programs are in,
-        // a raw block tracepoint's program until its typed twin is.
-        let twin_planned = plan::TYPED_TPS
-            .iter()
-            .any(|t| t.raw == name && plan.typed_tps.contains(t.typed));
-        if (SYS_TP_PROGS.contains(&name.as_str()) && !plan.sys_fentry.is_empty()) || twin_planned {
-            continue;
-        }
-        match p.attach() {
-            Ok(l) => {
-                links.push((name.clone(), l));
-                live.insert(name);
-            }
-            Err(e) if optional => {
-                failed.insert(name, format!("attach failed: {e}"));
-            }
-            Err(e) => return Err(e).with_context(|| format!("attaching {name} ({mode} mode)")),
-        }
-    }
-    if !plan.sys_fentry.is_empty() {
-        let missing = plan
-            .programs()
-            .into_iter()
-            .find(|p| plan::is_sys_fentry(p) && !live.contains(*p));
-        if let Some(p) = missing {
-            let why = format!("program {p} did not attach");
-            links.retain(|(n, _)| !plan::is_sys_fentry(n));
-            live.retain(|n| !plan::is_sys_fentry(n));
-            plan.sys_fallback(&why);
-            for p in skel.object().progs_mut() {
-                let name = p.name().to_string_lossy().into_owned();
-                if SYS_TP_PROGS.contains(&name.as_str()) {
-                    let l = p
-                        .attach()
-                        .with_context(|| format!("attaching {name} ({mode} mode)"))?;
-                    links.push((name.clone(), l));
-                    live.insert(name);
-                }
-            }
-        }
-    }
-    for plan::TypedTp { typed, raw, .. } in plan::TYPED_TPS {
-        if !plan.typed_tps.contains(typed) || live.contains(typed) {
-            continue;
-        }
-        plan.typed_fallback(typed, &format!("program {typed} did not attach"));
-        for p in skel.object().progs_mut() {
-            if p.name().to_string_lossy() == raw {
-                let l = p
-                    .attach()
-                    .with_context(|| format!("attaching {raw} ({mode} mode)"))?;
-                links.push((raw.to_string(), l));
-                live.insert(raw.to_string());
-            }
-        }
-    }
-    if plan.typed_file && !plan::TYPED_FILE_PROGS.iter().all(|p| live.contains(*p)) {
-        // (one alone would run for nothing: the entries wait for both)
-        plan.file_fallback("vfs_read's and vfs_write's programs did not both attach");
-        links.retain(|(n, _)| !plan::TYPED_FILE_PROGS.contains(&n.as_str()));
-        live.retain(|n| !plan::TYPED_FILE_PROGS.contains(&n.as_str()));
-    }
+    let mut att = attach_planned(&skel, &plan, mode, &mut failed)?;
+    fall_back(&skel, &mut plan, mode, &mut att)?;
     startup.attach = t_attach.elapsed();
+    let Attached { links, live } = att;
     let report = plan::report(&plan, facts, &live, &failed);
     let mut skel = skel;
     // io_submit's entry program leaves the iocbs to aio_prep_rw's once that is
@@ -413,6 +311,158 @@ pub fn start(mode: Mode, facts: &Facts, f: &Filters) -> Result<Running> {
         off_cpu,
         startup,
     })
+}
+
+/// Loads the planned object, again without each optional program the kernel
+/// refused (named in `failed`) until it loads; a refused program that is not
+/// optional fails the start.
+fn load_leaving_out(
+    plan: &mut Plan,
+    mode: Mode,
+    f: &Filters,
+    startup: &mut Startup,
+    failed: &mut BTreeMap<String, String>,
+) -> Result<ViotraceGuestSkel<'static>> {
+    loop {
+        startup.attempts += 1;
+        LOAD_FAILED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        let e = match load(plan, f) {
+            Ok(s) => return Ok(s),
+            Err(e) => e,
+        };
+        let names: BTreeSet<String> =
+            std::mem::take(&mut *LOAD_FAILED.lock().unwrap_or_else(|p| p.into_inner()))
+                .into_iter()
+                .collect();
+        let enabled = plan.programs();
+        let optional: Vec<&'static str> = enabled
+            .iter()
+            .copied()
+            .filter(|p| names.contains(*p))
+            .collect();
+        if optional.is_empty() || names.len() != optional.len() {
+            return Err(e).with_context(|| format!("loading BPF object ({mode} mode)"));
+        }
+        for p in optional {
+            eprintln!(
+                "viotrace-guest: leaving out program {p}: it does not load on this \
+                 kernel (libbpf's message above)"
+            );
+            failed.insert(p.to_string(), format!("load failed: {e}"));
+            plan.drop_program(p);
+        }
+    }
+}
+
+/// The attached programs: their links, and their names.
+struct Attached {
+    links: Vec<(String, Link)>,
+    live: HashSet<String>,
+}
+
+impl Attached {
+    fn attach(&mut self, p: &libbpf_rs::ProgramMut<'_>, name: &str) -> libbpf_rs::Result<()> {
+        let l = p.attach()?;
+        self.links.push((name.to_string(), l));
+        self.live.insert(name.to_string());
+        Ok(())
+    }
+}
+
+/// Attaches the planned programs, in their rounds; an optional one that does
+/// not attach is noted in `failed`, any other fails the start. The raw syscall
+/// tracepoints and the raw twins of typed ones wait for [`fall_back`].
+fn attach_planned(
+    skel: &ViotraceGuestSkel<'static>,
+    plan: &Plan,
+    mode: Mode,
+    failed: &mut BTreeMap<String, String>,
+) -> Result<Attached> {
+    let mut att = Attached {
+        links: Vec::new(),
+        live: HashSet::new(),
+    };
+    for (round, p) in (0..4).flat_map(|r| skel.object().progs_mut().map(move |p| (r, p))) {
+        let name = p.name().to_string_lossy().into_owned();
+        if plan::attach_round(&name) != round {
+            continue;
+        }
+        let optional = plan::is_optional(&name);
+        if optional && !plan.programs().contains(name.as_str()) {
+            continue;
+        }
+        // The raw syscall tracepoints wait until the per-syscall programs are in,
+        // a raw block tracepoint's program until its typed twin is.
+        let twin_planned = plan::TYPED_TPS
+            .iter()
+            .any(|t| t.raw == name && plan.typed_tps.contains(t.typed));
+        if (SYS_TP_PROGS.contains(&name.as_str()) && !plan.sys_fentry.is_empty()) || twin_planned {
+            continue;
+        }
+        match att.attach(&p, &name) {
+            Ok(()) => {}
+            Err(e) if optional => {
+                failed.insert(name, format!("attach failed: {e}"));
+            }
+            Err(e) => return Err(e).with_context(|| format!("attaching {name} ({mode} mode)")),
+        }
+    }
+    Ok(att)
+}
+
+/// Where planned programs did not attach, their fallbacks: the raw syscall
+/// tracepoints for the per-syscall programs, a typed tracepoint's raw twin,
+/// and the entries' own file lookup when vfs_read's and vfs_write's programs
+/// are not both in.
+fn fall_back(
+    skel: &ViotraceGuestSkel<'static>,
+    plan: &mut Plan,
+    mode: Mode,
+    att: &mut Attached,
+) -> Result<()> {
+    if !plan.sys_fentry.is_empty() {
+        let missing = plan
+            .programs()
+            .into_iter()
+            .find(|p| plan::is_sys_fentry(p) && !att.live.contains(*p));
+        if let Some(p) = missing {
+            let why = format!("program {p} did not attach");
+            att.links.retain(|(n, _)| !plan::is_sys_fentry(n));
+            att.live.retain(|n| !plan::is_sys_fentry(n));
+            plan.sys_fallback(&why);
+            for p in skel.object().progs_mut() {
+                let name = p.name().to_string_lossy().into_owned();
+                if SYS_TP_PROGS.contains(&name.as_str()) {
+                    att.attach(&p, &name)
+                        .with_context(|| format!("attaching {name} ({mode} mode)"))?;
+                }
+            }
+        }
+    }
+    for plan::TypedTp { typed, raw, .. } in plan::TYPED_TPS {
+        if !plan.typed_tps.contains(typed) || att.live.contains(typed) {
+            continue;
+        }
+        plan.typed_fallback(typed, &format!("program {typed} did not attach"));
+        for p in skel.object().progs_mut() {
+            if p.name().to_string_lossy() == raw {
+                att.attach(&p, raw)
+                    .with_context(|| format!("attaching {raw} ({mode} mode)"))?;
+            }
+        }
+    }
+    if plan.typed_file && !plan::TYPED_FILE_PROGS.iter().all(|p| att.live.contains(*p)) {
+        // (one alone would run for nothing: the entries wait for both)
+        plan.file_fallback("vfs_read's and vfs_write's programs did not both attach");
+        att.links
+            .retain(|(n, _)| !plan::TYPED_FILE_PROGS.contains(&n.as_str()));
+        att.live
+            .retain(|n| !plan::TYPED_FILE_PROGS.contains(&n.as_str()));
+    }
+    Ok(())
 }
 
 /// The modes to try, best first.

@@ -291,13 +291,13 @@ fn decode(file: &Path) -> Result<()> {
 }
 
 /// The capture writer of `--capture PATH`, and whether it is stdout.
-fn open_capture(
-    path: &Path,
-    json: bool,
-) -> Result<(
+/// A capture file's writer, and whether it writes to stdout.
+type Capture = (
     viotrace_shared::capture::CaptureWriter<Box<dyn std::io::Write>>,
     bool,
-)> {
+);
+
+fn open_capture(path: &Path, json: bool) -> Result<Capture> {
     let on_stdout = path == Path::new("-");
     let out: Box<dyn std::io::Write> = if on_stdout {
         if json {
@@ -486,25 +486,39 @@ fn main() -> Result<()> {
     let want = btf_names(cli.full_btf);
     let btf_copy = btf_file::mappable_vmlinux_btf(want.as_ref());
     drop(want);
+    let stop = wait_for_signals()?;
+    let (run, btf_reloads) = load_and_report(&cli, &filters, btf_copy)?;
+    let uplink = start_uplink(&cli)?;
+    trace(&cli, &run, uplink, capture, &stop, btf_reloads)
+}
 
-    // Block SIGINT/SIGTERM before any thread exists; one thread waits for them.
+/// Blocks SIGINT and SIGTERM before any other thread exists; one thread
+/// waits for them and sets the returned flag.
+fn wait_for_signals() -> Result<Arc<AtomicBool>> {
     let mut sigs = SigSet::empty();
     sigs.add(Signal::SIGINT);
     sigs.add(Signal::SIGTERM);
     sigs.thread_block().context("blocking signals")?;
     let stop = Arc::new(AtomicBool::new(false));
-    {
-        let stop = stop.clone();
-        std::thread::Builder::new()
-            .name("signals".into())
-            .spawn(move || {
-                if sigs.wait().is_ok() {
-                    stop.store(true, Ordering::SeqCst);
-                }
-            })
-            .context("spawning signal thread")?;
-    }
+    let flag = stop.clone();
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if sigs.wait().is_ok() {
+                flag.store(true, Ordering::SeqCst);
+            }
+        })
+        .context("spawning signal thread")?;
+    Ok(stop)
+}
 
+/// Loads and attaches the BPF object (over `btf_copy`, remade if need be) and
+/// says what the chosen mode cannot see; also returns the BTF remakes taken.
+fn load_and_report(
+    cli: &Cli,
+    filters: &Filters,
+    btf_copy: btf_file::Outcome,
+) -> Result<(load::Running, u64)> {
     let level = if cli.libbpf_log {
         load::LIBBPF_DEBUG.store(true, Ordering::Relaxed);
         libbpf_rs::PrintLevel::Debug
@@ -516,7 +530,7 @@ fn main() -> Result<()> {
     let (run, btf_reloads) = load_over_btf(
         &load::candidate_modes(cli.mode, &facts),
         &facts,
-        &filters,
+        filters,
         btf_copy,
         cli.btf_remakes,
     )?;
@@ -526,6 +540,32 @@ fn main() -> Result<()> {
     for b in &run.report.blind {
         eprintln!("viotrace-guest: cannot see {b}");
     }
+    Ok((run, btf_reloads))
+}
+
+/// The uplink to the host agent (`--connect`), started.
+fn start_uplink(cli: &Cli) -> Result<Option<transport::GuestSender>> {
+    let Some(ep) = &cli.connect else {
+        return Ok(None);
+    };
+    let hello = transport::local_hello(env!("CARGO_PKG_VERSION"), transport::local_cid());
+    let sender =
+        transport::GuestSender::start(transport::GuestSenderConfig::new(ep.clone(), hello))
+            .with_context(|| format!("starting the uplink to {ep}"))?;
+    eprintln!("viotrace-guest: streaming records to {ep}");
+    Ok(Some(sender))
+}
+
+/// Traces until a signal or `--duration`: the ring buffer's records into the
+/// sink, its tables every interval; then the final statistics.
+fn trace(
+    cli: &Cli,
+    run: &load::Running,
+    uplink: Option<transport::GuestSender>,
+    capture: Option<Capture>,
+    stop: &AtomicBool,
+    btf_reloads: u64,
+) -> Result<()> {
     let blind_points: Vec<&'static str> =
         run.report.blind_points.iter().map(|p| p.name()).collect();
     eprintln!(
@@ -537,18 +577,6 @@ fn main() -> Result<()> {
             blind_points.join(" ")
         }
     );
-
-    let uplink = match &cli.connect {
-        Some(ep) => {
-            let hello = transport::local_hello(env!("CARGO_PKG_VERSION"), transport::local_cid());
-            let sender =
-                transport::GuestSender::start(transport::GuestSenderConfig::new(ep.clone(), hello))
-                    .with_context(|| format!("starting the uplink to {ep}"))?;
-            eprintln!("viotrace-guest: streaming records to {ep}");
-            Some(sender)
-        }
-        None => None,
-    };
     let sink = RefCell::new(Sink::new(
         cli.json,
         cli.threshold,
@@ -596,8 +624,8 @@ fn main() -> Result<()> {
         let now = Instant::now();
         let mut s = sink.borrow_mut();
         if now >= next_table {
-            let stats = read_stats(&run);
-            take_io_hist(&run, &mut hist, &mut s);
+            let stats = read_stats(run);
+            take_io_hist(run, &mut hist, &mut s);
             s.interval_table(started.elapsed());
             s.send_counters(&stats);
             next_table = now + cli.interval;
@@ -605,14 +633,27 @@ fn main() -> Result<()> {
         s.flush();
     }
     rb.consume().context("consuming ring buffer")?;
+    let mut s = sink.borrow_mut();
+    finish(run, &mut s, &mut hist, cost, started, btf_reloads)
+}
+
+/// The end of a run: what the kernel skipped, the last syscall summaries, the
+/// uplink and the capture closed, and the final statistics line.
+fn finish(
+    run: &load::Running,
+    s: &mut Sink,
+    hist: &mut io_hist::IoHist,
+    cost: viotrace_shared::selfcost::SelfCost,
+    started: Instant,
+    btf_reloads: u64,
+) -> Result<()> {
     for (p, n) in run.bpf_runs_missed_by_program().unwrap_or_default() {
         if n > 0 {
             eprintln!("viotrace-guest: the kernel skipped {n} runs of program {p} (recursion)");
         }
     }
-    let mut s = sink.borrow_mut();
-    let mut stats = read_stats(&run);
-    take_io_hist(&run, &mut hist, &mut s);
+    let mut stats = read_stats(run);
+    take_io_hist(run, hist, s);
     stats.push(("io_hist_reread", hist.batch_short));
     stats.extend(s.verdict_counters());
     s.close_uplink(&mut stats);

@@ -479,85 +479,7 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
                     continue;
                 }
             };
-            let mut total_ios = 0u64;
-            let mut job_ios = Vec::new();
-            for j in JOBS {
-                let (iops, p50, p99, ios) =
-                    parse_fio(&dir.join(format!("{WINDOW_PREFIX}{}.json", j.name)))?;
-                total_ios += ios;
-                job_ios.push(ios);
-                let s = res
-                    .jobs
-                    .entry(name.clone())
-                    .or_default()
-                    .entry(j.name.to_string())
-                    .or_default();
-                s.iops.push(iops);
-                s.p50_us.push(p50);
-                s.p99_us.push(p99);
-                s.ios.push(ios);
-            }
-            if vm.insn_count {
-                let jobs = res.jobs.entry(name.clone()).or_default();
-                if let Err(why) = insn_table::note(&dir, &job_ios, jobs) {
-                    note_failure(&mut res, &name, round, why);
-                }
-            }
-            let c = res.costs.entry(name.clone()).or_default();
-            let per_io = |secs: f64| secs * 1e6 / total_ios.max(1) as f64;
-            if let Some(u) = r.metrics.qemu {
-                c.qemu_cpu_us_per_io.push(per_io(u.cpu_secs));
-            }
-            if let Some(u) = r.metrics.guest_agent {
-                c.guest_agent_cpu_us_per_io.push(per_io(u.cpu_secs));
-                c.guest_agent_peak_rss_kib.push(u.peak_rss_kib);
-                c.guest_agent_rss_kib.push(u.rss_kib);
-            }
-            if let Some(u) = r.metrics.host_agent {
-                c.host_agent_cpu_us_per_io.push(per_io(u.cpu_secs));
-                // The sampled split, else the ticks' (an older run's).
-                let sampled = r.metrics.host_agent_split;
-                let share = sampled.and_then(|s| s.user_share()).or(u.user_share);
-                if let Some(share) = share {
-                    c.host_agent_user_us_per_io.push(per_io(u.cpu_secs * share));
-                }
-                if let Some(s) = sampled {
-                    c.host_agent_cpu_samples.push(s.user + s.kernel);
-                }
-                c.host_agent_peak_rss_kib.push(u.peak_rss_kib);
-                c.host_agent_rss_kib.push(u.rss_kib);
-            }
-            if let Some(h) = &r.metrics.host_threads {
-                accounting::note_host_threads(c, h);
-                let workers = h
-                    .threads
-                    .iter()
-                    .filter(|t| t.role == "qemu" && t.name == "worker");
-                let secs: f64 = workers.map(|t| t.run_secs).sum();
-                if secs > 0.0 {
-                    c.qemu_worker_us_per_io.push(per_io(secs));
-                }
-            }
-            // Each agent's final counters, read once.
-            let (guest, host) = (final_counters(&r, "guest"), final_counters(&r, "host"));
-            // A capture holds every record the agent counted as written.
-            let capture = vm
-                .guest_capture
-                .then(|| bench_records::capture_shortfall(&dir, &guest));
-            c.drops
-                .push(losses(&guest) + losses(&host) + capture_lost(&capture));
-            if let Some((per_rq, other)) = host_traps(&host, total_ios) {
-                c.host_uprobe_hits_per_io.push(per_rq);
-                c.host_other_traps.push(other);
-            }
-            if let Some(Err(why)) = capture {
-                note_failure(&mut res, &name, round, why);
-            }
-            if vm.post.is_some() {
-                if let Err(why) = bpf_accounting(&dir, &name, accounting_sides(&vm), &mut res) {
-                    note_failure(&mut res, &name, round, why);
-                }
-            }
+            note_run(&mut res, &name, round, &vm, &r, &dir)?;
             if !cfg.keep_records {
                 removed += bench_records::trim(&dir)?;
             }
@@ -576,6 +498,98 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
     fs::write(out.join("bench.json"), serde_json::to_vec_pretty(&res)?)?;
     print!("{table}");
     Ok(res)
+}
+
+/// One finished run of condition `name` in round `round` into `res`: its fio
+/// jobs, its costs per I/O, its drops and its BPF accounting.
+fn note_run(
+    res: &mut BenchResult,
+    name: &str,
+    round: u32,
+    vm: &VmConfig,
+    r: &RunResult,
+    dir: &Path,
+) -> Result<()> {
+    let mut total_ios = 0u64;
+    let mut job_ios = Vec::new();
+    for j in JOBS {
+        let (iops, p50, p99, ios) =
+            parse_fio(&dir.join(format!("{WINDOW_PREFIX}{}.json", j.name)))?;
+        total_ios += ios;
+        job_ios.push(ios);
+        let s = res
+            .jobs
+            .entry(name.to_string())
+            .or_default()
+            .entry(j.name.to_string())
+            .or_default();
+        s.iops.push(iops);
+        s.p50_us.push(p50);
+        s.p99_us.push(p99);
+        s.ios.push(ios);
+    }
+    if vm.insn_count {
+        let jobs = res.jobs.entry(name.to_string()).or_default();
+        if let Err(why) = insn_table::note(dir, &job_ios, jobs) {
+            note_failure(res, name, round, why);
+        }
+    }
+    let c = res.costs.entry(name.to_string()).or_default();
+    let per_io = |secs: f64| secs * 1e6 / total_ios.max(1) as f64;
+    if let Some(u) = r.metrics.qemu {
+        c.qemu_cpu_us_per_io.push(per_io(u.cpu_secs));
+    }
+    if let Some(u) = r.metrics.guest_agent {
+        c.guest_agent_cpu_us_per_io.push(per_io(u.cpu_secs));
+        c.guest_agent_peak_rss_kib.push(u.peak_rss_kib);
+        c.guest_agent_rss_kib.push(u.rss_kib);
+    }
+    if let Some(u) = r.metrics.host_agent {
+        c.host_agent_cpu_us_per_io.push(per_io(u.cpu_secs));
+        // The sampled split, else the ticks' (an older run's).
+        let sampled = r.metrics.host_agent_split;
+        let share = sampled.and_then(|s| s.user_share()).or(u.user_share);
+        if let Some(share) = share {
+            c.host_agent_user_us_per_io.push(per_io(u.cpu_secs * share));
+        }
+        if let Some(s) = sampled {
+            c.host_agent_cpu_samples.push(s.user + s.kernel);
+        }
+        c.host_agent_peak_rss_kib.push(u.peak_rss_kib);
+        c.host_agent_rss_kib.push(u.rss_kib);
+    }
+    if let Some(h) = &r.metrics.host_threads {
+        accounting::note_host_threads(c, h);
+        let workers = h
+            .threads
+            .iter()
+            .filter(|t| t.role == "qemu" && t.name == "worker");
+        let secs: f64 = workers.map(|t| t.run_secs).sum();
+        if secs > 0.0 {
+            c.qemu_worker_us_per_io.push(per_io(secs));
+        }
+    }
+    // Each agent's final counters, read once.
+    let (guest, host) = (final_counters(r, "guest"), final_counters(r, "host"));
+    // A capture holds every record the agent counted as written.
+    let capture = vm
+        .guest_capture
+        .then(|| bench_records::capture_shortfall(dir, &guest));
+    c.drops
+        .push(losses(&guest) + losses(&host) + capture_lost(&capture));
+    if let Some((per_rq, other)) = host_traps(&host, total_ios) {
+        c.host_uprobe_hits_per_io.push(per_rq);
+        c.host_other_traps.push(other);
+    }
+    if let Some(Err(why)) = capture {
+        note_failure(res, name, round, why);
+    }
+    if vm.post.is_some() {
+        if let Err(why) = bpf_accounting(dir, name, accounting_sides(vm), res) {
+            note_failure(res, name, round, why);
+        }
+    }
+    Ok(())
 }
 
 /// The conditions of round `round` (0-based): those asked for, in [`CONDITIONS`]' order

@@ -98,6 +98,14 @@ pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
         0.0,
         res.failed_runs.is_empty(),
     )];
+    bpf_verdicts(res, &mut v);
+    iops_verdicts(res, &mut v);
+    cost_verdicts(res, &mut v);
+    v
+}
+
+/// Guest BPF run time per I/O against the anchor's, per guest condition.
+fn bpf_verdicts(res: &BenchResult, v: &mut Vec<Verdict>) {
     let bpf = |c: &str| {
         res.costs
             .get(c)
@@ -127,6 +135,11 @@ pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
             }
         }
     }
+}
+
+/// IOPS ratios against the anchor's, per condition and job, with the rounds'
+/// bootstrap margin.
+fn iops_verdicts(res: &BenchResult, v: &mut Vec<Verdict>) {
     for (cond, margin) in [
         ("guest", GUEST_IOPS_MARGIN),
         ("capture", GUEST_IOPS_MARGIN),
@@ -164,6 +177,10 @@ pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
             v.push(x);
         }
     }
+}
+
+/// Each condition's memory, host agent userspace CPU, drops and uprobe hits.
+fn cost_verdicts(res: &BenchResult, v: &mut Vec<Verdict>) {
     for (cond, c) in &res.costs {
         let mut bound = |check: String, value: f64, bound: f64| {
             v.push(Verdict::new(check, value, bound, value <= bound))
@@ -217,7 +234,6 @@ pub fn verdicts(res: &BenchResult) -> Vec<Verdict> {
             ));
         }
     }
-    v
 }
 
 pub(super) fn render_verdicts(v: &[Verdict]) -> String {

@@ -183,23 +183,11 @@ impl Run<'_> {
                 interrupted,
                 boot_hang,
             } => {
-                let virtio = (!interrupted).then(|| self.virtio_state());
-                qemu.stop(Signal::SIGTERM, Duration::from_secs(2))?;
-                if let Some(mut h) = con.host_agent.take() {
-                    let _ = h.stop(Signal::SIGINT, Duration::from_secs(10));
-                }
-                if let Some(mut b) = vs.backend.take() {
-                    let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
-                }
-                let _ = reader.join();
-                let mut msg = self.stopped_message(interrupted, boot_hang, con.t_start.is_some());
-                if let Some(v) = virtio {
-                    msg += &format!("\nQEMU's virtio-blk queues then (virtio-state.json):\n{v}");
-                }
-                if boot_hang {
-                    return Err(anyhow::Error::new(crate::vm::BootHang(msg)));
-                }
-                bail!(msg);
+                let stopped = Stopped {
+                    interrupted,
+                    boot_hang,
+                };
+                return Err(self.stop_all(stopped, &mut con, qemu, vs.backend.take(), reader));
             }
         };
         let _ = reader.join();
@@ -214,7 +202,6 @@ impl Run<'_> {
         self.check_completed(&con, qemu_status)?;
         let t_start = con.t_start.unwrap_or(t_resume);
         let t_end = con.t_end.unwrap_or(t_start);
-        let (s_start, s_end) = con.samples;
         let result = RunResult {
             out_dir: out.to_path_buf(),
             workload_rc: con.rc.unwrap_or(255),
@@ -231,28 +218,45 @@ impl Run<'_> {
             qemu_pid,
             guest_agent_rc: con.guest_agent_rc,
             host_agent_rc,
-            metrics: RunMetrics {
-                qemu: Usage::between(s_start.0, s_end.0),
-                host_agent: Usage::between(s_start.1, s_end.1),
-                host_agent_split: con.host_split,
-                guest_agent: Usage::between(
-                    ProcSample::from_files(out, "guest-agent.start"),
-                    ProcSample::from_files(out, "guest-agent.end"),
-                ),
-                host_threads: con.t_end.map(|_| {
-                    HostThreads::between(
-                        &con.threads.0,
-                        &con.threads.1,
-                        (t_end - t_start).as_secs_f64(),
-                    )
-                }),
-            },
+            metrics: run_metrics(out, &mut con, (t_start, t_end)),
             workload_start_ns: con.mono.0,
             workload_end_ns: con.mono.1,
             config: cfg.clone(),
         };
         write_summary(&result)?;
         Ok(result)
+    }
+
+    /// A run stopped before QEMU exited (a deadline, or interrupted): QEMU, the
+    /// host agent and the vsock backend stopped, and the error that says why
+    /// (with QEMU's virtio-blk queues when it was not interrupted).
+    fn stop_all(
+        &self,
+        why: Stopped,
+        con: &mut Console,
+        mut qemu: Guarded,
+        backend: Option<Guarded>,
+        reader: JoinHandle<Result<()>>,
+    ) -> anyhow::Error {
+        let virtio = (!why.interrupted).then(|| self.virtio_state());
+        if let Err(e) = qemu.stop(Signal::SIGTERM, Duration::from_secs(2)) {
+            return e;
+        }
+        if let Some(mut h) = con.host_agent.take() {
+            let _ = h.stop(Signal::SIGINT, Duration::from_secs(10));
+        }
+        if let Some(mut b) = backend {
+            let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
+        }
+        let _ = reader.join();
+        let mut msg = self.stopped_message(why.interrupted, why.boot_hang, con.t_start.is_some());
+        if let Some(v) = virtio {
+            msg += &format!("\nQEMU's virtio-blk queues then (virtio-state.json):\n{v}");
+        }
+        if why.boot_hang {
+            return anyhow::Error::new(crate::vm::BootHang(msg));
+        }
+        anyhow::anyhow!(msg)
     }
 
     /// Reads the console until QEMU exits, the deadline passes (the first: to boot; the
@@ -506,6 +510,33 @@ fn stop_host_agents(con: &mut Console) -> Result<Option<i32>> {
         rc = Some(bad.unwrap_or(-1));
     }
     Ok(rc)
+}
+
+/// Why a run stopped before QEMU exited.
+struct Stopped {
+    interrupted: bool,
+    boot_hang: bool,
+}
+
+/// The run's resource use over the workload window `(start, end)`.
+fn run_metrics(out: &Path, con: &mut Console, (t_start, t_end): (Instant, Instant)) -> RunMetrics {
+    let (s_start, s_end) = std::mem::take(&mut con.samples);
+    RunMetrics {
+        qemu: Usage::between(s_start.0, s_end.0),
+        host_agent: Usage::between(s_start.1, s_end.1),
+        host_agent_split: con.host_split.take(),
+        guest_agent: Usage::between(
+            ProcSample::from_files(out, "guest-agent.start"),
+            ProcSample::from_files(out, "guest-agent.end"),
+        ),
+        host_threads: con.t_end.map(|_| {
+            HostThreads::between(
+                &con.threads.0,
+                &con.threads.1,
+                (t_end - t_start).as_secs_f64(),
+            )
+        }),
+    }
 }
 
 /// Copies QEMU's console to `serial.log` (and the terminal with `echo`) and

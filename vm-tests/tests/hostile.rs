@@ -154,11 +154,17 @@ fn a_hostile_guest_cannot_hurt_the_host_agent_or_another_vm() {
         per_vm.keys()
     );
 
+    check_attack_counted(&dir, &reports);
+}
+
+/// After the attack: everything refused is counted per VM, the victim's
+/// transport balanced, and the host's own tracing lost nothing.
+fn check_attack_counted(dir: &Path, reports: &[attack::AttackReport]) {
     // Everything refused is counted, and the host's own tracing lost nothing.
-    let last = host::final_stats(&dir);
+    let last = host::final_stats(dir);
     let (a, b) = (
-        host::account(&dir, "vt-hostile-a"),
-        host::account(&dir, "vt-hostile-b"),
+        host::account(dir, "vt-hostile-a"),
+        host::account(dir, "vt-hostile-b"),
     );
     assert_eq!(last.values.get("ringbuf_drops"), Some(&0), "{last:?}");
     eprintln!("transport a: {a}\ntransport b: {b}");

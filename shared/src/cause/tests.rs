@@ -263,7 +263,7 @@ fn cause(kind: CauseKind, stage: &str, stage_ns: i64, baseline_ns: i64) -> Cause
 
 #[test]
 fn interference_names_who_when_it_explains_the_excess() {
-    use crate::interference::{DeviceLoad, Interference};
+    use crate::interference::Interference;
     let starved = Interference {
         qemu_wait_ns: Some(6 * MS as u64),
         cpu_holder: Some("pid 7 hog".into()),
@@ -312,7 +312,11 @@ fn interference_names_who_when_it_explains_the_excess() {
         Some(&vcpu),
     );
     assert_eq!(c.kind, CauseKind::VcpuPreempted);
+}
 
+#[test]
+fn device_interference_names_the_neighbours_or_the_disk() {
+    use crate::interference::{DeviceLoad, Interference};
     let noisy = Interference {
         device: DeviceLoad {
             host_disk: Some("vda (254:0)".into()),

@@ -202,16 +202,7 @@ pub fn generate(cfg: &SynthConfig) -> SynthStream {
             let hirq = push + 1_000;
             let girq = s.guest_of(hirq + 8_000 + r.below(10_000));
             let done = girq + 4_000;
-            // Head: lowest head free at t on this queue.
-            let hl = &mut heads[q];
-            let head = match hl.iter().position(|&busy| busy < t) {
-                Some(h) => h,
-                None => {
-                    hl.push(0);
-                    hl.len() - 1
-                }
-            };
-            hl[head] = done + 1;
+            let head = take_head(&mut heads[q], t, done);
             let block = if cfg.merge {
                 (base_block + j as u64) % cfg.blocks.max(1)
             } else {
@@ -276,6 +267,20 @@ pub fn generate(cfg: &SynthConfig) -> SynthStream {
         );
     }
     s
+}
+
+/// The lowest head of a queue free at `t` (`busy`: each head's busy-until),
+/// taken until `done`.
+fn take_head(busy: &mut Vec<u64>, t: u64, done: u64) -> usize {
+    let head = match busy.iter().position(|&b| b < t) {
+        Some(h) => h,
+        None => {
+            busy.push(0);
+            busy.len() - 1
+        }
+    };
+    busy[head] = done + 1;
+    head
 }
 
 /// Guest-initiated probes every `every` guest ns over `[from, end)`.

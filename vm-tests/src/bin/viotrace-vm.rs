@@ -301,54 +301,11 @@ fn real_main() -> Result<ExitCode> {
             return Ok(ExitCode::SUCCESS);
         }
         Cmd::Prepare { matrix } => {
-            let lab = Lab::new()?;
-            viotrace_vm_tests::assets::install_vhost_vsock(&lab.assets.cache)?;
-            if matrix {
-                for k in &GuestKernel::SERIES {
-                    let g = lab.guest(k)?;
-                    println!("guest kernel {k}: {}", g.kernel.release);
-                }
-                for b in &QemuBuild::BUILDS {
-                    let q = lab.qemu(b)?;
-                    println!("QEMU {b}: {}", q.version);
-                }
-                let p =
-                    viotrace_vm_tests::assets::prometheus::ensure_prometheus(&lab.assets.cache)?;
-                println!("Prometheus (fleet-output tests): {}", p.display());
-                let v = viotrace_vm_tests::assets::prometheus::ensure_victoria_metrics(
-                    &lab.assets.cache,
-                )?;
-                println!("VictoriaMetrics (OTLP tests): {}", v.display());
-            }
-            println!("lab assets ready in {}", lab.assets.cache.display());
+            prepare(matrix)?;
             return Ok(ExitCode::SUCCESS);
         }
         Cmd::BenchReport { paths } => {
-            let mut runs = Vec::new();
-            for path in &paths {
-                let file = if path.is_dir() {
-                    path.join("bench.json")
-                } else {
-                    path.clone()
-                };
-                let text = std::fs::read_to_string(&file)
-                    .with_context(|| format!("reading {}", file.display()))?;
-                runs.push((file.display().to_string(), text));
-            }
-            let (res, left_out) = viotrace_vm_tests::bench::pool(&runs)?;
-            if runs.len() > 1 {
-                let names: Vec<&str> = runs.iter().map(|(n, _)| n.as_str()).collect();
-                println!(
-                    "pooled: the rounds of {} runs ({})",
-                    runs.len(),
-                    names.join(", ")
-                );
-                if !left_out.is_empty() {
-                    println!("left out, not in every run: {}", left_out.join(", "));
-                }
-                println!();
-            }
-            print!("{}", viotrace_vm_tests::bench::render(&res));
+            bench_report(&paths)?;
             return Ok(ExitCode::SUCCESS);
         }
         Cmd::Bench {
@@ -416,6 +373,60 @@ fn real_main() -> Result<ExitCode> {
     );
     println!("results in {}", r.out_dir.display());
     Ok(ExitCode::from(u8::try_from(r.workload_rc).unwrap_or(1)))
+}
+
+/// `prepare`: the lab's assets (with `matrix`, every guest kernel and QEMU
+/// build of the compatibility matrix, and the fleet tests' servers).
+fn prepare(matrix: bool) -> Result<()> {
+    let lab = Lab::new()?;
+    viotrace_vm_tests::assets::install_vhost_vsock(&lab.assets.cache)?;
+    if matrix {
+        for k in &GuestKernel::SERIES {
+            let g = lab.guest(k)?;
+            println!("guest kernel {k}: {}", g.kernel.release);
+        }
+        for b in &QemuBuild::BUILDS {
+            let q = lab.qemu(b)?;
+            println!("QEMU {b}: {}", q.version);
+        }
+        let p = viotrace_vm_tests::assets::prometheus::ensure_prometheus(&lab.assets.cache)?;
+        println!("Prometheus (fleet-output tests): {}", p.display());
+        let v = viotrace_vm_tests::assets::prometheus::ensure_victoria_metrics(&lab.assets.cache)?;
+        println!("VictoriaMetrics (OTLP tests): {}", v.display());
+    }
+    println!("lab assets ready in {}", lab.assets.cache.display());
+    Ok(())
+}
+
+/// `bench-report`: one bench run's tables and checks again, or several runs'
+/// rounds pooled.
+fn bench_report(paths: &[PathBuf]) -> Result<()> {
+    let mut runs = Vec::new();
+    for path in paths {
+        let file = if path.is_dir() {
+            path.join("bench.json")
+        } else {
+            path.clone()
+        };
+        let text = std::fs::read_to_string(&file)
+            .with_context(|| format!("reading {}", file.display()))?;
+        runs.push((file.display().to_string(), text));
+    }
+    let (res, left_out) = viotrace_vm_tests::bench::pool(&runs)?;
+    if runs.len() > 1 {
+        let names: Vec<&str> = runs.iter().map(|(n, _)| n.as_str()).collect();
+        println!(
+            "pooled: the rounds of {} runs ({})",
+            runs.len(),
+            names.join(", ")
+        );
+        if !left_out.is_empty() {
+            println!("left out, not in every run: {}", left_out.join(", "));
+        }
+        println!();
+    }
+    print!("{}", viotrace_vm_tests::bench::render(&res));
+    Ok(())
 }
 
 fn compat(mut results: Vec<PathBuf>, out: Option<PathBuf>) -> Result<()> {

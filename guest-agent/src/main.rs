@@ -540,6 +540,16 @@ fn load_and_report(
     for b in &run.report.blind {
         eprintln!("viotrace-guest: cannot see {b}");
     }
+    let blind: Vec<&str> = run.report.blind_points.iter().map(|p| p.name()).collect();
+    eprintln!(
+        "viotrace-guest: {} mode blind points: {}",
+        run.mode,
+        if blind.is_empty() {
+            "none".to_string()
+        } else {
+            blind.join(" ")
+        }
+    );
     Ok((run, btf_reloads))
 }
 
@@ -568,15 +578,6 @@ fn trace(
 ) -> Result<()> {
     let blind_points: Vec<&'static str> =
         run.report.blind_points.iter().map(|p| p.name()).collect();
-    eprintln!(
-        "viotrace-guest: {} mode blind points: {}",
-        run.mode,
-        if blind_points.is_empty() {
-            "none".to_string()
-        } else {
-            blind_points.join(" ")
-        }
-    );
     let sink = RefCell::new(Sink::new(
         cli.json,
         cli.threshold,

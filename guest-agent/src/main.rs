@@ -487,9 +487,17 @@ fn main() -> Result<()> {
     let btf_copy = btf_file::mappable_vmlinux_btf(want.as_ref());
     drop(want);
     let stop = wait_for_signals()?;
-    let (run, btf_reloads) = load_and_report(&cli, &filters, btf_copy)?;
+    let (run, btf_reloads, blind_points) = load_and_report(&cli, &filters, btf_copy)?;
     let uplink = start_uplink(&cli)?;
-    trace(&cli, &run, uplink, capture, &stop, btf_reloads)
+    trace(
+        &cli,
+        &run,
+        blind_points,
+        uplink,
+        capture,
+        &stop,
+        btf_reloads,
+    )
 }
 
 /// Blocks SIGINT and SIGTERM before any other thread exists; one thread
@@ -513,12 +521,13 @@ fn wait_for_signals() -> Result<Arc<AtomicBool>> {
 }
 
 /// Loads and attaches the BPF object (over `btf_copy`, remade if need be) and
-/// says what the chosen mode cannot see; also returns the BTF remakes taken.
+/// says what the chosen mode cannot see; also returns the BTF remakes taken
+/// and the points the mode is blind to.
 fn load_and_report(
     cli: &Cli,
     filters: &Filters,
     btf_copy: btf_file::Outcome,
-) -> Result<(load::Running, u64)> {
+) -> Result<(load::Running, u64, Vec<&'static str>)> {
     let level = if cli.libbpf_log {
         load::LIBBPF_DEBUG.store(true, Ordering::Relaxed);
         libbpf_rs::PrintLevel::Debug
@@ -540,7 +549,7 @@ fn load_and_report(
     for b in &run.report.blind {
         eprintln!("viotrace-guest: cannot see {b}");
     }
-    let blind: Vec<&str> = run.report.blind_points.iter().map(|p| p.name()).collect();
+    let blind: Vec<&'static str> = run.report.blind_points.iter().map(|p| p.name()).collect();
     eprintln!(
         "viotrace-guest: {} mode blind points: {}",
         run.mode,
@@ -550,7 +559,7 @@ fn load_and_report(
             blind.join(" ")
         }
     );
-    Ok((run, btf_reloads))
+    Ok((run, btf_reloads, blind))
 }
 
 /// The uplink to the host agent (`--connect`), started.
@@ -571,13 +580,12 @@ fn start_uplink(cli: &Cli) -> Result<Option<transport::GuestSender>> {
 fn trace(
     cli: &Cli,
     run: &load::Running,
+    blind_points: Vec<&'static str>,
     uplink: Option<transport::GuestSender>,
     capture: Option<Capture>,
     stop: &AtomicBool,
     btf_reloads: u64,
 ) -> Result<()> {
-    let blind_points: Vec<&'static str> =
-        run.report.blind_points.iter().map(|p| p.name()).collect();
     let sink = RefCell::new(Sink::new(
         cli.json,
         cli.threshold,

@@ -246,10 +246,7 @@ impl Sink {
                 // (not streamed: the join has no use for it, and it would be
                 // half the uplink's cost)
                 // (the syscall's number, as the record's bytes hold it)
-                let nr = raw
-                    .get(io_bpf::off::NR..io_bpf::off::NR + 4)
-                    .map_or(u32::MAX, |b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
-                self.on_io(io, nr);
+                self.on_io(io, io_bpf::syscall_nr(raw).unwrap_or(u32::MAX));
                 if let Some(c) = &mut self.capture {
                     // (as the ring buffer holds it, unless user space added
                     // to it: off-CPU time and a cause are not in the layout)

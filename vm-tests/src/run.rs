@@ -183,11 +183,8 @@ impl Run<'_> {
                 interrupted,
                 boot_hang,
             } => {
-                let stopped = Stopped {
-                    interrupted,
-                    boot_hang,
-                };
-                return Err(self.stop_all(stopped, &mut con, qemu, vs.backend.take(), reader));
+                let backend = vs.backend.take();
+                return Err(self.stop_all(interrupted, boot_hang, &mut con, qemu, backend, reader));
             }
         };
         let _ = reader.join();
@@ -218,7 +215,7 @@ impl Run<'_> {
             qemu_pid,
             guest_agent_rc: con.guest_agent_rc,
             host_agent_rc,
-            metrics: run_metrics(out, &mut con, (t_start, t_end)),
+            metrics: run_metrics(out, &con, (t_start, t_end)),
             workload_start_ns: con.mono.0,
             workload_end_ns: con.mono.1,
             config: cfg.clone(),
@@ -232,13 +229,14 @@ impl Run<'_> {
     /// (with QEMU's virtio-blk queues when it was not interrupted).
     fn stop_all(
         &self,
-        why: Stopped,
+        interrupted: bool,
+        boot_hang: bool,
         con: &mut Console,
         mut qemu: Guarded,
         backend: Option<Guarded>,
         reader: JoinHandle<Result<()>>,
     ) -> anyhow::Error {
-        let virtio = (!why.interrupted).then(|| self.virtio_state());
+        let virtio = (!interrupted).then(|| self.virtio_state());
         if let Err(e) = qemu.stop(Signal::SIGTERM, Duration::from_secs(2)) {
             return e;
         }
@@ -249,11 +247,11 @@ impl Run<'_> {
             let _ = b.stop(Signal::SIGTERM, Duration::from_secs(2));
         }
         let _ = reader.join();
-        let mut msg = self.stopped_message(why.interrupted, why.boot_hang, con.t_start.is_some());
+        let mut msg = self.stopped_message(interrupted, boot_hang, con.t_start.is_some());
         if let Some(v) = virtio {
             msg += &format!("\nQEMU's virtio-blk queues then (virtio-state.json):\n{v}");
         }
-        if why.boot_hang {
+        if boot_hang {
             return anyhow::Error::new(crate::vm::BootHang(msg));
         }
         anyhow::anyhow!(msg)
@@ -512,19 +510,13 @@ fn stop_host_agents(con: &mut Console) -> Result<Option<i32>> {
     Ok(rc)
 }
 
-/// Why a run stopped before QEMU exited.
-struct Stopped {
-    interrupted: bool,
-    boot_hang: bool,
-}
-
 /// The run's resource use over the workload window `(start, end)`.
-fn run_metrics(out: &Path, con: &mut Console, (t_start, t_end): (Instant, Instant)) -> RunMetrics {
-    let (s_start, s_end) = std::mem::take(&mut con.samples);
+fn run_metrics(out: &Path, con: &Console, (t_start, t_end): (Instant, Instant)) -> RunMetrics {
+    let (s_start, s_end) = con.samples;
     RunMetrics {
         qemu: Usage::between(s_start.0, s_end.0),
         host_agent: Usage::between(s_start.1, s_end.1),
-        host_agent_split: con.host_split.take(),
+        host_agent_split: con.host_split,
         guest_agent: Usage::between(
             ProcSample::from_files(out, "guest-agent.start"),
             ProcSample::from_files(out, "guest-agent.end"),

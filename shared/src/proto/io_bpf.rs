@@ -75,6 +75,11 @@ pub mod off {
 const _: () = assert!(off::COMM + off::COMM_LEN == off::REFS);
 const _: () = assert!(HEAD_LEN + MAX_REFS * REF_LEN <= RECORD_LEN);
 
+/// The syscall number of a record in this layout (None: too short to hold one).
+pub fn syscall_nr(bpf: &[u8]) -> Option<u32> {
+    (bpf.len() >= off::NR + 4).then(|| u32_at(bpf, off::NR))
+}
+
 /// x86-64 syscall number → name (the ones the guest's BPF side traces).
 pub fn syscall_name(nr: u32) -> Name {
     match nr {

@@ -72,6 +72,14 @@ fn decodes_every_field() {
 }
 
 #[test]
+fn the_syscall_number_is_read_where_the_layout_keeps_it() {
+    let (bpf, _) = bpf_of(&io(1));
+    assert_eq!(syscall_nr(&bpf), Some(209));
+    assert_eq!(syscall_nr(&bpf[..off::NR + 4]), Some(209));
+    assert_eq!(syscall_nr(&bpf[..off::NR + 3]), None);
+}
+
+#[test]
 fn absent_fields_and_unknown_syscalls() {
     let mut want = io(1);
     want.file_offset = None;

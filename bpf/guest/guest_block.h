@@ -57,14 +57,13 @@ __noinline int chain_bio_g(__u64 bio, __u32 tid)
  * The rest of rq_track_g, for request `rq` (not live) whose chain walk ended on
  * `bio` with chain_bio_g's answer `r` (-1: no tracked bio); `rq_queue`: its queue.
  * Identity: the first tracked bio in its chain; for a request without tracked
- * bios (flush), the traced syscall running now, if any. Returns 1 when the
- * request is tracked from now on.
+ * bios (flush), the traced syscall running now, if any; `tid`: the current
+ * thread. Returns 1 when the request is tracked from now on.
  */
-__noinline int rq_track_new_g(__u64 rq, __u64 bio, int r, __u64 rq_queue)
+__noinline int rq_track_new_g(__u64 rq, __u64 bio, int r, __u64 rq_queue, __u32 tid)
 {
 	__u64 key = rq;
 	struct rq_state *st = rq_find(&key);
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	/* the running syscall, whose queued bios are most requests' first ones */
 	struct sys_state *s = sys_get(&tid);
 	struct bio_state *first = NULL;
@@ -131,8 +130,8 @@ __noinline int rq_track_g(__u64 rq, __u64 bio_first, __u64 biotail, __u64 q)
 {
 	__u64 key = rq;
 	struct rq_state *live = rq_get(&key);
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct bio *bio;
+	__u32 tid;
 	int r = -1;
 
 	if (live) {
@@ -151,6 +150,8 @@ __noinline int rq_track_g(__u64 rq, __u64 bio_first, __u64 biotail, __u64 q)
 		biotail = (__u64)h.biotail;
 		q = (__u64)h.q;
 	}
+	/* (asked here: a live request, the usual case, needs no thread) */
+	tid = (__u32)bpf_get_current_pid_tgid();
 	bio = (struct bio *)bio_first;
 	for (int i = 0; i < CHAIN_MAX && bio; i++) {
 		r = chain_bio_g((__u64)bio, tid);
@@ -158,7 +159,7 @@ __noinline int rq_track_g(__u64 rq, __u64 bio_first, __u64 biotail, __u64 q)
 			break;
 		bio = BPF_CORE_READ(bio, bi_next);
 	}
-	return rq_track_new_g(rq, r >= 0 ? (__u64)bio : 0, r, q);
+	return rq_track_new_g(rq, r >= 0 ? (__u64)bio : 0, r, q, tid);
 }
 
 /* Adds a reference to this request to the syscall that caused it. */

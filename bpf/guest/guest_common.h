@@ -20,8 +20,13 @@ const volatile __u8 have_driver_complete = 0;
 /* 1: virtqueue_kick_prepare is hooked (g.kick; not with --skip-points g.kick):
  * requests then wait for their queue's kick. */
 const volatile __u8 have_kick = 0;
-/* Address of vring_interrupt (kprobe mode: irq_handler_entry names its vq). */
+/* Address of vring_interrupt: irq_handler_entry's action names its vq (kprobe
+ * mode's irq_entry, fentry mode's tb_irq_entry). */
 const volatile __u64 vring_interrupt_addr = 0;
+/* tb_irq_entry: the other virtio interrupt handlers, whose action names the
+ * virtio device (a vector shared by its queues, or INTx): vp_vring_interrupt,
+ * vp_interrupt, vm_interrupt (0: not in this kernel). */
+const volatile __u64 vdev_irq_handlers[3] = {};
 /* Wake the reader once this many bytes are pending (else it polls). */
 const volatile __u64 wakeup_bytes = 256 * 1024;
 /*
@@ -139,6 +144,7 @@ struct bio_state {
 struct rq_state {
 	struct vt_rq_event ev;
 	struct virtqueue *vq;	/* set at virtqueue_add_sgs */
+	__u64 vdev;		/* its virtio device (fentry mode; 0: not read) */
 	__u64 kick_seq;		/* vq kick sequence number at add time */
 	__u64 owner_enter_ts;
 	__u32 owner_tid;

@@ -323,9 +323,9 @@ static __always_inline void sys_begin(__u32 tid, struct sys_state *s, __u32 nr,
  * (guest_sys_pend.h), since the entry cannot tell a file from a socket or pipe
  * then, and a thread that never did file I/O should not take a state for one.
  */
-static __always_inline void sys_enter_args(__u32 nr, long a0, long a1, long a2, long a3)
+static __always_inline void sys_enter_args(__u32 tid, __u32 nr, long a0, long a1, long a2,
+					   long a3)
 {
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct sys_state *s = NULL;
 	struct sys_info tmp_hdr = {};
 	__u8 pending = 0;
@@ -438,15 +438,16 @@ int BPF_PROG(sys_enter, struct pt_regs *regs, long id)
 	 * instead of one read per argument.
 	 */
 	__u64 w[8] = {};
+	__u64 pt = bpf_get_current_pid_tgid();
 
 	/* Cheap filters first. */
-	if (!sys_task_ok(bpf_get_current_pid_tgid()) || !io_syscall(nr))
+	if (!sys_task_ok(pt) || !io_syscall(nr))
 		return 0;
 	if (filter_cgroup && bpf_get_current_cgroup_id() != filter_cgroup)
 		return 0;
 	if (bpf_probe_read_kernel(w, sizeof(w), (void *)regs + bpf_core_field_offset(struct pt_regs, r10)))
 		return 0;
-	sys_enter_args(nr, w[7], w[6], w[5], w[0]);
+	sys_enter_args((__u32)pt, nr, w[7], w[6], w[5], w[0]);
 	return 0;
 }
 
@@ -618,11 +619,13 @@ int BPF_PROG(sys_exit, struct pt_regs *regs, long ret)
 SEC("?fentry/__x64_sys_" #name)							\
 int BPF_PROG(fe_sys_##name, struct pt_regs *regs)					\
 {											\
-	if (!sys_task_ok(bpf_get_current_pid_tgid()))					\
+	__u64 pt = bpf_get_current_pid_tgid();						\
+											\
+	if (!sys_task_ok(pt))								\
 		return 0;								\
 	if (filter_cgroup && bpf_get_current_cgroup_id() != filter_cgroup)		\
 		return 0;								\
-	sys_enter_args(nr, regs->di, regs->si, regs->dx, regs->r10);			\
+	sys_enter_args((__u32)pt, nr, regs->di, regs->si, regs->dx, regs->r10);	\
 	return 0;									\
 }											\
 SEC("?fexit/__x64_sys_" #name)								\

@@ -8,7 +8,10 @@
  *   virtqueue_add_sgs                   g.vq_add, queue index, descriptor head
  *   virtqueue_kick_prepare (return)     kick sequence; notify or suppressed; g.kick
  *   virtqueue_notify                    g.kick's exact time (only with --exact-kick)
- *   vring_interrupt                     interrupt time, stamped per CPU
+ *   vring_interrupt                     interrupt time, stamped per CPU (fentry
+ *                                       mode: the irq_handler_entry tracepoint,
+ *                                       tb_irq_entry, where this kernel names
+ *                                       every virtio handler)
  *   blk_mq_complete_request             g.driver_complete (+ g.irq: this CPU's stamp)
  *
  * Kicks are per virtqueue (many adds, one kick): each vq keeps a kick sequence
@@ -120,8 +123,10 @@ __noinline int kick_pend_stamp_g(__u64 vk, __u64 seq, __u64 ts, __u32 notified)
 	return 0;
 }
 
-/* `index`: the queue's index (a plain load where vq is typed) */
-static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *data, __u32 index)
+/* `index`: the queue's index (a plain load where vq is typed); `vdev`: its
+ * device (0: not read) */
+static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *data, __u32 index,
+				       __u64 vdev)
 {
 	/* virtblk_req is the request's pdu: it directly follows struct request */
 	__u64 key = (__u64)data - bpf_core_type_size(struct request);
@@ -155,6 +160,7 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 		st->ev.has_head = 1;
 	}
 	st->vq = vq;
+	st->vdev = vdev;
 	if (!have_kick)
 		return;
 	v = vq_get_or_create(&vk);
@@ -212,15 +218,18 @@ static __always_inline void on_interrupt(void *vq)
 static __always_inline void on_driver_complete(__u64 key)
 {
 	struct rq_state *st = rq_get(&key);
-	__u64 irq;
+	struct cpu_stamp *irq;
+	__u32 zero = 0;
 
 	if (!st)
 		return;
 	st->ev.ts[P_DRIVER_COMPLETE] = bpf_ktime_get_ns();
-	/* called from the vq callback inside vring_interrupt, on this CPU */
-	irq = cpu_stamp_get(&irq_stamps, st->vq, false);
-	if (irq && irq >= st->ev.ts[P_VQ_ADD])
-		st->ev.ts[P_IRQ] = irq;
+	/* called from the vq callback inside vring_interrupt, on this CPU: the
+	 * stamp names its vq, or (a shared handler) its device */
+	irq = bpf_map_lookup_elem(&irq_stamps, &zero);
+	if (irq && irq->obj && (irq->obj == (__u64)st->vq || irq->obj == st->vdev) &&
+	    irq->ts >= st->ev.ts[P_VQ_ADD])
+		st->ev.ts[P_IRQ] = irq->ts;
 }
 
 /* ---- fentry / fexit flavour ---- */
@@ -249,7 +258,7 @@ SEC("?fentry/virtqueue_add_sgs")
 int BPF_PROG(fe_add_sgs, struct virtqueue *vq, struct scatterlist **sgs, unsigned int out_sgs,
 	     unsigned int in_sgs, void *data)
 {
-	on_add_sgs(vq, arg_key(ctx, 0, vq), data, vq->index);
+	on_add_sgs(vq, arg_key(ctx, 0, vq), data, vq->index, (__u64)vq->vdev);
 	return 0;
 }
 
@@ -271,6 +280,25 @@ SEC("?fentry/vring_interrupt")
 int BPF_PROG(fe_vring_interrupt, int irq, void *vq)
 {
 	on_interrupt(vq);
+	return 0;
+}
+
+/*
+ * fentry mode: irq_handler_entry, typed, instead of a trampoline on
+ * vring_interrupt (a tracepoint's program is entered for less: no
+ * trampoline, no migrate_disable). Its action names the handler and its
+ * dev_id: vring_interrupt's is the vq (a vector per queue), the shared
+ * handlers' is the virtio device (whose struct starts the transport's).
+ * Every device interrupt runs it; the others return at the compare.
+ */
+SEC("?tp_btf/irq_handler_entry")
+int BPF_PROG(tb_irq_entry, int irq, struct irqaction *action)
+{
+	__u64 h = (__u64)action->handler;
+
+	if (h && (h == vring_interrupt_addr || h == vdev_irq_handlers[0] ||
+		  h == vdev_irq_handlers[1] || h == vdev_irq_handlers[2]))
+		on_interrupt(action->dev_id);
 	return 0;
 }
 
@@ -316,7 +344,7 @@ SEC("?kprobe/virtqueue_add_sgs")
 int BPF_KPROBE(kp_add_sgs, struct virtqueue *vq, struct scatterlist **sgs, unsigned int out_sgs,
 	       unsigned int in_sgs, void *data)
 {
-	on_add_sgs(vq, (__u64)vq, data, BPF_CORE_READ(vq, index));
+	on_add_sgs(vq, (__u64)vq, data, BPF_CORE_READ(vq, index), 0);
 	return 0;
 }
 

@@ -74,6 +74,7 @@ impl Facts {
             .map(|h| h.target)
             .chain(SYSCALLS.iter().map(|s| s.target))
             .chain(plan::TYPED_FILE_TARGETS)
+            .chain(plan::VDEV_IRQ_HANDLERS)
             .collect();
         let syms = probe::find_symbols(std::io::BufReader::new(ks), &wanted);
         let btf = std::fs::read_dir("/sys/kernel/btf")

@@ -234,15 +234,18 @@ fn set_config(open: &mut OpenViotraceGuestSkel<'_>, f: &Filters, p: &Plan) -> Re
         tp_uring_sqe_req_pos,
         vvq_assume_layout,
         vring_interrupt_addr,
+        vdev_irq_handlers,
     } = p.variants;
     ro.tp_bio_has_queue = u8::from(tp_bio_has_queue);
     ro.tp_uring_sqe_req_pos = tp_uring_sqe_req_pos;
     ro.vvq_assume_layout = u8::from(vvq_assume_layout);
-    ro.vring_interrupt_addr = if enabled.contains("irq_entry") {
+    let typed_irq = enabled.contains(plan::TYPED_IRQ_PROG);
+    ro.vring_interrupt_addr = if enabled.contains("irq_entry") || typed_irq {
         vring_interrupt_addr
     } else {
         0
     };
+    ro.vdev_irq_handlers = if typed_irq { vdev_irq_handlers } else { [0; 3] };
     Ok(())
 }
 

@@ -55,9 +55,21 @@ pub struct Variants {
     pub tp_uring_sqe_req_pos: u8,
     /// Read the descriptor head at the 5.0-6.x vring_virtqueue layout (no BTF for it).
     pub vvq_assume_layout: bool,
-    /// Address of vring_interrupt for irq_handler_entry (0 = that program is off).
+    /// Address of vring_interrupt for irq_handler_entry (0 = neither irq_entry
+    /// nor tb_irq_entry runs).
     pub vring_interrupt_addr: u64,
+    /// tb_irq_entry: the addresses of [`VDEV_IRQ_HANDLERS`] (0: not in this kernel).
+    pub vdev_irq_handlers: [u64; 3],
 }
+
+/// The virtio interrupt handlers whose irqaction names the virtio device, not a
+/// virtqueue: a vector shared by a device's queues and INTx (virtio-pci), and
+/// virtio-mmio's.
+pub const VDEV_IRQ_HANDLERS: [&str; 3] = ["vp_vring_interrupt", "vp_interrupt", "vm_interrupt"];
+
+/// fentry mode's program for g.irq on irq_handler_entry, instead of
+/// `fe_vring_interrupt`'s trampoline.
+pub const TYPED_IRQ_PROG: &str = "tb_irq_entry";
 
 /// A tracepoint whose program has a typed twin in fentry mode (tp_btf): the
 /// tracepoint's bio or request is a typed pointer, read with plain loads where
@@ -129,6 +141,7 @@ pub const OPTIONAL_TP_PROGS: &[&str] = &[
     "tb_uring_submit",
     "tb_uring_submit_sqe",
     "irq_entry",
+    TYPED_IRQ_PROG,
     "off_cpu_switch",
     "off_cpu_wakeup",
 ];
@@ -189,6 +202,8 @@ pub struct Plan {
     pub typed_tps: BTreeSet<&'static str>,
     /// Reads' and writes' files come from `TYPED_FILE_PROGS`.
     pub typed_file: bool,
+    /// g.irq comes from [`TYPED_IRQ_PROG`] instead of `fe_vring_interrupt`.
+    pub typed_irq: bool,
 }
 
 impl Plan {
@@ -203,7 +218,10 @@ impl Plan {
         if let Ok(u) = self.uring {
             p.insert(u);
         }
-        if self.variants.vring_interrupt_addr != 0 {
+        if self.typed_irq {
+            p.remove("fe_vring_interrupt");
+            p.insert(TYPED_IRQ_PROG);
+        } else if self.variants.vring_interrupt_addr != 0 {
             p.insert("irq_entry");
         }
         if self.off_cpu {
@@ -238,6 +256,18 @@ impl Plan {
                     t.tracepoint, t.raw
                 ));
             }
+        }
+    }
+
+    /// [`TYPED_IRQ_PROG`] cannot run: `fe_vring_interrupt` takes g.irq.
+    pub fn irq_fallback(&mut self, why: &str) {
+        if self.typed_irq {
+            self.typed_irq = false;
+            self.variants.vring_interrupt_addr = 0;
+            self.variants.vdev_irq_handlers = [0; 3];
+            self.notes.push(format!(
+                "g.irq: {why}: a trampoline on vring_interrupt instead"
+            ));
         }
     }
 
@@ -278,6 +308,9 @@ impl Plan {
         if prog == "irq_entry" {
             self.variants.vring_interrupt_addr = 0;
         }
+        if prog == TYPED_IRQ_PROG {
+            self.irq_fallback(&why);
+        }
         if OFF_CPU_PROGS.contains(&prog) {
             self.off_cpu = false;
             self.blind.push(format!("off-CPU time of syscalls ({why})"));
@@ -313,6 +346,8 @@ impl Plan {
             }
             if targets.contains(&"vring_interrupt") {
                 self.variants.vring_interrupt_addr = 0;
+                self.variants.vdev_irq_handlers = [0; 3];
+                self.typed_irq = false;
             }
         }
     }
@@ -566,6 +601,7 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
             variants.vring_interrupt_addr = f.syms.get("vring_interrupt").map_or(0, |s| s.addr);
         }
     }
+    let typed_irq = plan_typed_irq(&hooks, mode, f, &mut variants);
     let (sys_fentry, sys_note) = plan_syscalls(mode, f);
     notes.extend(sys_note);
     // tp_btf programs need what fentry ones need: tracing programs and vmlinux BTF.
@@ -600,7 +636,27 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
         sys_fentry,
         typed_tps,
         typed_file,
+        typed_irq,
     }
+}
+
+/// fentry mode takes g.irq on irq_handler_entry (typed) where this kernel
+/// names vring_interrupt and virtio-pci's two other handlers (a shared vector,
+/// INTx) in /proc/kallsyms; else on vring_interrupt's trampoline. Sets the
+/// handlers' addresses in `variants` when it does.
+fn plan_typed_irq(hooks: &[HookChoice], mode: Mode, f: &Facts, variants: &mut Variants) -> bool {
+    let addr = |name: &str| f.syms.get(name).map_or(0, |s| s.addr);
+    let fentry = hooks
+        .iter()
+        .any(|c| c.hook.target == "vring_interrupt" && c.flavour == Some(Flavour::Fentry));
+    // (vm_interrupt only where virtio_mmio is loaded)
+    let named = addr("vring_interrupt") != 0 && VDEV_IRQ_HANDLERS[..2].iter().all(|h| addr(h) != 0);
+    if mode != Mode::Fentry || !fentry || !named || !f.has_btf("vmlinux") {
+        return false;
+    }
+    variants.vring_interrupt_addr = addr("vring_interrupt");
+    variants.vdev_irq_handlers = VDEV_IRQ_HANDLERS.map(addr);
+    true
 }
 
 /// The hook only `--exact-kick` attaches: the kick point has a cheaper source.
@@ -656,7 +712,8 @@ pub fn report(
         // irq_handler_entry stands in for vring_interrupt's kprobe, also when
         // the kernel refused that kprobe (irq_entry is planned only for a
         // kprobe-mode vring_interrupt not left out).
-        own || (c.hook.target == "vring_interrupt" && live.contains("irq_entry"))
+        own || (c.hook.target == "vring_interrupt"
+            && (live.contains("irq_entry") || live.contains(TYPED_IRQ_PROG)))
     };
     let satisfied = |target: &str| {
         plan.choice(target)

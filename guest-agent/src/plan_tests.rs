@@ -61,6 +61,17 @@ fn kernel(
             },
         );
     }
+    // (virtio_pci is built in where virtio_ring is; virtio_mmio not loaded)
+    for f in &VDEV_IRQ_HANDLERS[..2] {
+        add(
+            f,
+            if ring_builtin {
+                "vmlinux"
+            } else {
+                "virtio_pci"
+            },
+        );
+    }
     for f in CORE.iter().chain(&crate::plan::TYPED_FILE_TARGETS) {
         add(f, "vmlinux");
     }
@@ -162,6 +173,7 @@ fn linux_5_10_fentry_falls_back_to_kprobes_for_modules_without_btf() {
             tp_uring_sqe_req_pos: 1,
             vvq_assume_layout: true,
             vring_interrupt_addr: f.syms["vring_interrupt"].addr,
+            vdev_irq_handlers: [0; 3],
         }
     );
     assert_eq!(p.uring, Ok("uring_submit_sqe"));
@@ -211,7 +223,13 @@ fn linux_6_1_fentry_uses_module_btf_and_the_two_argument_submit_sqe() {
     // The one note says where the syscalls are traced.
     assert_eq!(p.notes.len(), 1, "{:?}", p.notes);
     assert!(p.notes[0].starts_with("syscalls: fentry/fexit"));
-    assert_eq!(p.variants, Variants::default());
+    // (the irq handlers' addresses: tb_irq_entry, below)
+    let want = Variants {
+        vring_interrupt_addr: p.variants.vring_interrupt_addr,
+        vdev_irq_handlers: p.variants.vdev_irq_handlers,
+        ..Variants::default()
+    };
+    assert_eq!(p.variants, want);
     assert_eq!(p.uring, Ok("tb_uring_submit_sqe"));
     let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
     assert!(r.blind_points.is_empty() && r.blind.is_empty(), "{r:?}");
@@ -675,6 +693,48 @@ fn skipped_points_leave_their_programs_out_and_are_reported_blind() {
     assert!(report(&full, &f, &all_live(&full), &BTreeMap::new())
         .blind_points
         .is_empty());
+}
+
+/// In fentry mode g.irq comes from the irq_handler_entry tracepoint, typed,
+/// where kallsyms names virtio-pci's handlers; refused, or without them, from
+/// vring_interrupt's trampoline.
+#[test]
+fn fentry_mode_takes_g_irq_on_the_irq_tracepoint_where_the_handlers_are_named() {
+    for f in [k6_1(), k7_2()] {
+        let mut p = plan(Mode::Fentry, &f);
+        let progs = p.programs();
+        assert!(progs.contains(TYPED_IRQ_PROG), "{progs:?}");
+        assert!(!progs.contains("fe_vring_interrupt") && !progs.contains("irq_entry"));
+        let addr = |n: &str| f.syms[n].addr;
+        assert_eq!(p.variants.vring_interrupt_addr, addr("vring_interrupt"));
+        let want = [addr("vp_vring_interrupt"), addr("vp_interrupt"), 0];
+        assert_eq!(p.variants.vdev_irq_handlers, want);
+        let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
+        assert!(r.blind_points.is_empty(), "{:?}", r.blind);
+        // Refused: the trampoline instead, and a note says why.
+        p.drop_program(TYPED_IRQ_PROG);
+        let progs = p.programs();
+        assert!(progs.contains("fe_vring_interrupt") && !progs.contains(TYPED_IRQ_PROG));
+        assert_eq!(p.variants.vring_interrupt_addr, 0);
+        assert!(p
+            .notes
+            .iter()
+            .any(|n| n.starts_with("g.irq: program tb_irq_entry")));
+        assert!(report(&p, &f, &all_live(&p), &BTreeMap::new())
+            .blind_points
+            .is_empty());
+    }
+    // A kernel whose kallsyms lacks a shared handler: the trampoline.
+    let mut f = k6_1();
+    f.syms.remove("vp_interrupt");
+    let p = plan(Mode::Fentry, &f);
+    assert!(p.programs().contains("fe_vring_interrupt") && !p.typed_irq);
+    assert_eq!(p.variants.vdev_irq_handlers, [0; 3]);
+    // Left out: neither program.
+    let mut p = plan(Mode::Fentry, &k6_1());
+    p.skip_points(&[Point::Irq]);
+    let progs = p.programs();
+    assert!(!progs.contains(TYPED_IRQ_PROG) && !progs.contains("fe_vring_interrupt"));
 }
 
 /// In kprobe mode g.irq comes from the irq_handler_entry tracepoint: leaving

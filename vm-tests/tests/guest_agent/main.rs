@@ -186,6 +186,27 @@ fn fentry_mode_sees_every_request_down_to_the_virtqueue() {
     assert!(log.contains("syscalls: fentry/fexit on"), "{log}");
 }
 
+/// Without MSI-X (`vectors=0`: the disks interrupt on shared INTx lines, whose
+/// handler is virtio-pci's `vp_interrupt`, not `vring_interrupt`), g.irq still
+/// comes from the irq tracepoint, keyed by the device: every request has it.
+#[test]
+fn fentry_mode_takes_g_irq_from_a_shared_intx_interrupt_too() {
+    let cfg = VmConfig {
+        guest_args: "--mode fentry".into(),
+        qemu_args: vec!["-global".into(), "virtio-blk-pci.vectors=0".into()],
+        ..VmConfig::default()
+    };
+    let wl = format!("grep -i virtio /proc/interrupts > /out/irqs.txt\n{KNOWN_IO}");
+    let r = run_guest("guest-fentry-intx", cfg, &wl);
+    let irqs = std::fs::read_to_string(r.path("irqs.txt")).unwrap_or_default();
+    // (the two disks; the other virtio devices keep MSI-X)
+    assert!(
+        irqs.matches("IO-APIC").count() >= 2,
+        "the disks not on INTx: {irqs}"
+    );
+    check_fentry_run(&r);
+}
+
 /// With `--syscall-tracepoints` the raw syscall tracepoints replace the
 /// per-syscall trampolines: the same requests, syscalls and points.
 #[test]
@@ -253,6 +274,9 @@ fn check_fentry_run(r: &RunResult) {
         log.contains("g.kick: when virtqueue_kick_prepare returned"),
         "{log}"
     );
+    // g.irq from the irq tracepoint (tb_irq_entry), not a fallback to vring_interrupt's
+    // trampoline: a fallback says so.
+    assert!(!log.contains("g.irq:"), "{log}");
 }
 
 #[test]

@@ -378,7 +378,9 @@ static __always_inline void emit_rq(struct rq_state *st)
 {
 	struct vt_rq_event *e;
 
-	if (have_kick && st->vq) {
+	/* (a request listed for its kick has its stamp already, kick_pend_stamp_g;
+	 * with --exact-kick the ring may have the notification's time for it) */
+	if (have_kick && st->vq && (!st->ev.ts[P_KICK] || have_notify)) {
 		__u64 vk = (__u64)st->vq;
 		struct vq_state *v = vq_find(&vk);
 

@@ -20,6 +20,8 @@ const volatile __u8 have_driver_complete = 0;
 /* 1: virtqueue_kick_prepare is hooked (g.kick; not with --skip-points g.kick):
  * requests then wait for their queue's kick. */
 const volatile __u8 have_kick = 0;
+/* 1: virtqueue_notify is hooked too (--exact-kick): its time replaces the kick's. */
+const volatile __u8 have_notify = 0;
 /* Address of vring_interrupt: irq_handler_entry's action names its vq (kprobe
  * mode's irq_entry, fentry mode's tb_irq_entry). */
 const volatile __u64 vring_interrupt_addr = 0;

@@ -229,6 +229,7 @@ fn set_config(open: &mut OpenViotraceGuestSkel<'_>, f: &Filters, p: &Plan) -> Re
     ro.emit_at_rq_complete = u8::from(!has("fx_update_request") && !has("kp_update_request"));
     ro.have_driver_complete = u8::from(has("fe_complete_request") || has("kp_complete_request"));
     ro.have_kick = u8::from(has("fx_kick_prepare") || has("kp_kick_prepare"));
+    ro.have_notify = u8::from(has("fe_notify") || has("kp_notify"));
     let Variants {
         tp_bio_has_queue,
         tp_uring_sqe_req_pos,

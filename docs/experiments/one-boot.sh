@@ -40,11 +40,12 @@ stop() {
   wait $1 || true
   kill $w 2>/dev/null || true
 }
-# The guest agent (needs --guest-tool .../viotrace-guest) with extra arguments.
+# The guest agent (needs --guest-tool .../viotrace-guest) with extra arguments; AG names
+# another build copied in (`--guest-tool /tmp/old/viotrace-guest-old`, then AG=viotrace-guest-old).
 agent() {
   n=$1; shift
   rm -f /run/g.ready
-  viotrace-guest --ready-file /run/g.ready "$@" >/out/g-$n.out 2>/out/g-$n.log &
+  ${AG:-viotrace-guest} --ready-file /run/g.ready "$@" >/out/g-$n.out 2>/out/g-$n.log &
   echo $! > /run/g.pid
   waitfor "[ -e /run/g.ready ]" $n
   [ "$INSN" = 1 ] && cat /proc/$(cat /run/g.pid)/maps > /out/maps-$n.txt
@@ -69,6 +70,7 @@ PERF_TP='tracepoint:block:block_rq_issue {} tracepoint:block:block_rq_complete {
 ANCHOR='tracepoint:block:block_rq_issue { @s[args->dev, args->sector] = nsecs; } tracepoint:block:block_rq_complete /@s[args->dev, args->sector]/ { @usecs = hist((nsecs - @s[args->dev, args->sector]) / 1000); delete(@s[args->dev, args->sector]); }'
 c_none() { run none-$1; }
 c_def() { agent def-$1; }
+c_old() { AG=viotrace-guest-old agent old-$1; }
 c_systp() { agent systp-$1 --syscall-tracepoints; }
 c_tp() { agent tp-$1 --mode tracepoint; }
 c_anchor() { bt anchor-$1 "$ANCHOR"; }

@@ -7,7 +7,7 @@
 //! then says what the run cannot see, from what actually loaded and attached.
 //! Both are pure: unit tests feed them the facts of real Debian kernels.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::BTreeSet;
 
 use viotrace_shared::record::Point;
 
@@ -662,106 +662,18 @@ fn plan_typed_irq(hooks: &[HookChoice], mode: Mode, f: &Facts, variants: &mut Va
 /// The hook only `--exact-kick` attaches: the kick point has a cheaper source.
 pub const EXACT_KICK_TARGET: &str = "virtqueue_notify";
 
-/// Hooks each point depends on: the point is blind unless all of them run.
-const POINT_NEEDS: &[(Point, &[&str])] = &[
-    (Point::QueueRq, &["virtio_queue_rq", "virtio_queue_rqs"]),
-    (Point::VqAdd, &["virtqueue_add_sgs"]),
-    (
-        Point::Kick,
-        &["virtqueue_add_sgs", "virtqueue_kick_prepare"],
-    ),
-    (
-        Point::Irq,
-        &[
-            "virtqueue_add_sgs",
-            "vring_interrupt",
-            "blk_mq_complete_request",
-        ],
-    ),
-    (Point::DriverComplete, &["blk_mq_complete_request"]),
-    (Point::BioComplete, &["blk_update_request"]),
-];
-
 /// Whether `prog` is a kprobe or kretprobe program.
 pub fn is_kprobe(prog: &str) -> bool {
     HOOKS.iter().any(|h| h.kprobe.contains(&prog))
 }
 
-/// What a run cannot see.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Report {
-    /// Points (stage boundaries) no record of this run will carry.
-    pub blind_points: Vec<Point>,
-    /// Human lines: what cannot be seen and why.
-    pub blind: Vec<String>,
-    /// Fallbacks and assumptions.
-    pub notes: Vec<String>,
-}
+#[path = "plan_report.rs"]
+mod report;
+pub use report::{report, Report};
 
-/// The report from the plan and what happened: `live` programs loaded and
-/// attached; `failed` programs (with the error) did not.
-pub fn report(
-    plan: &Plan,
-    f: &Facts,
-    live: &HashSet<String>,
-    failed: &BTreeMap<String, String>,
-) -> Report {
-    let is_live = |c: &HookChoice| {
-        let progs = c.programs();
-        let own = !progs.is_empty() && progs.iter().all(|p| live.contains(*p));
-        // irq_handler_entry stands in for vring_interrupt's kprobe, also when
-        // the kernel refused that kprobe (irq_entry is planned only for a
-        // kprobe-mode vring_interrupt not left out).
-        own || (c.hook.target == "vring_interrupt"
-            && (live.contains("irq_entry") || live.contains(TYPED_IRQ_PROG)))
-    };
-    let satisfied = |target: &str| {
-        plan.choice(target)
-            .is_some_and(|c| is_live(c) || c.path_absent(f))
-    };
-    let mut r = Report {
-        notes: plan.notes.clone(),
-        ..Report::default()
-    };
-    if !plan.exact_kick && plan.choice("virtqueue_kick_prepare").is_some_and(is_live) {
-        r.notes.push(
-            "g.kick: when virtqueue_kick_prepare returned (the driver notifies right after; \
-             --exact-kick traps virtqueue_notify for its own time)"
-                .into(),
-        );
-    }
-    for c in &plan.hooks {
-        if is_live(c)
-            || c.path_absent(f)
-            || (!plan.exact_kick && c.hook.target == EXACT_KICK_TARGET)
-        {
-            continue;
-        }
-        let why = c
-            .programs()
-            .iter()
-            .find_map(|p| failed.get(*p).map(|e| format!("program {p}: {e}")))
-            .or_else(|| c.why.clone())
-            .unwrap_or_else(|| "not attached".into());
-        r.blind.push(format!("{}: {why}", c.hook.sees));
-    }
-    r.blind.extend(plan.blind.iter().cloned());
-    match &plan.uring {
-        Ok(p) if !live.contains(*p) => {
-            let e = failed.get(*p).map_or("not attached", String::as_str);
-            r.blind.push(format!("{URING_SEES}: program {p}: {e}"));
-        }
-        Ok(_) => {}
-        Err(why) => r.blind.push(format!("{URING_SEES}: {why}")),
-    }
-    for (point, needs) in POINT_NEEDS {
-        if !needs.iter().all(|t| satisfied(t)) {
-            r.blind_points.push(*point);
-        }
-    }
-    r
-}
-
+#[cfg(test)]
+#[path = "plan_fixtures.rs"]
+mod fixtures;
 #[cfg(test)]
 #[path = "plan_tests.rs"]
 mod tests;

@@ -78,9 +78,12 @@ pub fn report(
         {
             continue;
         }
+        // (g.irq's program in fentry mode may be the irq tracepoint's, not the hook's own)
+        let typed_irq = plan.typed_irq && c.hook.target == "vring_interrupt";
         let why = c
             .programs()
             .iter()
+            .chain(typed_irq.then_some(&TYPED_IRQ_PROG))
             .find_map(|p| failed.get(*p).map(|e| format!("program {p}: {e}")))
             .or_else(|| c.why.clone())
             .unwrap_or_else(|| "not attached".into());

@@ -568,6 +568,19 @@ fn fentry_mode_takes_g_irq_on_the_irq_tracepoint_where_the_handlers_are_named() 
         assert_eq!(p.variants.vdev_irq_handlers, want);
         let r = report(&p, &f, &all_live(&p), &BTreeMap::new());
         assert!(r.blind_points.is_empty(), "{:?}", r.blind);
+        // Not attached: g.irq blind, and the report names the program and its error.
+        let mut live = all_live(&p);
+        live.remove(TYPED_IRQ_PROG);
+        let failed = BTreeMap::from([(TYPED_IRQ_PROG.to_string(), "attach failed: x".to_string())]);
+        let r = report(&p, &f, &live, &failed);
+        assert_eq!(r.blind_points, [Point::Irq]);
+        assert!(
+            r.blind
+                .iter()
+                .any(|l| l.ends_with("program tb_irq_entry: attach failed: x")),
+            "{:#?}",
+            r.blind
+        );
         // Refused: the trampoline instead, and a note says why.
         p.drop_program(TYPED_IRQ_PROG);
         let progs = p.programs();

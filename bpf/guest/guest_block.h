@@ -313,7 +313,7 @@ SEC("raw_tp/block_rq_issue")
 int BPF_PROG(rq_issue, struct request *rq)
 {
 	int tracked = rq_track_g((__u64)rq, 0, 0, 0);
-	__u64 queued = cpu_stamp_get(&queue_rq_stamps, rq, true);
+	__u64 queued = cpu_stamp_get(&queue_rq_stamps, rq, 0, true);
 
 	if (tracked)
 		rq_issued_g((__u64)rq | RQF_ISSUED, queued, 0, 0, 0);
@@ -341,7 +341,7 @@ int BPF_PROG(tb_rq_issue, struct request *rq)
 	__u64 key = typed_addr(&tb, rq);
 	__u64 bio = typed_addr(&tb, rq->bio);
 	__u64 tail = typed_addr(&tb, rq->biotail);
-	__u64 queued = cpu_stamp_get(&queue_rq_stamps, (void *)key, true);
+	__u64 queued = cpu_stamp_get(&queue_rq_stamps, (void *)key, 0, true);
 
 	if (!rq_track_g(key, bio, tail, typed_addr(&tb, rq->q)))
 		return 0;

@@ -381,14 +381,14 @@ static __always_inline void cpu_stamp_set(void *map, void *obj)
 	s->ts = bpf_ktime_get_ns();
 }
 
-/* The time stamped for `obj` on this CPU (0 if another object's); with `take`,
- * the slot is emptied. */
-static __always_inline __u64 cpu_stamp_get(void *map, void *obj, bool take)
+/* The time stamped on this CPU for `obj`, or for `alt` (0: none), 0 if another
+ * object's; with `take`, the slot is emptied. */
+static __always_inline __u64 cpu_stamp_get(void *map, void *obj, __u64 alt, bool take)
 {
 	__u32 zero = 0;
 	struct cpu_stamp *s = bpf_map_lookup_elem(map, &zero);
 
-	if (!s || !obj || s->obj != (__u64)obj)
+	if (!s || !s->obj || (s->obj != (__u64)obj && s->obj != alt))
 		return 0;
 	if (take)
 		s->obj = 0;

@@ -142,7 +142,7 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 		 * on this CPU, it is a virtio-blk request: it is tracked from here,
 		 * without g.rq_issue, instead of being lost.
 		 */
-		__u64 queued = cpu_stamp_get(&queue_rq_stamps, (void *)key, true);
+		__u64 queued = cpu_stamp_get(&queue_rq_stamps, (void *)key, 0, true);
 
 		if (!queued)
 			return;
@@ -218,18 +218,16 @@ static __always_inline void on_interrupt(void *vq)
 static __always_inline void on_driver_complete(__u64 key)
 {
 	struct rq_state *st = rq_get(&key);
-	struct cpu_stamp *irq;
-	__u32 zero = 0;
+	__u64 irq;
 
 	if (!st)
 		return;
 	st->ev.ts[P_DRIVER_COMPLETE] = bpf_ktime_get_ns();
 	/* called from the vq callback inside vring_interrupt, on this CPU: the
 	 * stamp names its vq, or (a shared handler) its device */
-	irq = bpf_map_lookup_elem(&irq_stamps, &zero);
-	if (irq && irq->obj && (irq->obj == (__u64)st->vq || irq->obj == st->vdev) &&
-	    irq->ts >= st->ev.ts[P_VQ_ADD])
-		st->ev.ts[P_IRQ] = irq->ts;
+	irq = cpu_stamp_get(&irq_stamps, st->vq, st->vdev, false);
+	if (irq && irq >= st->ev.ts[P_VQ_ADD])
+		st->ev.ts[P_IRQ] = irq;
 }
 
 /* ---- fentry / fexit flavour ---- */

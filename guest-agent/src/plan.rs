@@ -601,11 +601,11 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
             variants.vring_interrupt_addr = f.syms.get("vring_interrupt").map_or(0, |s| s.addr);
         }
     }
-    let typed_irq = plan_typed_irq(&hooks, mode, f, &mut variants);
     let (sys_fentry, sys_note) = plan_syscalls(mode, f);
     notes.extend(sys_note);
     // tp_btf programs need what fentry ones need: tracing programs and vmlinux BTF.
     let typed = mode == Mode::Fentry && f.fentry && f.has_btf("vmlinux");
+    let typed_irq = typed && plan_typed_irq(&hooks, f, &mut variants);
     let typed_tps = TYPED_TPS
         .iter()
         .filter(|t| typed && f.version() >= t.since)
@@ -640,18 +640,19 @@ pub fn plan(mode: Mode, f: &Facts) -> Plan {
     }
 }
 
-/// fentry mode takes g.irq on irq_handler_entry (typed) where this kernel
-/// names vring_interrupt and virtio-pci's two other handlers (a shared vector,
-/// INTx) in /proc/kallsyms; else on vring_interrupt's trampoline. Sets the
-/// handlers' addresses in `variants` when it does.
-fn plan_typed_irq(hooks: &[HookChoice], mode: Mode, f: &Facts, variants: &mut Variants) -> bool {
+/// Where tp_btf programs run, g.irq comes from irq_handler_entry (typed) if
+/// vring_interrupt's hook is a trampoline and this kernel names vring_interrupt
+/// and virtio-pci's two other handlers (a shared vector, INTx) in
+/// /proc/kallsyms; else from that trampoline. Sets the handlers' addresses in
+/// `variants` when it does.
+fn plan_typed_irq(hooks: &[HookChoice], f: &Facts, variants: &mut Variants) -> bool {
     let addr = |name: &str| f.syms.get(name).map_or(0, |s| s.addr);
     let fentry = hooks
         .iter()
         .any(|c| c.hook.target == "vring_interrupt" && c.flavour == Some(Flavour::Fentry));
     // (vm_interrupt only where virtio_mmio is loaded)
     let named = addr("vring_interrupt") != 0 && VDEV_IRQ_HANDLERS[..2].iter().all(|h| addr(h) != 0);
-    if mode != Mode::Fentry || !fentry || !named || !f.has_btf("vmlinux") {
+    if !fentry || !named {
         return false;
     }
     variants.vring_interrupt_addr = addr("vring_interrupt");

@@ -465,6 +465,31 @@ fn pop_probe_gives_h_pop() {
         KNOWN_IO,
     );
     check_known_io(&r, Backend::Threads);
+    // Debian 7.2's virtqueue_pop starts with a movabs and blk_aio_preadv with a
+    // sub: probed there, each hit would take a single-step. The probes sit on
+    // the first instruction the kernel emulates that still sees the arguments.
+    let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
+    let placed = log
+        .lines()
+        .find(|l| l.contains("uprobes placed past their entry"))
+        .unwrap_or_else(|| panic!("no placement line:\n{log}"));
+    for site in [
+        "virtqueue_pop +0x15 (jne)",
+        "blk_aio_preadv +0xb (js)",
+        "blk_aio_pwritev +0xb (js)",
+        "blk_aio_flush +0x10 (push)",
+    ] {
+        assert!(placed.contains(site), "{site}: {placed}");
+    }
+    assert!(!placed.contains("virtqueue_push"), "{placed}");
+    let stepped = log
+        .lines()
+        .find(|l| l.contains("uprobes single-stepped"))
+        .unwrap_or_default();
+    assert!(
+        !stepped.contains("virtqueue_pop") && !stepped.contains("preadv"),
+        "{stepped}"
+    );
     let all = elems(&r);
     for v in known_io_device(&all) {
         let pop =

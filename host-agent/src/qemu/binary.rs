@@ -12,6 +12,7 @@ use object::{Object, ObjectSection, ObjectSymbol, SectionKind};
 use super::decode::{accessor_returns, blk_field_from_calls, req_links_from_handle_vq, Returns};
 use super::elf_file::{Bin, ElfSource};
 use super::layout::{self, Basis, Layout, Version};
+use super::probe_site::{self, Site};
 use super::usdt::parse_stapsdt;
 
 /// What a QEMU binary offers.
@@ -33,41 +34,42 @@ pub struct BinaryInfo {
     pub never_called: HashSet<String>,
     /// USDT probes of provider `qemu` (`.note.stapsdt`; dtrace-backend builds).
     pub usdt: HashSet<String>,
-    /// Probe targets whose uprobe goes past their entry: name → bytes skipped
-    /// (see [`entry_skip`]).
-    pub entry_skips: HashMap<String, u64>,
+    /// Where each probe target's uprobe goes ([`probe_site`]): name → (site,
+    /// the entry's site). Absent: the entry.
+    pub probe_sites: HashMap<String, (Site, Site)>,
 }
 
-/// `endbr64`, the first instruction of every function in CET builds (QEMU of
-/// Debian 13 and sid, Ubuntu's).
-const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
-
-/// How far past a function's entry its uprobe goes, from the function's first
-/// bytes: past an `endbr64`, else 0. The kernel emulates a probed `push` or NOP
-/// in the trap, but runs any other probed instruction out of line with a
-/// single-step: a second trap per hit (on a nested x86 host 11 µs a hit against
-/// 0.7 µs for an emulated `push`). `endbr64` writes no register, no flag and no
-/// memory, so a probe past it reads exactly what it would read at the entry,
-/// and a return probe there still finds the return address on top of the stack.
-pub fn entry_skip(code: &[u8]) -> u64 {
-    if code.starts_with(&ENDBR64) {
-        ENDBR64.len() as u64
-    } else {
-        0
-    }
-}
-
-/// [`entry_skip`] of each probe target of an x86-64 binary.
-fn entry_skips(bin: &Bin, symbols: &HashMap<String, u64>) -> HashMap<String, u64> {
+/// Where each probe target's uprobe goes in an x86-64 binary (see
+/// [`probe_site`]): its site, and the site at its entry. A site past the entry
+/// is kept only if no branch of the function lands in the bytes it skips (the
+/// binary-wide check is [`never_called`]'s scan). Other architectures: the
+/// entry, as libbpf places it.
+fn probe_sites(
+    bin: &Bin,
+    symbols: &HashMap<String, u64>,
+    sizes: &HashMap<String, u64>,
+) -> HashMap<String, (Site, Site)> {
     if bin.elf.architecture() != object::Architecture::X86_64 {
         return HashMap::new();
     }
     PROBE_SYMBOLS
         .iter()
         .filter_map(|(s, _, _)| {
-            let code = bin.code_at(*symbols.get(*s)?, ENDBR64.len())?;
-            let skip = entry_skip(&code);
-            (skip > 0).then(|| (s.to_string(), skip))
+            let addr = *symbols.get(*s)?;
+            let size = sizes.get(*s).copied().unwrap_or(0);
+            let len = usize::try_from(size).ok()?.max(probe_site::SCAN_BYTES);
+            let code = bin.code_at(addr, len)?;
+            let entry = probe_site::entry_site(&code, addr);
+            let mut site = probe_site::site_in(&code, addr, probe_site::needs_of(s));
+            // (a function of unknown size cannot be checked for branches)
+            let body = &code[..usize::try_from(size).unwrap_or(0).min(code.len())];
+            if site.offset > entry.offset
+                && (body.is_empty()
+                    || probe_site::branches_into(body, addr, entry.offset, site.offset))
+            {
+                site = entry.clone();
+            }
+            Some((s.to_string(), (site, entry)))
         })
         .collect()
 }
@@ -146,10 +148,12 @@ impl BinaryInfo {
         let src = ElfSource::open(path)?;
         let bin = src.parse(path)?;
         let mut symbols = HashMap::new();
+        let mut sizes = HashMap::new();
         for s in bin.elf.dynamic_symbols() {
             if s.is_definition() && s.kind() == object::SymbolKind::Text {
                 if let Ok(n) = s.name() {
                     symbols.insert(n.to_string(), s.address());
+                    sizes.insert(n.to_string(), s.size());
                 }
             }
         }
@@ -165,9 +169,9 @@ impl BinaryInfo {
             unconfirmed,
             corrected,
         } = confirm_layout(&bin, &symbols, layout);
-        let never_called =
-            never_called(&bin, &symbols).with_context(|| format!("reading {}", path.display()))?;
-        let entry_skips = entry_skips(&bin, &symbols);
+        let mut probe_sites = probe_sites(&bin, &symbols, &sizes);
+        let never_called = never_called(&bin, &symbols, &mut probe_sites)
+            .with_context(|| format!("reading {}", path.display()))?;
         let usdt = bin
             .elf
             .section_by_name(".note.stapsdt")
@@ -188,13 +192,18 @@ impl BinaryInfo {
             corrected,
             never_called,
             usdt,
-            entry_skips,
+            probe_sites,
         })
     }
 
-    /// Bytes past `s`'s entry where its uprobe goes ([`entry_skip`]).
+    /// Bytes past `s`'s entry where its uprobe goes ([`probe_site`]).
     pub fn entry_offset(&self, s: &str) -> u64 {
-        self.entry_skips.get(s).copied().unwrap_or(0)
+        self.probe_sites.get(s).map_or(0, |(site, _)| site.offset)
+    }
+
+    /// `s`'s uprobe site and its entry's, if known.
+    pub fn probe_site(&self, s: &str) -> Option<&(Site, Site)> {
+        self.probe_sites.get(s)
     }
 
     pub fn has(&self, s: &str) -> bool {
@@ -379,12 +388,27 @@ fn blk_from_users(bin: &Bin, symbols: &HashMap<String, u64>) -> Option<(u32, u32
 }
 
 /// The probe targets that nothing in the binary calls or takes the address of.
-fn never_called(bin: &Bin, symbols: &HashMap<String, u64>) -> std::io::Result<HashSet<String>> {
+/// The same scan moves back to its entry a probe whose site past the entry a
+/// `rel32` branch from elsewhere may land before ([`probe_site::interior_refs`]).
+fn never_called(
+    bin: &Bin,
+    symbols: &HashMap<String, u64>,
+    sites: &mut HashMap<String, (Site, Site)>,
+) -> std::io::Result<HashSet<String>> {
     let targets: HashMap<u64, &str> = PROBE_SYMBOLS
         .iter()
         .filter_map(|(s, _, _)| Some((*symbols.get(*s)?, *s)))
         .collect();
+    let ranges: HashMap<&str, (u64, u64)> = PROBE_SYMBOLS
+        .iter()
+        .filter_map(|(s, _, _)| {
+            let a = *symbols.get(*s)?;
+            let (site, entry) = sites.get(*s)?;
+            (site.offset > entry.offset).then_some((*s, (a + entry.offset, a + site.offset)))
+        })
+        .collect();
     let mut refs: HashMap<&str, u32> = HashMap::new();
+    let mut entered: HashSet<&str> = HashSet::new();
     for sec in bin.elf.sections() {
         if sec.kind() != SectionKind::Text {
             continue;
@@ -394,7 +418,13 @@ fn never_called(bin: &Bin, symbols: &HashMap<String, u64>) -> std::io::Result<Ha
             for (name, n) in count_code_refs(code, addr, starts, &targets) {
                 *refs.entry(name).or_default() += n;
             }
+            entered.extend(probe_site::interior_refs(code, addr, starts, &ranges));
         })?;
+    }
+    for name in entered {
+        if let Some((site, entry)) = sites.get_mut(name) {
+            *site = entry.clone();
+        }
     }
     // Function pointers in data (PIE: R_X86_64_RELATIVE addends).
     bin.dynamic_addends(|a| {
@@ -490,18 +520,6 @@ fn binary_version(bin: &Bin) -> std::io::Result<Option<String>> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn uprobes_go_past_endbr64_and_nowhere_else() {
-        // QEMU 11.1 (sid, CET): virtqueue_push starts endbr64; push %rbp.
-        assert_eq!(entry_skip(&[0xf3, 0x0f, 0x1e, 0xfa, 0x55, 0x48]), 4);
-        // QEMU 7.2 (bookworm): push %r12, emulated by the kernel; left alone.
-        assert_eq!(entry_skip(&[0x41, 0x54, 0x41, 0x89, 0xd4]), 0);
-        // endbr32, a truncated read and nothing: the entry.
-        assert_eq!(entry_skip(&[0xf3, 0x0f, 0x1e, 0xfb, 0x55]), 0);
-        assert_eq!(entry_skip(&[0xf3, 0x0f, 0x1e]), 0);
-        assert_eq!(entry_skip(&[]), 0);
-    }
-
     /// A binary of `version` exporting `symbols`, with its release table's layout.
     fn info_of(version: Option<&str>, symbols: HashMap<String, u64>) -> BinaryInfo {
         let (layout, basis) = layout::select(version.and_then(Version::parse));
@@ -515,7 +533,7 @@ mod tests {
             corrected: vec![],
             never_called: HashSet::new(),
             usdt: HashSet::new(),
-            entry_skips: HashMap::new(),
+            probe_sites: HashMap::new(),
         }
     }
 

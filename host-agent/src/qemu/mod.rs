@@ -9,6 +9,7 @@ pub mod cmdline;
 pub mod decode;
 mod elf_file;
 pub mod layout;
+pub mod probe_site;
 pub mod proc;
 pub mod usdt;
 pub mod verify;

@@ -204,18 +204,7 @@ impl Tracer<'_> {
         if self.irq_learn(info) {
             attach_list.retain(|(_, f, _)| *f != "virtio_notify");
         }
-        let mut skipped: Vec<&str> = attach_list
-            .iter()
-            .map(|(_, f, _)| *f)
-            .filter(|f| info.probeable(f) && info.entry_offset(f) > 0)
-            .collect();
-        skipped.dedup();
-        if !skipped.is_empty() {
-            warn.push(format!(
-                "uprobes placed past the endbr64 of {} (CET build; no single-step per hit)",
-                skipped.join(", ")
-            ));
-        }
+        warn.extend(site_notes(info, attach_list.iter().map(|(_, f, _)| *f)));
         for (prog, func, ret) in attach_list {
             if !info.probeable(func) {
                 continue;
@@ -242,6 +231,43 @@ impl Tracer<'_> {
         }
         Ok(links)
     }
+}
+
+/// What the uprobes' sites say about their cost: the targets probed past their
+/// entry, on an instruction the kernel emulates; those whose hits each take a
+/// single-step (no such instruction where the probe still sees the entry's
+/// arguments: see `qemu::probe_site`).
+fn site_notes<'a>(info: &BinaryInfo, funcs: impl Iterator<Item = &'a str>) -> Vec<String> {
+    let mut moved = Vec::new();
+    let mut stepped = Vec::new();
+    let mut seen = FxHashSet::default();
+    for f in funcs.filter(|f| info.probeable(f) && seen.insert(*f)) {
+        let Some((site, _)) = info.probe_site(f) else {
+            continue;
+        };
+        if site.offset > 0 {
+            moved.push(format!("{f} +{:#x} ({})", site.offset, site.insn));
+        }
+        if !site.emulated {
+            stepped.push(format!("{f} ({})", site.insn));
+        }
+    }
+    let mut out = Vec::new();
+    if !moved.is_empty() {
+        out.push(format!(
+            "uprobes placed past their entry, on an instruction the kernel emulates or past \
+             endbr64: {}",
+            moved.join(", ")
+        ));
+    }
+    if !stepped.is_empty() {
+        out.push(format!(
+            "uprobes single-stepped at each hit (a second trap; no emulated instruction \
+             before the arguments change): {}",
+            stepped.join(", ")
+        ));
+    }
+    out
 }
 
 /// The test-only overrides of a VM's layout and of which symbols count as inlined.

@@ -1,0 +1,323 @@
+//! Where in a probe target its uprobe goes: on the first instruction the kernel
+//! emulates, if one comes early enough that the probe still sees what it would
+//! see at the entry.
+//!
+//! A uprobe's trap either emulates the probed instruction (x86: a short or near
+//! `jcc`/`jmp`, a one-byte `nop`, `push r64`) or runs a copy of it out of line
+//! with a single-step, a second trap per hit. On this project's nested x86 host
+//! a hit costs 18 µs single-stepped against 0.46 µs emulated (a `sub
+//! $8,%rsp` against a `push %r9` or a `js`, the same BPF program; docs/
+//! PERFORMANCE.md). QEMU's `blk_aio_*` start with `sub $8,%rsp` and
+//! `virtqueue_pop` with a `movabs`, so `--submit` and `--pop` single-stepped at
+//! every request.
+//!
+//! The site is the first instruction that the kernel emulates among those the
+//! entry reaches without a branch, when every instruction before it:
+//! - falls through (no branch, call, return or trap);
+//! - writes none of the function's argument registers (SysV order, as many as
+//!   its prototype has): the programs read their arguments from the registers
+//!   at the hit;
+//! - writes no memory except by a `push` (below the entry's stack: no argument's
+//!   pointee), and, where a return probe shares the site, neither the stack
+//!   pointer nor memory at all (the kernel takes the return address from the top
+//!   of the stack).
+//!
+//! and no branch lands between the entry and the site: none in the function
+//! (decoded whole, from its symbol's size; an indirect jump counts as one) and
+//! no `call`/`jmp`/`jcc rel32` anywhere in the binary's code (a byte scan,
+//! [`interior_refs`]; a false match only keeps the entry). Otherwise the entry,
+//! past an `endbr64` (it writes nothing).
+
+use iced_x86::{Decoder, DecoderOptions, FlowControl, InstructionInfoFactory, Mnemonic, OpAccess};
+use iced_x86::{Instruction, Register};
+use std::collections::HashMap;
+
+/// What a probe needs to find unchanged at its site.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Needs {
+    /// The function's argument count (its first `args` of rdi, rsi, rdx, rcx,
+    /// r8, r9 must hold their entry values).
+    pub args: u8,
+    /// A return probe shares the site.
+    pub ret: bool,
+}
+
+/// For a function not in [`PROBE_NEEDS`]: all six registers, and a return probe.
+pub const UNKNOWN_NEEDS: Needs = Needs { args: 6, ret: true };
+
+/// The probe targets' argument counts (QEMU's prototypes) and whether a return
+/// probe shares their site (virtqueue_pop's uretprobe, `--pop`).
+pub const PROBE_NEEDS: &[(&str, Needs)] = &[
+    // (VirtQueue *vq, const VirtQueueElement *elem, unsigned int len)
+    (
+        "virtqueue_push",
+        Needs {
+            args: 3,
+            ret: false,
+        },
+    ),
+    // (BlockBackend *, int64_t offset, QEMUIOVector *, BdrvRequestFlags, cb, opaque)
+    (
+        "blk_aio_preadv",
+        Needs {
+            args: 6,
+            ret: false,
+        },
+    ),
+    (
+        "blk_aio_pwritev",
+        Needs {
+            args: 6,
+            ret: false,
+        },
+    ),
+    // (BlockBackend *, cb, opaque)
+    (
+        "blk_aio_flush",
+        Needs {
+            args: 3,
+            ret: false,
+        },
+    ),
+    // (BlockBackend *, int64_t offset, int64_t bytes, cb, opaque)
+    (
+        "blk_aio_pdiscard",
+        Needs {
+            args: 5,
+            ret: false,
+        },
+    ),
+    // (BlockBackend *, int64_t offset, int64_t bytes, BdrvRequestFlags, cb, opaque)
+    (
+        "blk_aio_pwrite_zeroes",
+        Needs {
+            args: 6,
+            ret: false,
+        },
+    ),
+    // (VirtIODevice *, VirtQueue *)
+    (
+        "virtio_notify",
+        Needs {
+            args: 2,
+            ret: false,
+        },
+    ),
+    // (VirtQueue *, size_t sz): a uprobe and a uretprobe
+    ("virtqueue_pop", Needs { args: 2, ret: true }),
+    // (VirtIOBlock *, VirtQueue *)
+    (
+        "virtio_blk_handle_vq",
+        Needs {
+            args: 2,
+            ret: false,
+        },
+    ),
+];
+
+/// What `sym`'s probe needs ([`UNKNOWN_NEEDS`] if it is not listed).
+pub fn needs_of(sym: &str) -> Needs {
+    PROBE_NEEDS
+        .iter()
+        .find(|(s, _)| *s == sym)
+        .map_or(UNKNOWN_NEEDS, |(_, n)| *n)
+}
+
+const ARG_REGS: [Register; 6] = [
+    Register::RDI,
+    Register::RSI,
+    Register::RDX,
+    Register::RCX,
+    Register::R8,
+    Register::R9,
+];
+
+/// Bytes from the entry within which a site is looked for.
+pub const SCAN_BYTES: usize = 64;
+
+/// A probe's place in its function.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Site {
+    /// Bytes past the entry.
+    pub offset: u64,
+    /// The probed instruction's mnemonic (`push`, `js`, `sub`).
+    pub insn: String,
+    /// The kernel emulates it: no single-step per hit.
+    pub emulated: bool,
+}
+
+/// Whether Linux's x86-64 uprobes emulate the instruction of bytes `b` in the
+/// trap (arch/x86/kernel/uprobes.c: `branch_setup_xol_ops`, all kernels;
+/// `push_setup_xol_ops`, 4.15+, `push r64` with no prefix but REX.B). `call`
+/// is emulated too but left out: with a user shadow stack its emulation
+/// depends on the kernel. A 0x66 prefix is refused by the kernel, and others
+/// are not accepted here.
+pub fn kernel_emulates(b: &[u8]) -> bool {
+    matches!(
+        b,
+        [0x90]
+            | [0x50..=0x57]
+            | [0x41, 0x50..=0x57]
+            | [0x70..=0x7f, _]
+            | [0xeb, _]
+            | [0xe9, _, _, _, _]
+            | [0x0f, 0x80..=0x8f, _, _, _, _]
+    )
+}
+
+fn mnemonic(i: &Instruction) -> String {
+    format!("{:?}", i.mnemonic()).to_lowercase()
+}
+
+fn writes(a: OpAccess) -> bool {
+    matches!(
+        a,
+        OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite
+    )
+}
+
+/// Whether `i`, run before the site, leaves what the probe needs as at entry.
+fn harmless(i: &Instruction, info: &mut InstructionInfoFactory, needs: Needs) -> bool {
+    if i.flow_control() != FlowControl::Next {
+        return false;
+    }
+    let info = info.info(i);
+    let args = &ARG_REGS[..usize::from(needs.args.min(6))];
+    let reg_ok = info.used_registers().iter().all(|u| {
+        let full = u.register().full_register();
+        !writes(u.access()) || !(args.contains(&full) || (needs.ret && full == Register::RSP))
+    });
+    let mem_ok = info
+        .used_memory()
+        .iter()
+        .all(|m| !writes(m.access()) || (!needs.ret && i.mnemonic() == Mnemonic::Push));
+    reg_ok && mem_ok
+}
+
+/// The entry's site: its first instruction past an `endbr64`, which writes no
+/// register, flag or memory (a probe past it reads what it would read at the
+/// entry, and a return probe there still finds the return address on top of
+/// the stack).
+pub fn entry_site(code: &[u8], entry: u64) -> Site {
+    let mut dec = Decoder::with_ip(64, code, entry, DecoderOptions::NONE);
+    let mut insn = Instruction::default();
+    let mut off = 0usize;
+    while dec.can_decode() {
+        dec.decode_out(&mut insn);
+        if insn.is_invalid() {
+            break;
+        }
+        if off == 0 && insn.mnemonic() == Mnemonic::Endbr64 {
+            off = insn.len();
+            continue;
+        }
+        return Site {
+            offset: off as u64,
+            insn: mnemonic(&insn),
+            emulated: kernel_emulates(&code[off..off + insn.len()]),
+        };
+    }
+    Site {
+        offset: off as u64,
+        insn: String::new(),
+        emulated: false,
+    }
+}
+
+/// The site in a function whose first bytes are `code` (at address `entry`):
+/// the first instruction the kernel emulates (see the module's conditions),
+/// else the entry past an `endbr64`. The branches into the skipped bytes are
+/// checked by the caller ([`branches_into`], [`interior_refs`]).
+pub fn site_in(code: &[u8], entry: u64, needs: Needs) -> Site {
+    let code = &code[..code.len().min(SCAN_BYTES)];
+    let first = entry_site(code, entry);
+    let mut dec = Decoder::with_ip(64, code, entry, DecoderOptions::NONE);
+    let mut factory = InstructionInfoFactory::new();
+    let mut off = 0usize;
+    let mut insn = Instruction::default();
+    while dec.can_decode() {
+        dec.decode_out(&mut insn);
+        if insn.is_invalid() {
+            break;
+        }
+        let len = insn.len();
+        if off == 0 && insn.mnemonic() == Mnemonic::Endbr64 {
+            off += len;
+            continue;
+        }
+        if kernel_emulates(&code[off..off + len]) {
+            return Site {
+                offset: off as u64,
+                insn: mnemonic(&insn),
+                emulated: true,
+            };
+        }
+        if !harmless(&insn, &mut factory, needs) {
+            break;
+        }
+        off += len;
+    }
+    first
+}
+
+/// Whether a branch of the function `code` (at `entry`, whole) may land in
+/// `(entry + lo, entry + hi]`: a direct one whose target is there, or any
+/// indirect jump (its targets are unknown).
+pub fn branches_into(code: &[u8], entry: u64, lo: u64, hi: u64) -> bool {
+    let mut dec = Decoder::with_ip(64, code, entry, DecoderOptions::NONE);
+    let mut insn = Instruction::default();
+    while dec.can_decode() {
+        dec.decode_out(&mut insn);
+        match insn.flow_control() {
+            FlowControl::IndirectBranch => return true,
+            FlowControl::UnconditionalBranch
+            | FlowControl::ConditionalBranch
+            | FlowControl::Call => {
+                let t = insn.near_branch_target();
+                if t > entry + lo && t <= entry + hi {
+                    return true;
+                }
+            }
+            _ => {}
+        }
+    }
+    false
+}
+
+/// The functions of `ranges` (name → `(lo, hi]` as addresses) that a `call`,
+/// `jmp` or `jcc` with a 32-bit displacement in `code` (at `base`, instructions
+/// starting in its first `starts` bytes) reaches. A byte scan, like
+/// `count_code_refs`: a false match keeps the entry, never misplaces a probe.
+pub fn interior_refs<'a>(
+    code: &[u8],
+    base: u64,
+    starts: usize,
+    ranges: &HashMap<&'a str, (u64, u64)>,
+) -> Vec<&'a str> {
+    let mut out = Vec::new();
+    if ranges.is_empty() {
+        return out;
+    }
+    let rel = |disp_at: usize, end: usize| -> Option<u64> {
+        let d = i32::from_le_bytes(code.get(disp_at..disp_at + 4)?.try_into().ok()?);
+        Some((base as i64 + end as i64 + i64::from(d)) as u64)
+    };
+    for i in 0..starts.min(code.len()) {
+        let t = match code[i] {
+            0xe8 | 0xe9 => rel(i + 1, i + 5),
+            0x0f if code.get(i + 1).is_some_and(|b| (0x80..=0x8f).contains(b)) => rel(i + 2, i + 6),
+            _ => None,
+        };
+        let Some(t) = t else { continue };
+        for (name, (lo, hi)) in ranges {
+            if t > *lo && t <= *hi && !out.contains(name) {
+                out.push(*name);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+#[path = "probe_site_tests.rs"]
+mod tests;

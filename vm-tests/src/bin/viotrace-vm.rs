@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -156,6 +157,10 @@ struct VmArgs {
     /// Extra host agent arguments (one shell-quoted string).
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     host_args: String,
+    /// Extra QEMU arguments, appended to the lab's command line (one shell-quoted
+    /// string), e.g. "-global virtio-blk-pci.vectors=0".
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    qemu_args: String,
     /// Hard timeout for the whole VM run.
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
     timeout: Duration,
@@ -250,7 +255,7 @@ impl VmArgs {
             accel: self.accel,
             console: !self.quiet,
             cid: self.cid,
-            qemu_args: Vec::new(),
+            qemu_args: split(&self.qemu_args, "qemu-args")?,
             host_attach: self.host_attach,
             post: read_script(self.post.as_deref(), "post")?,
             setup: read_script(self.setup.as_deref(), "setup")?,
@@ -318,10 +323,7 @@ fn real_main() -> Result<ExitCode> {
             keep_records,
             out,
         } => {
-            let lab = Lab::with_kernel(&vm.guest_kernel)?;
-            let flag = lab.interrupt_flag();
-            signal_hook::flag::register(signal_hook::consts::SIGINT, flag.clone())?;
-            signal_hook::flag::register(signal_hook::consts::SIGTERM, flag)?;
+            let (lab, _) = interruptible_lab(&vm.guest_kernel)?;
             let cfg = viotrace_vm_tests::bench::BenchConfig {
                 rounds,
                 runtime_secs: runtime,
@@ -359,10 +361,7 @@ fn real_main() -> Result<ExitCode> {
             (cfg, workloads::DEMO.to_string(), out)
         }
     };
-    let lab = Lab::with_kernel(&cfg.guest_kernel)?;
-    let flag = lab.interrupt_flag();
-    signal_hook::flag::register(signal_hook::consts::SIGINT, flag.clone())?;
-    signal_hook::flag::register(signal_hook::consts::SIGTERM, flag.clone())?;
+    let (lab, flag) = interruptible_lab(&cfg.guest_kernel)?;
     let r = lab.run(&cfg, &workload, &out)?;
     if flag.load(Ordering::SeqCst) {
         anyhow::bail!("interrupted");
@@ -373,6 +372,16 @@ fn real_main() -> Result<ExitCode> {
     );
     println!("results in {}", r.out_dir.display());
     Ok(ExitCode::from(u8::try_from(r.workload_rc).unwrap_or(1)))
+}
+
+/// The lab for guest kernel `kernel`, with SIGINT and SIGTERM raising its
+/// interrupt flag (a run or bench stops its VM and returns), and the flag.
+fn interruptible_lab(kernel: &GuestKernel) -> Result<(Lab, Arc<AtomicBool>)> {
+    let lab = Lab::with_kernel(kernel)?;
+    let flag = lab.interrupt_flag();
+    signal_hook::flag::register(signal_hook::consts::SIGINT, flag.clone())?;
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, flag.clone())?;
+    Ok((lab, flag))
 }
 
 /// `prepare`: the lab's assets (with `matrix`, every guest kernel and QEMU

@@ -5,7 +5,7 @@
 //! A uprobe's trap either emulates the probed instruction (x86: a short or near
 //! `jcc`/`jmp`, a one-byte `nop`, `push r64`) or runs a copy of it out of line
 //! with a single-step, a second trap per hit. On this project's nested x86 host
-//! a hit costs 18 µs single-stepped against 0.46 µs emulated (a `sub
+//! a hit costs 18 µs single-stepped against 0.48 µs emulated (a `sub
 //! $8,%rsp` against a `push %r9` or a `js`, the same BPF program; docs/
 //! PERFORMANCE.md). QEMU's `blk_aio_*` start with `sub $8,%rsp` and
 //! `virtqueue_pop` with a `movabs`, so `--submit` and `--pop` single-stepped at

@@ -456,18 +456,31 @@ fn fallback_without_blk_aio_call_sites_keeps_records_complete() {
 /// blk_aio_* call).
 #[test]
 fn pop_probe_gives_h_pop() {
+    check_pop_submit("host-pop", QemuBuild::default());
+}
+
+/// The same on bookworm-backports' QEMU 10.0, whose probe targets start as 7.2's.
+#[test]
+fn qemu_10_0_pop_and_submit_on_emulated_sites() {
+    check_pop_submit("host-pop-10.0", QemuBuild::V10_0);
+}
+
+/// `--pop --submit` on `qemu`: exact KNOWN_IO records, h.pop before h.submit on
+/// each, and the probes on the sites of Debian's 7.2 and 10.0 builds.
+fn check_pop_submit(name: &str, qemu: QemuBuild) {
     let r = run_host(
-        "host-pop",
+        name,
         VmConfig {
+            qemu,
             host_args: vec!["--pop".into(), "--submit".into()],
             ..VmConfig::default()
         },
         KNOWN_IO,
     );
     check_known_io(&r, Backend::Threads);
-    // Debian 7.2's virtqueue_pop starts with a movabs and blk_aio_preadv with a
-    // sub: probed there, each hit would take a single-step. The probes sit on
-    // the first instruction the kernel emulates that still sees the arguments.
+    // virtqueue_pop starts with a movabs and blk_aio_preadv with a sub: probed
+    // there, each hit would take a single-step. The probes sit on the first
+    // instruction the kernel emulates that still sees the arguments.
     let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
     let placed = log
         .lines()
@@ -609,14 +622,15 @@ fn qemu_10_0_iothread_irq_from_the_eventfd() {
 /// debootstrapped sid: the containerised case). /proc/PID/exe names
 /// /usr/bin/qemu-system-x86_64, which here is another binary (the host's 7.2): the
 /// agent reads and probes it through /proc/PID/root. 11.x's layout is not from a
-/// measured tree: the runtime check decides, and the records are exact.
+/// measured tree: the runtime check decides, and the records are exact (with
+/// `--pop --submit` too: their probes on sid's sites).
 #[test]
 fn qemu_11_from_its_root_exact_records() {
     let r = run_host(
         "host-qemu-11",
         VmConfig {
             qemu: QemuBuild::V11,
-            host_args: vec!["--irq".into()],
+            host_args: vec!["--irq".into(), "--pop".into(), "--submit".into()],
             ..VmConfig::default()
         },
         KNOWN_IO,
@@ -633,10 +647,25 @@ fn qemu_11_from_its_root_exact_records() {
     let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
     assert!(!log.contains("REFUSED"), "{log}");
     // A CET build (every function starts with endbr64): the uprobes go past it, where the
-    // kernel emulates the probed push instead of single-stepping (the records below are
-    // still exact).
+    // kernel emulates the probed push instead of single-stepping, and virtqueue_pop's
+    // (--pop: a uprobe and a uretprobe) on its first jne; blk_aio_preadv reloads its
+    // QEMUIOVector's register before any emulated instruction: past endbr64 only, and
+    // single-stepped (the records below are still exact).
+    let placed = log
+        .lines()
+        .find(|l| l.contains("uprobes placed past their entry"))
+        .unwrap_or_else(|| panic!("no placement line:\n{log}"));
+    for site in [
+        "virtqueue_push +0x4 (push)",
+        "virtio_notify +0x4 (push)",
+        "virtqueue_pop +0xf (jne)",
+        "blk_aio_preadv +0x4 (sub)",
+    ] {
+        assert!(placed.contains(site), "{site}: {placed}");
+    }
     assert!(
-        log.contains("uprobes placed past the endbr64 of virtqueue_push, virtio_notify"),
+        log.lines()
+            .any(|l| l.contains("uprobes single-stepped") && l.contains("blk_aio_preadv (sub)")),
         "{log}"
     );
     // 10.2+ has no virtio_notify_irqfd; served by the main loop, it raises the interrupt

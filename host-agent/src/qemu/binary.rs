@@ -60,12 +60,14 @@ fn probe_sites(
             let len = usize::try_from(size).ok()?.max(probe_site::SCAN_BYTES);
             let code = bin.code_at(addr, len)?;
             let entry = probe_site::entry_site(&code, addr);
-            let mut site = probe_site::site_in(&code, addr, probe_site::needs_of(s));
-            // (a function of unknown size cannot be checked for branches)
+            // The function's own bytes: a site is looked for in them only (a
+            // function of unknown size cannot be checked for branches: its entry).
             let body = &code[..usize::try_from(size).unwrap_or(0).min(code.len())];
-            if site.offset > entry.offset
-                && (body.is_empty()
-                    || probe_site::branches_into(body, addr, entry.offset, site.offset))
+            let mut site = probe_site::site_in(body, addr, probe_site::needs_of(s));
+            if body.is_empty()
+                || site.offset < entry.offset
+                || (site.offset > entry.offset
+                    && probe_site::branches_into(body, addr, entry.offset, site.offset))
             {
                 site = entry.clone();
             }

@@ -482,18 +482,15 @@ fn check_pop_submit(name: &str, qemu: QemuBuild) {
     // there, each hit would take a single-step. The probes sit on the first
     // instruction the kernel emulates that still sees the arguments.
     let log = std::fs::read_to_string(r.path("host.log")).unwrap_or_default();
-    let placed = log
-        .lines()
-        .find(|l| l.contains("uprobes placed past their entry"))
-        .unwrap_or_else(|| panic!("no placement line:\n{log}"));
-    for site in [
-        "virtqueue_pop +0x15 (jne)",
-        "blk_aio_preadv +0xb (js)",
-        "blk_aio_pwritev +0xb (js)",
-        "blk_aio_flush +0x10 (push)",
-    ] {
-        assert!(placed.contains(site), "{site}: {placed}");
-    }
+    let placed = assert_sites(
+        &log,
+        &[
+            "virtqueue_pop +0x15 (jne)",
+            "blk_aio_preadv +0xb (js)",
+            "blk_aio_pwritev +0xb (js)",
+            "blk_aio_flush +0x10 (push)",
+        ],
+    );
     assert!(!placed.contains("virtqueue_push"), "{placed}");
     let stepped = log
         .lines()
@@ -513,6 +510,19 @@ fn check_pop_submit(name: &str, qemu: QemuBuild) {
                 .unwrap_or_else(|| panic!("h.submit: {v:?}"));
         assert!(pop <= submit, "{v:?}");
     }
+}
+
+/// The host agent log's line of uprobes placed past their entry, which names
+/// each of `sites` ("virtqueue_pop +0x15 (jne)").
+fn assert_sites<'a>(log: &'a str, sites: &[&str]) -> &'a str {
+    let placed = log
+        .lines()
+        .find(|l| l.contains("uprobes placed past their entry"))
+        .unwrap_or_else(|| panic!("no placement line:\n{log}"));
+    for site in sites {
+        assert!(placed.contains(site), "{site}: {placed}");
+    }
+    placed
 }
 
 /// The attach line of the host agent's log for the VM.
@@ -651,18 +661,15 @@ fn qemu_11_from_its_root_exact_records() {
     // (--pop: a uprobe and a uretprobe) on its first jne; blk_aio_preadv reloads its
     // QEMUIOVector's register before any emulated instruction: past endbr64 only, and
     // single-stepped (the records below are still exact).
-    let placed = log
-        .lines()
-        .find(|l| l.contains("uprobes placed past their entry"))
-        .unwrap_or_else(|| panic!("no placement line:\n{log}"));
-    for site in [
-        "virtqueue_push +0x4 (push)",
-        "virtio_notify +0x4 (push)",
-        "virtqueue_pop +0xf (jne)",
-        "blk_aio_preadv +0x4 (sub)",
-    ] {
-        assert!(placed.contains(site), "{site}: {placed}");
-    }
+    assert_sites(
+        &log,
+        &[
+            "virtqueue_push +0x4 (push)",
+            "virtio_notify +0x4 (push)",
+            "virtqueue_pop +0xf (jne)",
+            "blk_aio_preadv +0x4 (sub)",
+        ],
+    );
     assert!(
         log.lines()
             .any(|l| l.contains("uprobes single-stepped") && l.contains("blk_aio_preadv (sub)")),

@@ -453,10 +453,7 @@ pub fn count_code_refs<'a>(
 ) -> HashMap<&'a str, u32> {
     let mut out = HashMap::new();
     // disp32 at `disp_at`, instruction ends at `end`: target = base + end + disp.
-    let rel = |disp_at: usize, end: usize| -> Option<u64> {
-        let d = i32::from_le_bytes(code.get(disp_at..disp_at + 4)?.try_into().ok()?);
-        Some((base as i64 + end as i64 + i64::from(d)) as u64)
-    };
+    let rel = |disp_at: usize, end: usize| probe_site::rel32_target(code, base, disp_at, end);
     for i in 0..starts.min(code.len()) {
         let t = match code[i] {
             // call/jmp rel32: target = next instruction + rel32

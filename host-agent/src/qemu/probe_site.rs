@@ -284,6 +284,13 @@ pub fn branches_into(code: &[u8], entry: u64, lo: u64, hi: u64) -> bool {
     false
 }
 
+/// The target of a `rel32` operand of `code` (at `base`) whose displacement is at
+/// `disp_at` and whose instruction ends at `end`: `base + end + disp`.
+pub fn rel32_target(code: &[u8], base: u64, disp_at: usize, end: usize) -> Option<u64> {
+    let d = i32::from_le_bytes(code.get(disp_at..disp_at + 4)?.try_into().ok()?);
+    Some((base as i64 + end as i64 + i64::from(d)) as u64)
+}
+
 /// The functions of `ranges` (name → `(lo, hi]` as addresses) that a `call`,
 /// `jmp` or `jcc` with a 32-bit displacement in `code` (at `base`, instructions
 /// starting in its first `starts` bytes) reaches. A byte scan, like
@@ -298,14 +305,12 @@ pub fn interior_refs<'a>(
     if ranges.is_empty() {
         return out;
     }
-    let rel = |disp_at: usize, end: usize| -> Option<u64> {
-        let d = i32::from_le_bytes(code.get(disp_at..disp_at + 4)?.try_into().ok()?);
-        Some((base as i64 + end as i64 + i64::from(d)) as u64)
-    };
     for i in 0..starts.min(code.len()) {
         let t = match code[i] {
-            0xe8 | 0xe9 => rel(i + 1, i + 5),
-            0x0f if code.get(i + 1).is_some_and(|b| (0x80..=0x8f).contains(b)) => rel(i + 2, i + 6),
+            0xe8 | 0xe9 => rel32_target(code, base, i + 1, i + 5),
+            0x0f if code.get(i + 1).is_some_and(|b| (0x80..=0x8f).contains(b)) => {
+                rel32_target(code, base, i + 2, i + 6)
+            }
             _ => None,
         };
         let Some(t) = t else { continue };

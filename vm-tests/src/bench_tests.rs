@@ -417,3 +417,39 @@ fn each_round_rotates_the_conditions_so_each_takes_every_position() {
     assert_eq!(round_order(&asked, 3), round_order(&asked, 0));
     assert!(round_order(&["nothing".to_string()], 1).is_empty());
 }
+
+#[test]
+fn the_uprobe_hit_bound_names_the_options_that_trap_more() {
+    let mut res = BenchResult::default();
+    res.costs
+        .entry("host".into())
+        .or_default()
+        .host_uprobe_hits_per_io = vec![6.9];
+    let label = |res: &BenchResult| {
+        let v = verdicts(res);
+        get_in(&v, "host: host uprobe hits per block request").check
+    };
+    // A pooled report (no settings read back), or the default mode: the plain check.
+    assert!(!label(&res).contains("default mode"), "{}", label(&res));
+    let cfg = |args: &[&str]| BenchConfig {
+        rounds: 1,
+        runtime_secs: 1,
+        vm: crate::VmConfig {
+            host_args: args.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        },
+        conditions: vec!["host".into()],
+        bpf_stats: false,
+        keep_records: false,
+    };
+    res.config = Some(cfg(&["-t", "20ms"]));
+    assert!(!label(&res).contains("default mode"), "{}", label(&res));
+    res.config = Some(cfg(&["--submit", "-t", "1ms", "--pop"]));
+    let l = label(&res);
+    assert!(
+        l.contains("the bound is the default mode's, this run adds --submit --pop"),
+        "{l}"
+    );
+    // Still judged against the bound.
+    assert!(!get_in(&verdicts(&res), "host: host uprobe hits").pass);
+}

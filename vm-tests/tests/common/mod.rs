@@ -18,6 +18,7 @@ pub const LEAN_POINTS: [Point; 4] = [
 pub mod checks;
 pub mod guest;
 pub mod host;
+pub mod host_run;
 pub mod http;
 
 /// The lab, prepared once per test binary.

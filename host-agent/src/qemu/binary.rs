@@ -12,7 +12,7 @@ use object::{Object, ObjectSection, ObjectSymbol, SectionKind};
 use super::decode::{accessor_returns, blk_field_from_calls, req_links_from_handle_vq, Returns};
 use super::elf_file::{Bin, ElfSource};
 use super::layout::{self, Basis, Layout, Version};
-use super::probe_site::{self, Site};
+use super::probe_site::{self, Needs, Site};
 use super::usdt::parse_stapsdt;
 
 /// What a QEMU binary offers.
@@ -34,9 +34,8 @@ pub struct BinaryInfo {
     pub never_called: HashSet<String>,
     /// USDT probes of provider `qemu` (`.note.stapsdt`; dtrace-backend builds).
     pub usdt: HashSet<String>,
-    /// Where each probe target's uprobe goes ([`probe_site`]): name → (site,
-    /// the entry's site). Absent: the entry.
-    pub probe_sites: HashMap<String, (Site, Site)>,
+    /// Where each probe target's uprobe goes ([`probe_site`]). Absent: the entry.
+    pub probe_sites: HashMap<String, Site>,
 }
 
 /// Where each probe target's uprobe goes in an x86-64 binary (see
@@ -54,7 +53,7 @@ fn probe_sites(
     }
     PROBE_SYMBOLS
         .iter()
-        .filter_map(|(s, _, _)| {
+        .filter_map(|(s, _, _, needs)| {
             let addr = *symbols.get(*s)?;
             let size = sizes.get(*s).copied().unwrap_or(0);
             let len = usize::try_from(size).ok()?.max(probe_site::SCAN_BYTES);
@@ -63,7 +62,7 @@ fn probe_sites(
             // The function's own bytes: a site is looked for in them only (a
             // function of unknown size cannot be checked for branches: its entry).
             let body = &code[..usize::try_from(size).unwrap_or(0).min(code.len())];
-            let mut site = probe_site::site_in(body, addr, probe_site::needs_of(s));
+            let mut site = probe_site::site_in(body, addr, *needs);
             if body.is_empty()
                 || site.offset < entry.offset
                 || (site.offset > entry.offset
@@ -76,26 +75,38 @@ fn probe_sites(
         .collect()
 }
 
-/// The exported functions the probes use and what is lost without each (h.notify
+/// The exported functions the probes use, what is lost without each (h.notify
 /// and h.irq come from the queue's notifier eventfds, h.io_* and h.disk_* from
-/// kernel tracepoints). `pop`: only used with --pop.
-pub const PROBE_SYMBOLS: &[(&str, &str, bool)] = &[
-    ("virtqueue_push", "every record (h.push)", false),
-    ("blk_aio_preadv", "h.submit and host I/O of reads", false),
-    ("blk_aio_pwritev", "h.submit and host I/O of writes", false),
-    ("blk_aio_flush", "h.submit and host I/O of flushes", false),
-    ("blk_aio_pdiscard", "h.submit of discards", false),
-    ("blk_aio_pwrite_zeroes", "h.submit of write-zeroes", false),
+/// kernel tracepoints), whether only --pop uses it, and what its probe needs to
+/// find unchanged at its site ([`probe_site::Needs`]: QEMU's prototype's
+/// argument count; virtqueue_pop also has a return probe).
+pub const PROBE_SYMBOLS: &[(&str, &str, bool, Needs)] = &[
+    // (VirtQueue *, const VirtQueueElement *, unsigned int len)
+    ("virtqueue_push", "every record (h.push)", false, Needs::args(3)),
+    // (BlockBackend *, int64_t offset, QEMUIOVector *, BdrvRequestFlags, cb, opaque)
+    ("blk_aio_preadv", "h.submit and host I/O of reads", false, Needs::args(6)),
+    ("blk_aio_pwritev", "h.submit and host I/O of writes", false, Needs::args(6)),
+    // (BlockBackend *, cb, opaque)
+    ("blk_aio_flush", "h.submit and host I/O of flushes", false, Needs::args(3)),
+    // (BlockBackend *, int64_t offset, int64_t bytes, cb, opaque)
+    ("blk_aio_pdiscard", "h.submit of discards", false, Needs::args(5)),
+    // (BlockBackend *, int64_t offset, int64_t bytes, BdrvRequestFlags, cb, opaque)
+    ("blk_aio_pwrite_zeroes", "h.submit of write-zeroes", false, Needs::args(6)),
+    // (VirtIODevice *, VirtQueue *)
     (
         "virtio_notify",
         "h.irq where QEMU notifies without the guest notifier eventfd (8.2+ main-loop queues; probed with --irq)",
         false,
+        Needs::args(2),
     ),
-    ("virtqueue_pop", "h.pop", true),
+    // (VirtQueue *, size_t sz): a uprobe and a uretprobe
+    ("virtqueue_pop", "h.pop", true, Needs::args_ret(2)),
+    // (VirtIOBlock *, VirtQueue *)
     (
         "virtio_blk_handle_vq",
         "h.pop of a queue's first requests",
         true,
+        Needs::args(2),
     ),
 ];
 
@@ -194,17 +205,20 @@ impl BinaryInfo {
             corrected,
             never_called,
             usdt,
-            probe_sites,
+            probe_sites: probe_sites
+                .into_iter()
+                .map(|(s, (site, _))| (s, site))
+                .collect(),
         })
     }
 
     /// Bytes past `s`'s entry where its uprobe goes ([`probe_site`]).
     pub fn entry_offset(&self, s: &str) -> u64 {
-        self.probe_sites.get(s).map_or(0, |(site, _)| site.offset)
+        self.probe_sites.get(s).map_or(0, |site| site.offset)
     }
 
-    /// `s`'s uprobe site and its entry's, if known.
-    pub fn probe_site(&self, s: &str) -> Option<&(Site, Site)> {
+    /// `s`'s uprobe site, if known.
+    pub fn probe_site(&self, s: &str) -> Option<&Site> {
         self.probe_sites.get(s)
     }
 
@@ -236,8 +250,8 @@ impl BinaryInfo {
     pub fn missing(&self, pop: bool) -> Vec<(&'static str, &'static str, &'static str)> {
         PROBE_SYMBOLS
             .iter()
-            .filter(|(sym, _, only_pop)| (pop || !only_pop) && !self.probeable(sym))
-            .map(|(sym, what, _)| {
+            .filter(|(sym, _, only_pop, _)| (pop || !only_pop) && !self.probeable(sym))
+            .map(|(sym, what, ..)| {
                 let why = if self.has(sym) {
                     "has no call site in the binary (inlined by LTO)"
                 } else {
@@ -399,11 +413,11 @@ fn never_called(
 ) -> std::io::Result<HashSet<String>> {
     let targets: HashMap<u64, &str> = PROBE_SYMBOLS
         .iter()
-        .filter_map(|(s, _, _)| Some((*symbols.get(*s)?, *s)))
+        .filter_map(|(s, ..)| Some((*symbols.get(*s)?, *s)))
         .collect();
     let ranges: HashMap<&str, (u64, u64)> = PROBE_SYMBOLS
         .iter()
-        .filter_map(|(s, _, _)| {
+        .filter_map(|(s, ..)| {
             let a = *symbols.get(*s)?;
             let (site, entry) = sites.get(*s)?;
             (site.offset > entry.offset).then_some((*s, (a + entry.offset, a + site.offset)))

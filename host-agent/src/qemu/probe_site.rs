@@ -42,85 +42,15 @@ pub struct Needs {
     pub ret: bool,
 }
 
-/// For a function not in [`PROBE_NEEDS`]: all six registers, and a return probe.
-pub const UNKNOWN_NEEDS: Needs = Needs { args: 6, ret: true };
-
-/// The probe targets' argument counts (QEMU's prototypes) and whether a return
-/// probe shares their site (virtqueue_pop's uretprobe, `--pop`).
-pub const PROBE_NEEDS: &[(&str, Needs)] = &[
-    // (VirtQueue *vq, const VirtQueueElement *elem, unsigned int len)
-    (
-        "virtqueue_push",
-        Needs {
-            args: 3,
-            ret: false,
-        },
-    ),
-    // (BlockBackend *, int64_t offset, QEMUIOVector *, BdrvRequestFlags, cb, opaque)
-    (
-        "blk_aio_preadv",
-        Needs {
-            args: 6,
-            ret: false,
-        },
-    ),
-    (
-        "blk_aio_pwritev",
-        Needs {
-            args: 6,
-            ret: false,
-        },
-    ),
-    // (BlockBackend *, cb, opaque)
-    (
-        "blk_aio_flush",
-        Needs {
-            args: 3,
-            ret: false,
-        },
-    ),
-    // (BlockBackend *, int64_t offset, int64_t bytes, cb, opaque)
-    (
-        "blk_aio_pdiscard",
-        Needs {
-            args: 5,
-            ret: false,
-        },
-    ),
-    // (BlockBackend *, int64_t offset, int64_t bytes, BdrvRequestFlags, cb, opaque)
-    (
-        "blk_aio_pwrite_zeroes",
-        Needs {
-            args: 6,
-            ret: false,
-        },
-    ),
-    // (VirtIODevice *, VirtQueue *)
-    (
-        "virtio_notify",
-        Needs {
-            args: 2,
-            ret: false,
-        },
-    ),
-    // (VirtQueue *, size_t sz): a uprobe and a uretprobe
-    ("virtqueue_pop", Needs { args: 2, ret: true }),
-    // (VirtIOBlock *, VirtQueue *)
-    (
-        "virtio_blk_handle_vq",
-        Needs {
-            args: 2,
-            ret: false,
-        },
-    ),
-];
-
-/// What `sym`'s probe needs ([`UNKNOWN_NEEDS`] if it is not listed).
-pub fn needs_of(sym: &str) -> Needs {
-    PROBE_NEEDS
-        .iter()
-        .find(|(s, _)| *s == sym)
-        .map_or(UNKNOWN_NEEDS, |(_, n)| *n)
+impl Needs {
+    /// A uprobe only, on a function of `args` arguments.
+    pub const fn args(args: u8) -> Needs {
+        Needs { args, ret: false }
+    }
+    /// A uprobe and a uretprobe on the same site.
+    pub const fn args_ret(args: u8) -> Needs {
+        Needs { args, ret: true }
+    }
 }
 
 const ARG_REGS: [Register; 6] = [
@@ -131,6 +61,9 @@ const ARG_REGS: [Register; 6] = [
     Register::R8,
     Register::R9,
 ];
+
+/// `endbr64`, the first instruction of every function in CET builds.
+const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
 
 /// Bytes from the entry within which a site is looked for.
 pub const SCAN_BYTES: usize = 64;
@@ -194,34 +127,49 @@ fn harmless(i: &Instruction, info: &mut InstructionInfoFactory, needs: Needs) ->
     reg_ok && mem_ok
 }
 
-/// The entry's site: its first instruction past an `endbr64`, which writes no
-/// register, flag or memory (a probe past it reads what it would read at the
-/// entry, and a return probe there still finds the return address on top of
-/// the stack).
-pub fn entry_site(code: &[u8], entry: u64) -> Site {
+/// The instructions of `code` (at `entry`) with their offsets, past a leading
+/// `endbr64` (it writes no register, flag or memory: a probe past it reads what
+/// it would read at the entry, and a return probe there still finds the return
+/// address on top of the stack), up to the first byte that does not decode.
+fn prologue(code: &[u8], entry: u64) -> impl Iterator<Item = (usize, Instruction)> + '_ {
     let mut dec = Decoder::with_ip(64, code, entry, DecoderOptions::NONE);
-    let mut insn = Instruction::default();
     let mut off = 0usize;
-    while dec.can_decode() {
-        dec.decode_out(&mut insn);
-        if insn.is_invalid() {
-            break;
+    std::iter::from_fn(move || {
+        if !dec.can_decode() {
+            return None;
         }
-        if off == 0 && insn.mnemonic() == Mnemonic::Endbr64 {
-            off = insn.len();
-            continue;
-        }
-        return Site {
-            offset: off as u64,
-            insn: mnemonic(&insn),
-            emulated: kernel_emulates(&code[off..off + insn.len()]),
-        };
-    }
+        let insn = dec.decode();
+        let at = off;
+        off += insn.len();
+        (!insn.is_invalid()).then_some((at, insn))
+    })
+    .skip_while(|(at, insn)| *at == 0 && insn.mnemonic() == Mnemonic::Endbr64)
+}
+
+/// The probe site of instruction `insn` at `off` in `code`.
+fn site_at(code: &[u8], off: usize, insn: &Instruction) -> Site {
     Site {
         offset: off as u64,
-        insn: String::new(),
-        emulated: false,
+        insn: mnemonic(insn),
+        emulated: kernel_emulates(&code[off..off + insn.len()]),
     }
+}
+
+/// The entry's site: its first instruction past an `endbr64`.
+pub fn entry_site(code: &[u8], entry: u64) -> Site {
+    let endbr = if code.starts_with(&ENDBR64) {
+        ENDBR64.len()
+    } else {
+        0
+    };
+    prologue(code, entry).next().map_or(
+        Site {
+            offset: endbr as u64,
+            insn: String::new(),
+            emulated: false,
+        },
+        |(off, i)| site_at(code, off, &i),
+    )
 }
 
 /// The site in a function whose first bytes are `code` (at address `entry`):
@@ -230,34 +178,19 @@ pub fn entry_site(code: &[u8], entry: u64) -> Site {
 /// checked by the caller ([`branches_into`], [`interior_refs`]).
 pub fn site_in(code: &[u8], entry: u64, needs: Needs) -> Site {
     let code = &code[..code.len().min(SCAN_BYTES)];
-    let first = entry_site(code, entry);
-    let mut dec = Decoder::with_ip(64, code, entry, DecoderOptions::NONE);
     let mut factory = InstructionInfoFactory::new();
-    let mut off = 0usize;
-    let mut insn = Instruction::default();
-    while dec.can_decode() {
-        dec.decode_out(&mut insn);
-        if insn.is_invalid() {
-            break;
+    let mut first = None;
+    for (off, insn) in prologue(code, entry) {
+        let here = site_at(code, off, &insn);
+        if here.emulated {
+            return here;
         }
-        let len = insn.len();
-        if off == 0 && insn.mnemonic() == Mnemonic::Endbr64 {
-            off += len;
-            continue;
-        }
-        if kernel_emulates(&code[off..off + len]) {
-            return Site {
-                offset: off as u64,
-                insn: mnemonic(&insn),
-                emulated: true,
-            };
-        }
+        first.get_or_insert(here);
         if !harmless(&insn, &mut factory, needs) {
             break;
         }
-        off += len;
     }
-    first
+    first.unwrap_or_else(|| entry_site(code, entry))
 }
 
 /// Whether a branch of the function `code` (at `entry`, whole) may land in

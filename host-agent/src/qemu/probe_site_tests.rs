@@ -1,9 +1,17 @@
 use super::*;
+use crate::qemu::binary::PROBE_SYMBOLS;
 
 const E: u64 = 0x1000;
+/// All six argument registers, and a return probe: the strictest needs.
+const UNKNOWN_NEEDS: Needs = Needs::args_ret(6);
 
 fn site(code: &[u8], sym: &str) -> (u64, String, bool) {
-    let s = site_in(code, E, needs_of(sym));
+    let needs = PROBE_SYMBOLS
+        .iter()
+        .find(|p| p.0 == sym)
+        .map(|p| p.3)
+        .unwrap();
+    let s = site_in(code, E, needs);
     (s.offset, s.insn, s.emulated)
 }
 

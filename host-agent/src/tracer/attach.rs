@@ -242,7 +242,7 @@ fn site_notes<'a>(info: &BinaryInfo, funcs: impl Iterator<Item = &'a str>) -> Ve
     let mut stepped = Vec::new();
     let mut seen = FxHashSet::default();
     for f in funcs.filter(|f| info.probeable(f) && seen.insert(*f)) {
-        let Some((site, _)) = info.probe_site(f) else {
+        let Some(site) = info.probe_site(f) else {
             continue;
         };
         if site.offset > 0 {

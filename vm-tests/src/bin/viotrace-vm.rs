@@ -2,8 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -323,7 +322,7 @@ fn real_main() -> Result<ExitCode> {
             keep_records,
             out,
         } => {
-            let (lab, _) = interruptible_lab(&vm.guest_kernel)?;
+            let lab = interruptible_lab(&vm.guest_kernel)?;
             let cfg = viotrace_vm_tests::bench::BenchConfig {
                 rounds,
                 runtime_secs: runtime,
@@ -361,9 +360,9 @@ fn real_main() -> Result<ExitCode> {
             (cfg, workloads::DEMO.to_string(), out)
         }
     };
-    let (lab, flag) = interruptible_lab(&cfg.guest_kernel)?;
+    let lab = interruptible_lab(&cfg.guest_kernel)?;
     let r = lab.run(&cfg, &workload, &out)?;
-    if flag.load(Ordering::SeqCst) {
+    if lab.interrupt_flag().load(Ordering::SeqCst) {
         anyhow::bail!("interrupted");
     }
     print!(
@@ -375,13 +374,13 @@ fn real_main() -> Result<ExitCode> {
 }
 
 /// The lab for guest kernel `kernel`, with SIGINT and SIGTERM raising its
-/// interrupt flag (a run or bench stops its VM and returns), and the flag.
-fn interruptible_lab(kernel: &GuestKernel) -> Result<(Lab, Arc<AtomicBool>)> {
+/// interrupt flag (a run or bench stops its VM and returns).
+fn interruptible_lab(kernel: &GuestKernel) -> Result<Lab> {
     let lab = Lab::with_kernel(kernel)?;
     let flag = lab.interrupt_flag();
     signal_hook::flag::register(signal_hook::consts::SIGINT, flag.clone())?;
-    signal_hook::flag::register(signal_hook::consts::SIGTERM, flag.clone())?;
-    Ok((lab, flag))
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, flag)?;
+    Ok(lab)
 }
 
 /// `prepare`: the lab's assets (with `matrix`, every guest kernel and QEMU

@@ -357,11 +357,31 @@ static __always_inline int on_submit(void *opaque_p, __u64 buf, int has_buf, __s
 	return 0;
 }
 
+/*
+ * An argument of a uprobe placed past its function's entry, where the function
+ * may have moved it to another register first (host-agent/src/qemu/
+ * probe_site.rs): the attach cookie's 4 bits at position `i` name that
+ * register (probe_site::MOVE_REGS: 1 ax … 7 bp, 8 r8 … 15 r15), 0 its own
+ * (`own`, the argument as BPF_KPROBE reads it).
+ */
+static __always_inline __u64 site_arg(struct pt_regs *ctx, __u64 cookie, int i, __u64 own)
+{
+	/* (each register a load at a constant offset: the verifier refuses a
+	 * context read at an offset computed from the cookie) */
+	__u64 regs[16] = {
+		own,	 ctx->ax,  ctx->bx,  ctx->cx,  ctx->dx,	 ctx->si,  ctx->di,  ctx->bp,
+		ctx->r8, ctx->r9, ctx->r10, ctx->r11, ctx->r12, ctx->r13, ctx->r14, ctx->r15,
+	};
+
+	return regs[(cookie >> (4 * i)) & 0xf];
+}
+
 SEC("uprobe")
 int BPF_KPROBE(submit_rw, void *blk, __s64 offset, void *qiov, int flags, void *cb, void *opaque)
 {
 	stat_inc(ST_UPROBE_HITS);
-	__u64 q = (__u64)qiov;
+	__u64 c = bpf_get_attach_cookie(ctx);
+	__u64 q = site_arg(ctx, c, 2, (__u64)qiov);
 	__u64 iov = read_u64(q); /* QEMUIOVector.iov */
 	__u64 buf = iov ? read_u64(iov) : 0;
 	__u32 tgid;
@@ -369,28 +389,33 @@ int BPF_KPROBE(submit_rw, void *blk, __s64 offset, void *qiov, int flags, void *
 	if (!l)
 		return 0;
 	__s64 size = (__s64)read_u64(q + l->qiov_size);
-	return on_submit(opaque, buf, 1, size);
+	return on_submit((void *)site_arg(ctx, c, 5, (__u64)opaque), buf, 1, size);
 }
 
 SEC("uprobe")
 int BPF_KPROBE(submit_flush, void *blk, void *cb, void *opaque)
 {
 	stat_inc(ST_UPROBE_HITS);
-	return on_submit(opaque, 0, 1, -1);
+	return on_submit((void *)site_arg(ctx, bpf_get_attach_cookie(ctx), 2, (__u64)opaque), 0, 1,
+			 -1);
 }
 
 SEC("uprobe")
 int BPF_KPROBE(submit_discard, void *blk, __s64 offset, __s64 bytes, void *cb, void *opaque)
 {
 	stat_inc(ST_UPROBE_HITS);
-	return on_submit(opaque, 0, 0, bytes);
+	__u64 c = bpf_get_attach_cookie(ctx);
+	return on_submit((void *)site_arg(ctx, c, 4, (__u64)opaque), 0, 0,
+			 (__s64)site_arg(ctx, c, 2, bytes));
 }
 
 SEC("uprobe")
 int BPF_KPROBE(submit_wzeroes, void *blk, __s64 offset, __s64 bytes, int flags, void *cb, void *opaque)
 {
 	stat_inc(ST_UPROBE_HITS);
-	return on_submit(opaque, 0, 0, bytes);
+	__u64 c = bpf_get_attach_cookie(ctx);
+	return on_submit((void *)site_arg(ctx, c, 5, (__u64)opaque), 0, 0,
+			 (__s64)site_arg(ctx, c, 2, bytes));
 }
 
 static __always_inline void io_release(__u32 tgid, __u64 id, struct host_rec *r)

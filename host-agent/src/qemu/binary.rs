@@ -78,35 +78,63 @@ fn probe_sites(
 /// The exported functions the probes use, what is lost without each (h.notify
 /// and h.irq come from the queue's notifier eventfds, h.io_* and h.disk_* from
 /// kernel tracepoints), whether only --pop uses it, and what its probe needs to
-/// find unchanged at its site ([`probe_site::Needs`]: QEMU's prototype's
-/// argument count; virtqueue_pop also has a return probe).
+/// find at its site ([`probe_site::Needs`]: the arguments of QEMU's prototype
+/// its BPF program reads, a bit per position; whether it follows a moved one,
+/// bpf/host/host_qemu.h's `site_arg`; virtqueue_pop also has a return probe).
 pub const PROBE_SYMBOLS: &[(&str, &str, bool, Needs)] = &[
-    // (VirtQueue *, const VirtQueueElement *, unsigned int len)
-    ("virtqueue_push", "every record (h.push)", false, Needs::args(3)),
-    // (BlockBackend *, int64_t offset, QEMUIOVector *, BdrvRequestFlags, cb, opaque)
-    ("blk_aio_preadv", "h.submit and host I/O of reads", false, Needs::args(6)),
-    ("blk_aio_pwritev", "h.submit and host I/O of writes", false, Needs::args(6)),
-    // (BlockBackend *, cb, opaque)
-    ("blk_aio_flush", "h.submit and host I/O of flushes", false, Needs::args(3)),
-    // (BlockBackend *, int64_t offset, int64_t bytes, cb, opaque)
-    ("blk_aio_pdiscard", "h.submit of discards", false, Needs::args(5)),
-    // (BlockBackend *, int64_t offset, int64_t bytes, BdrvRequestFlags, cb, opaque)
-    ("blk_aio_pwrite_zeroes", "h.submit of write-zeroes", false, Needs::args(6)),
-    // (VirtIODevice *, VirtQueue *)
+    // (VirtQueue *, const VirtQueueElement *, unsigned int len): all three
+    ("virtqueue_push", "every record (h.push)", false, Needs::reads(0b111)),
+    // (BlockBackend *, int64_t offset, QEMUIOVector *, BdrvRequestFlags, cb, opaque):
+    // the vector and opaque
+    (
+        "blk_aio_preadv",
+        "h.submit and host I/O of reads",
+        false,
+        Needs::reads(0b10_0100).following(),
+    ),
+    (
+        "blk_aio_pwritev",
+        "h.submit and host I/O of writes",
+        false,
+        Needs::reads(0b10_0100).following(),
+    ),
+    // (BlockBackend *, cb, opaque): opaque
+    (
+        "blk_aio_flush",
+        "h.submit and host I/O of flushes",
+        false,
+        Needs::reads(0b100).following(),
+    ),
+    // (BlockBackend *, int64_t offset, int64_t bytes, cb, opaque): bytes, opaque
+    (
+        "blk_aio_pdiscard",
+        "h.submit of discards",
+        false,
+        Needs::reads(0b1_0100).following(),
+    ),
+    // (BlockBackend *, int64_t offset, int64_t bytes, BdrvRequestFlags, cb, opaque):
+    // bytes, opaque
+    (
+        "blk_aio_pwrite_zeroes",
+        "h.submit of write-zeroes",
+        false,
+        Needs::reads(0b10_0100).following(),
+    ),
+    // (VirtIODevice *, VirtQueue *): the queue
     (
         "virtio_notify",
         "h.irq where QEMU notifies without the guest notifier eventfd (8.2+ main-loop queues; probed with --irq)",
         false,
-        Needs::args(2),
+        Needs::reads(0b10),
     ),
-    // (VirtQueue *, size_t sz): a uprobe and a uretprobe
-    ("virtqueue_pop", "h.pop", true, Needs::args_ret(2)),
-    // (VirtIOBlock *, VirtQueue *)
+    // (VirtQueue *, size_t sz): the queue; a uprobe and a uretprobe
+    ("virtqueue_pop", "h.pop", true, Needs::reads(0b1).with_ret()),
+    // (VirtIOBlock *, VirtQueue *): both
     (
         "virtio_blk_handle_vq",
         "h.pop of a queue's first requests",
         true,
-        Needs::args(2),
+        Needs::reads(0b11),
     ),
 ];
 

@@ -14,9 +14,10 @@
 //! The site is the first instruction that the kernel emulates among those the
 //! entry reaches without a branch, when every instruction before it:
 //! - falls through (no branch, call, return or trap);
-//! - writes none of the function's argument registers (SysV order, as many as
-//!   its prototype has): the programs read their arguments from the registers
-//!   at the hit;
+//! - leaves each argument its program reads ([`Needs::reads`]) in a register:
+//!   its own (SysV order), or, for a program that reads its arguments where the
+//!   attach cookie says ([`Needs::follows`]), one a `mov` copied it to before its
+//!   own was overwritten ([`Site::moved`]);
 //! - writes no memory except by a `push` (below the entry's stack: no argument's
 //!   pointee), and, where a return probe shares the site, neither the stack
 //!   pointer nor memory at all (the kernel takes the return address from the top
@@ -29,27 +30,41 @@
 //! past an `endbr64` (it writes nothing).
 
 use iced_x86::{Decoder, DecoderOptions, FlowControl, InstructionInfoFactory, Mnemonic, OpAccess};
-use iced_x86::{Instruction, Register};
+use iced_x86::{Instruction, OpKind, Register};
 use std::collections::HashMap;
 
 /// What a probe needs to find unchanged at its site.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Needs {
-    /// The function's argument count (its first `args` of rdi, rsi, rdx, rcx,
-    /// r8, r9 must hold their entry values).
-    pub args: u8,
+    /// The arguments its program reads, a bit per SysV position (bit 0: rdi,
+    /// 1: rsi, 2: rdx, 3: rcx, 4: r8, 5: r9).
+    pub reads: u8,
     /// A return probe shares the site.
     pub ret: bool,
+    /// Its program reads an argument from the register the attach cookie names
+    /// ([`Site::cookie`]) when not from its own.
+    pub follows: bool,
 }
 
 impl Needs {
-    /// A uprobe only, on a function of `args` arguments.
-    pub const fn args(args: u8) -> Needs {
-        Needs { args, ret: false }
+    /// A uprobe only, whose program reads the arguments of mask `reads`.
+    pub const fn reads(reads: u8) -> Needs {
+        Needs {
+            reads,
+            ret: false,
+            follows: false,
+        }
     }
-    /// A uprobe and a uretprobe on the same site.
-    pub const fn args_ret(args: u8) -> Needs {
-        Needs { args, ret: true }
+    /// The same, and a uretprobe on the same site.
+    pub const fn with_ret(self) -> Needs {
+        Needs { ret: true, ..self }
+    }
+    /// The same, its program following moved arguments (the attach cookie).
+    pub const fn following(self) -> Needs {
+        Needs {
+            follows: true,
+            ..self
+        }
     }
 }
 
@@ -60,6 +75,27 @@ const ARG_REGS: [Register; 6] = [
     Register::RCX,
     Register::R8,
     Register::R9,
+];
+
+/// The registers an attach cookie can name for a moved argument: code `i + 1`
+/// is `MOVE_REGS[i]` (the BPF side's `site_arg`, bpf/host/host_qemu.h, reads
+/// the same order from `struct pt_regs`).
+pub const MOVE_REGS: [Register; 15] = [
+    Register::RAX,
+    Register::RBX,
+    Register::RCX,
+    Register::RDX,
+    Register::RSI,
+    Register::RDI,
+    Register::RBP,
+    Register::R8,
+    Register::R9,
+    Register::R10,
+    Register::R11,
+    Register::R12,
+    Register::R13,
+    Register::R14,
+    Register::R15,
 ];
 
 /// `endbr64`, the first instruction of every function in CET builds.
@@ -77,6 +113,23 @@ pub struct Site {
     pub insn: String,
     /// The kernel emulates it: no single-step per hit.
     pub emulated: bool,
+    /// The arguments (SysV position) that are in another register there than
+    /// at the entry, and that register (one of [`MOVE_REGS`]).
+    pub moved: Vec<(u8, Register)>,
+}
+
+impl Site {
+    /// The attach cookie of its uprobe: 4 bits per argument position, the
+    /// code of the register it was moved to ([`MOVE_REGS`]), 0 where it was not.
+    pub fn cookie(&self) -> u64 {
+        self.moved
+            .iter()
+            .filter_map(|&(arg, reg)| {
+                let code = MOVE_REGS.iter().position(|r| *r == reg)? as u64 + 1;
+                Some(code << (4 * u64::from(arg)))
+            })
+            .sum()
+    }
 }
 
 /// Whether Linux's x86-64 uprobes emulate the instruction of bytes `b` in the
@@ -109,22 +162,74 @@ fn writes(a: OpAccess) -> bool {
     )
 }
 
-/// Whether `i`, run before the site, leaves what the probe needs as at entry.
+/// Whether `i`, run before the site, leaves the memory and the stack the
+/// probe needs as at entry (its registers: [`Holders`]).
 fn harmless(i: &Instruction, info: &mut InstructionInfoFactory, needs: Needs) -> bool {
     if i.flow_control() != FlowControl::Next {
         return false;
     }
     let info = info.info(i);
-    let args = &ARG_REGS[..usize::from(needs.args.min(6))];
-    let reg_ok = info.used_registers().iter().all(|u| {
-        let full = u.register().full_register();
-        !writes(u.access()) || !(args.contains(&full) || (needs.ret && full == Register::RSP))
-    });
+    let rsp_ok = !needs.ret
+        || info
+            .used_registers()
+            .iter()
+            .all(|u| !writes(u.access()) || u.register().full_register() != Register::RSP);
     let mem_ok = info
         .used_memory()
         .iter()
         .all(|m| !writes(m.access()) || (!needs.ret && i.mnemonic() == Mnemonic::Push));
-    reg_ok && mem_ok
+    rsp_ok && mem_ok
+}
+
+/// Which argument's entry value each register holds, as the prologue runs.
+struct Holders(HashMap<Register, u8>);
+
+impl Holders {
+    fn at_entry() -> Holders {
+        Holders((0u8..).zip(ARG_REGS).map(|(a, r)| (r, a)).collect())
+    }
+
+    /// After `i` (harmless, so it falls through): a 64-bit register-to-register
+    /// `mov` copies what its source holds; any other write of a register
+    /// (whole or part) leaves it holding no argument.
+    fn step(&mut self, i: &Instruction, info: &mut InstructionInfoFactory) {
+        let gpr64 = |r: Register| r.is_gpr64();
+        if i.mnemonic() == Mnemonic::Mov
+            && i.op_count() == 2
+            && i.op0_kind() == OpKind::Register
+            && i.op1_kind() == OpKind::Register
+            && gpr64(i.op0_register())
+            && gpr64(i.op1_register())
+        {
+            match self.0.get(&i.op1_register()).copied() {
+                Some(a) => self.0.insert(i.op0_register(), a),
+                None => self.0.remove(&i.op0_register()),
+            };
+            return;
+        }
+        for u in info.info(i).used_registers() {
+            if writes(u.access()) {
+                self.0.remove(&u.register().full_register());
+            }
+        }
+    }
+
+    /// Where the arguments `needs` reads are: `Some(moved)` when each is in
+    /// its own register or (a program that follows) in another one.
+    fn place(&self, needs: Needs) -> Option<Vec<(u8, Register)>> {
+        let mut moved = Vec::new();
+        for (a, own) in (0u8..).zip(ARG_REGS) {
+            if needs.reads & (1 << a) == 0 || self.0.get(&own) == Some(&a) {
+                continue;
+            }
+            if !needs.follows {
+                return None;
+            }
+            let r = MOVE_REGS.iter().find(|r| self.0.get(r) == Some(&a))?;
+            moved.push((a, *r));
+        }
+        Some(moved)
+    }
 }
 
 /// The instructions of `code` (at `entry`) with their offsets, past a leading
@@ -152,6 +257,7 @@ fn site_at(code: &[u8], off: usize, insn: &Instruction) -> Site {
         offset: off as u64,
         insn: mnemonic(insn),
         emulated: kernel_emulates(&code[off..off + insn.len()]),
+        moved: Vec::new(),
     }
 }
 
@@ -167,6 +273,7 @@ pub fn entry_site(code: &[u8], entry: u64) -> Site {
             offset: endbr as u64,
             insn: String::new(),
             emulated: false,
+            moved: Vec::new(),
         },
         |(off, i)| site_at(code, off, &i),
     )
@@ -179,16 +286,23 @@ pub fn entry_site(code: &[u8], entry: u64) -> Site {
 pub fn site_in(code: &[u8], entry: u64, needs: Needs) -> Site {
     let code = &code[..code.len().min(SCAN_BYTES)];
     let mut factory = InstructionInfoFactory::new();
+    let mut holders = Holders::at_entry();
     let mut first = None;
     for (off, insn) in prologue(code, entry) {
-        let here = site_at(code, off, &insn);
+        let mut here = site_at(code, off, &insn);
+        // (the entry's own registers: nothing before it has run)
+        let Some(moved) = holders.place(needs) else {
+            break;
+        };
         if here.emulated {
+            here.moved = moved;
             return here;
         }
         first.get_or_insert(here);
         if !harmless(&insn, &mut factory, needs) {
             break;
         }
+        holders.step(&insn, &mut factory);
     }
     first.unwrap_or_else(|| entry_site(code, entry))
 }

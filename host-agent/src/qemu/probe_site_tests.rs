@@ -3,15 +3,19 @@ use crate::qemu::binary::PROBE_SYMBOLS;
 
 const E: u64 = 0x1000;
 /// All six argument registers, and a return probe: the strictest needs.
-const UNKNOWN_NEEDS: Needs = Needs::args_ret(6);
+const UNKNOWN_NEEDS: Needs = Needs::reads(0b11_1111).with_ret();
 
-fn site(code: &[u8], sym: &str) -> (u64, String, bool) {
-    let needs = PROBE_SYMBOLS
+fn needs_of(sym: &str) -> Needs {
+    PROBE_SYMBOLS
         .iter()
         .find(|p| p.0 == sym)
         .map(|p| p.3)
-        .unwrap();
-    let s = site_in(code, E, needs);
+        .unwrap()
+}
+
+fn site(code: &[u8], sym: &str) -> (u64, String, bool) {
+    let s = site_in(code, E, needs_of(sym));
+    assert!(s.moved.is_empty() || needs_of(sym).follows, "{sym}: {s:?}");
     (s.offset, s.insn, s.emulated)
 }
 
@@ -31,7 +35,9 @@ const PREADV_SID: &[u8] = &[
     0x48, 0x83, 0xec, 0x08, // sub $0x8,%rsp
     0x48, 0x89, 0xd0, // mov %rdx,%rax
     0x48, 0x8b, 0x52, 0x20, // mov 0x20(%rdx),%rdx: the third argument replaced
-    0x48, 0x85, 0xd2, 0x0f, 0x88, 0x96, 0x06, 0xac, 0xff, 0x41, 0x51,
+    0x48, 0x85, 0xd2, // test %rdx,%rdx
+    0x0f, 0x88, 0x96, 0x06, 0xac, 0xff, // js rel32
+    0x41, 0x51,
 ];
 const FLUSH_7_2: &[u8] = &[
     0x48, 0x83, 0xec, 0x08, // sub $0x8,%rsp
@@ -48,8 +54,9 @@ const PDISCARD_7_2: &[u8] = &[
 ];
 const WZEROES_7_2: &[u8] = &[
     0x48, 0x83, 0xec, 0x08, // sub $0x8,%rsp
-    0x83, 0xc9, 0x02, // or $0x2,%ecx: the fourth argument changed
-    0x41, 0x51, 0x41, 0x89, 0xc9, 0x31, 0xc9, 0x41, 0x50,
+    0x83, 0xc9, 0x02, // or $0x2,%ecx: the fourth argument (flags, not read) changed
+    0x41, 0x51, // push %r9
+    0x41, 0x89, 0xc9, 0x31, 0xc9, 0x41, 0x50,
 ];
 const POP_7_2: &[u8] = &[
     0x48, 0xb8, 0x00, 0x00, 0x00, 0xff, 0x00, 0xff, 0x00, 0x00, // movabs $..,%rax
@@ -70,8 +77,16 @@ const POP_SID: &[u8] = &[
 fn the_site_is_the_first_emulated_instruction_that_sees_the_entrys_arguments() {
     // --submit on 7.2 and 10.0: the js after the size check, not the sub.
     assert_eq!(site(PREADV_7_2, "blk_aio_preadv"), (0xb, "js".into(), true));
-    // sid reloads %rdx (the QEMUIOVector) before its branch: past endbr64 only.
-    assert_eq!(site(PREADV_SID, "blk_aio_preadv"), (4, "sub".into(), false));
+    // sid reloads %rdx (the QEMUIOVector) before its branch, after copying it
+    // to %rax: the js, the vector read from %rax (the cookie's code 1 at
+    // argument position 2).
+    assert_eq!(
+        site(PREADV_SID, "blk_aio_preadv"),
+        (0x12, "js".into(), true)
+    );
+    let s = site_in(PREADV_SID, E, needs_of("blk_aio_preadv"));
+    assert_eq!(s.moved, vec![(2, Register::RAX)]);
+    assert_eq!(s.cookie(), 1 << 8);
     assert_eq!(
         site(FLUSH_7_2, "blk_aio_flush"),
         (0x10, "push".into(), true)
@@ -80,9 +95,10 @@ fn the_site_is_the_first_emulated_instruction_that_sees_the_entrys_arguments() {
         site(PDISCARD_7_2, "blk_aio_pdiscard"),
         (7, "push".into(), true)
     );
+    // Its flags change first, which its program does not read.
     assert_eq!(
         site(WZEROES_7_2, "blk_aio_pwrite_zeroes"),
-        (0, "sub".into(), false)
+        (7, "push".into(), true)
     );
     // --pop: the uretprobe shares the site; nothing before it moves %rsp.
     assert_eq!(site(POP_7_2, "virtqueue_pop"), (0x15, "jne".into(), true));
@@ -105,33 +121,11 @@ fn the_site_is_the_first_emulated_instruction_that_sees_the_entrys_arguments() {
 fn a_site_never_lies_past_a_change_the_probe_would_see() {
     // A return probe: nothing may move %rsp before it (sub, then jcc).
     let sub_jcc = [0x48, 0x83, 0xec, 0x08, 0x75, 0x02];
-    assert_eq!(site_in(&sub_jcc, E, Needs { args: 1, ret: true }).offset, 0);
-    assert_eq!(
-        site_in(
-            &sub_jcc,
-            E,
-            Needs {
-                args: 1,
-                ret: false
-            }
-        )
-        .offset,
-        4
-    );
+    assert_eq!(site_in(&sub_jcc, E, Needs::reads(1).with_ret()).offset, 0);
+    assert_eq!(site_in(&sub_jcc, E, Needs::reads(0b1)).offset, 4);
     // A store, even to the stack, ends the search (mov %rdi,(%rsp); push %rbx).
     let store = [0x48, 0x89, 0x3c, 0x24, 0x53];
-    assert_eq!(
-        site_in(
-            &store,
-            E,
-            Needs {
-                args: 1,
-                ret: false
-            }
-        )
-        .offset,
-        0
-    );
+    assert_eq!(site_in(&store, E, Needs::reads(0b1)).offset, 0);
     // A call, or a branch the kernel does not emulate, ends it as well:
     // call rel32; push; and jmp *%rax; push.
     assert_eq!(
@@ -141,27 +135,11 @@ fn a_site_never_lies_past_a_change_the_probe_would_see() {
     assert_eq!(site_in(&[0xff, 0xe0, 0x53], E, UNKNOWN_NEEDS).offset, 0);
     // A partial write of an argument register counts (xor %r9d,%r9d; push %rbx).
     assert_eq!(
-        site_in(
-            &[0x45, 0x31, 0xc9, 0x53],
-            E,
-            Needs {
-                args: 6,
-                ret: false
-            }
-        )
-        .offset,
+        site_in(&[0x45, 0x31, 0xc9, 0x53], E, Needs::reads(0b10_0000)).offset,
         0
     );
     assert_eq!(
-        site_in(
-            &[0x45, 0x31, 0xc9, 0x53],
-            E,
-            Needs {
-                args: 5,
-                ret: false
-            }
-        )
-        .offset,
+        site_in(&[0x45, 0x31, 0xc9, 0x53], E, Needs::reads(0b1_1111)).offset,
         3
     );
     // Nothing emulated within reach: the entry; no bytes at all: the entry.
@@ -243,4 +221,54 @@ fn the_entry_site_is_past_endbr64_and_nowhere_else() {
     assert_eq!(entry_site(&[0xf3, 0x0f, 0x1e, 0xfb, 0x55], E).offset, 0);
     assert_eq!(entry_site(&[0xf3, 0x0f, 0x1e], E).offset, 0);
     assert_eq!(entry_site(&[], E).offset, 0);
+}
+
+#[test]
+fn a_moved_argument_is_followed_only_while_a_register_holds_it() {
+    let rdx = Needs::reads(0b100);
+    // mov %rdx,%rax; mov 0x20(%rdx),%rdx; push %rbx: %rdx's entry value in %rax.
+    let copied = [0x48, 0x89, 0xd0, 0x48, 0x8b, 0x52, 0x20, 0x53];
+    let s = site_in(&copied, E, rdx.following());
+    assert_eq!((s.offset, s.moved.clone()), (7, vec![(2, Register::RAX)]));
+    // A program that reads its own registers only: the entry.
+    assert_eq!(site_in(&copied, E, rdx).offset, 0);
+    // The copy overwritten as well (xor %eax,%eax): lost, the entry.
+    let lost = [0x48, 0x89, 0xd0, 0x48, 0x8b, 0x52, 0x20, 0x31, 0xc0, 0x53];
+    assert_eq!(site_in(&lost, E, rdx.following()).offset, 0);
+    // A 32-bit move copies only part of it: the entry.
+    let half = [0x89, 0xd0, 0x48, 0x8b, 0x52, 0x20, 0x53];
+    assert_eq!(site_in(&half, E, rdx.following()).offset, 0);
+    // Copied on (mov %rdx,%rax; mov %rax,%r12; xor %eax,%eax; xor %edx,%edx;
+    // push %rbx): found in %r12, the last register that holds it.
+    let chain = [
+        0x48, 0x89, 0xd0, 0x49, 0x89, 0xc4, 0x31, 0xc0, 0x31, 0xd2, 0x53,
+    ];
+    let s = site_in(&chain, E, rdx.following());
+    assert_eq!((s.offset, s.moved.clone()), (10, vec![(2, Register::R12)]));
+    assert_eq!(s.cookie(), 12 << 8);
+    // Unread arguments may change (xor %edi,%edi; push %rbx), read ones not
+    // unless followed.
+    assert_eq!(site_in(&[0x31, 0xff, 0x53], E, rdx).offset, 2);
+    assert_eq!(site_in(&[0x31, 0xd2, 0x53], E, rdx).offset, 0);
+    // At the entry nothing has moved: an empty cookie.
+    assert_eq!(entry_site(&copied, E).cookie(), 0);
+}
+
+#[test]
+fn the_cookie_codes_are_the_bpf_sides_register_order() {
+    // bpf/host/host_qemu.h's site_arg: 1 ax, 2 bx, 3 cx, 4 dx, 5 si, 6 di,
+    // 7 bp, 8..15 r8..r15.
+    let site = |moved| Site {
+        offset: 1,
+        insn: "push".into(),
+        emulated: true,
+        moved,
+    };
+    assert_eq!(site(vec![(0, Register::RBP)]).cookie(), 7);
+    assert_eq!(site(vec![(5, Register::R15)]).cookie(), 15 << 20);
+    assert_eq!(
+        site(vec![(2, Register::RBX), (5, Register::R8)]).cookie(),
+        (2 << 8) | (8 << 20)
+    );
+    assert_eq!(MOVE_REGS.len(), 15);
 }

@@ -209,9 +209,16 @@ impl Tracer<'_> {
             if !info.probeable(func) {
                 continue;
             }
+            // (a return probe reads no argument; an entry probe past the entry
+            // reads a moved one where its site's cookie says)
+            let cookie = match info.probe_site(func) {
+                Some(site) if !ret => site.cookie(),
+                _ => 0,
+            };
             let opts = UprobeOpts {
                 retprobe: ret,
                 func_name: Some(func.to_string()),
+                cookie,
                 ..Default::default()
             };
             let skip = info.entry_offset(func) as usize;
@@ -246,7 +253,17 @@ fn site_notes<'a>(info: &BinaryInfo, funcs: impl Iterator<Item = &'a str>) -> Ve
             continue;
         };
         if site.offset > 0 {
-            moved.push(format!("{f} +{:#x} ({})", site.offset, site.insn));
+            let args: Vec<String> = site
+                .moved
+                .iter()
+                .map(|(a, r)| format!("argument {} in {}", a + 1, format!("{r:?}").to_lowercase()))
+                .collect();
+            let args = if args.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", args.join(", "))
+            };
+            moved.push(format!("{f} +{:#x} ({}{args})", site.offset, site.insn));
         }
         if !site.emulated {
             stepped.push(format!("{f} ({})", site.insn));

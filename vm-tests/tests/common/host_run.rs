@@ -70,3 +70,21 @@ pub fn check_known_io_kicked(r: &RunResult, backend: Backend, kicked: bool) {
     dd.sort();
     assert_eq!(dd, (0..50).map(|i| i * 128).collect::<Vec<u64>>());
 }
+
+/// With `--submit` on `aio=threads`: every known-workload record has its host
+/// I/O (the worker's pread/pwrite found by the buffer the `blk_aio_*` probe read
+/// from the request's QEMUIOVector), so the probe read the vector right.
+pub fn check_submit_host_io(r: &RunResult) {
+    let all = elems(r);
+    let recs = known_io_device(&all);
+    assert!(!recs.is_empty());
+    for v in recs {
+        let issue =
+            v.ts.get(Point::HostIoIssue)
+                .unwrap_or_else(|| panic!("h.io_issue: {v:?}"));
+        let done =
+            v.ts.get(Point::HostIoComplete)
+                .unwrap_or_else(|| panic!("h.io_complete: {v:?}"));
+        assert!(issue <= done, "{v:?}");
+    }
+}

@@ -33,7 +33,7 @@ use iced_x86::{Decoder, DecoderOptions, FlowControl, InstructionInfoFactory, Mne
 use iced_x86::{Instruction, OpKind, Register};
 use std::collections::HashMap;
 
-/// What a probe needs to find unchanged at its site.
+/// What a probe needs to find at its site.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Needs {
     /// The arguments its program reads, a bit per SysV position (bit 0: rdi,
@@ -290,7 +290,8 @@ pub fn site_in(code: &[u8], entry: u64, needs: Needs) -> Site {
     let mut first = None;
     for (off, insn) in prologue(code, entry) {
         let mut here = site_at(code, off, &insn);
-        // (the entry's own registers: nothing before it has run)
+        // (where the arguments are before this instruction runs: one lost
+        // from every register stays lost)
         let Some(moved) = holders.place(needs) else {
             break;
         };

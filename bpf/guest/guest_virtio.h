@@ -150,6 +150,16 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 		if (!st)
 			return;
 		rq_issued_g(key, queued, 0, 0, 0);
+	} else if (!st->ev.ts[P_RQ_ISSUE]) {
+		/*
+		 * Tracked (by virtio_queue_rqs' walk, or at its insert) but never
+		 * issued in block_rq_issue's program: a run the kernel skipped, or
+		 * one issued while the agent was still attaching its programs. Its
+		 * geometry and bios are taken here, as it goes to the device (else
+		 * its record would say sector 0, 0 bytes, a read); g.rq_issue stays
+		 * absent.
+		 */
+		rq_issued_g(key, 0, 0, 0, 0);
 	}
 	st->ev.ts[P_VQ_ADD] = bpf_ktime_get_ns();
 	st->ev.queue = index;

@@ -133,34 +133,31 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 	struct rq_state *st = rq_get(&key);
 	struct vq_state *v;
 	__u16 head = 0;
+	__u64 queued = 0;
 
 	if (!st) {
 		/*
-		 * block_rq_issue's program did not run for this request: the kernel
-		 * skips a run that would nest in another on the same CPU (counted,
-		 * bpf_runs_lost). When virtio_queue_rq stamped exactly this request
-		 * on this CPU, it is a virtio-blk request: it is tracked from here,
-		 * without g.rq_issue, instead of being lost.
+		 * Not tracked: block_rq_issue's program did not run for it (the kernel
+		 * skips a run that would nest in another on the same CPU, counted in
+		 * bpf_runs_lost, or the agent was still attaching). When
+		 * virtio_queue_rq stamped exactly this request on this CPU, it is a
+		 * virtio-blk request: it is tracked from here instead of being lost.
 		 */
-		__u64 queued = cpu_stamp_get(&queue_rq_stamps, (void *)key, 0, true);
-
+		queued = cpu_stamp_get(&queue_rq_stamps, (void *)key, 0, true);
 		if (!queued)
 			return;
 		st = rq_tracked((struct request *)key);
 		if (!st)
 			return;
-		rq_issued_g(key, queued, 0, 0, 0);
-	} else if (!st->ev.ts[P_RQ_ISSUE]) {
-		/*
-		 * Tracked (by virtio_queue_rqs' walk, or at its insert) but never
-		 * issued in block_rq_issue's program: a run the kernel skipped, or
-		 * one issued while the agent was still attaching its programs. Its
-		 * geometry and bios are taken here, as it goes to the device (else
-		 * its record would say sector 0, 0 bytes, a read); g.rq_issue stays
-		 * absent.
-		 */
-		rq_issued_g(key, 0, 0, 0, 0);
 	}
+	/*
+	 * Never issued in block_rq_issue's program (tracked just above, by
+	 * virtio_queue_rqs' walk, or at its insert): its geometry and bios are
+	 * taken here, as it goes to the device (else its record would say sector
+	 * 0, 0 bytes, a read); g.rq_issue stays absent.
+	 */
+	if (!st->ev.ts[P_RQ_ISSUE])
+		rq_issued_g(key, queued, 0, 0, 0);
 	st->ev.ts[P_VQ_ADD] = bpf_ktime_get_ns();
 	st->ev.queue = index;
 	st->ev.has_queue = 1;

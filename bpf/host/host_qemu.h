@@ -366,6 +366,11 @@ static __always_inline int on_submit(void *opaque_p, __u64 buf, int has_buf, __s
  */
 static __always_inline __u64 site_arg(struct pt_regs *ctx, __u64 cookie, int i, __u64 own)
 {
+	__u64 code = (cookie >> (4 * i)) & 0xf;
+
+	/* (not moved: every site on most builds) */
+	if (!code)
+		return own;
 	/* (each register a load at a constant offset: the verifier refuses a
 	 * context read at an offset computed from the cookie) */
 	__u64 regs[16] = {
@@ -373,7 +378,7 @@ static __always_inline __u64 site_arg(struct pt_regs *ctx, __u64 cookie, int i, 
 		ctx->r8, ctx->r9, ctx->r10, ctx->r11, ctx->r12, ctx->r13, ctx->r14, ctx->r15,
 	};
 
-	return regs[(cookie >> (4 * i)) & 0xf];
+	return regs[code];
 }
 
 SEC("uprobe")

@@ -154,10 +154,12 @@ static __always_inline void on_add_sgs(struct virtqueue *vq, __u64 vk, void *dat
 	 * Never issued in block_rq_issue's program (tracked just above, by
 	 * virtio_queue_rqs' walk, or at its insert): its geometry and bios are
 	 * taken here, as it goes to the device (else its record would say sector
-	 * 0, 0 bytes, a read); g.rq_issue stays absent.
+	 * 0, 0 bytes, a read); g.rq_issue stays absent, and is counted.
 	 */
-	if (!st->ev.ts[P_RQ_ISSUE])
+	if (!st->ev.ts[P_RQ_ISSUE]) {
 		rq_issued_g(key, queued, 0, 0, 0);
+		stat_inc(S_RQ_ISSUE_UNSEEN);
+	}
 	st->ev.ts[P_VQ_ADD] = bpf_ktime_get_ns();
 	st->ev.queue = index;
 	st->ev.has_queue = 1;

@@ -67,7 +67,8 @@ enum vt_kick {
 	X(S_SYS_EXIT_UNSEEN, "syscall_exit_unseen", traced syscall whose exit ran before its program was attached: no record) \
 	X(S_SYS_FILE_UNSEEN, "syscall_file_unseen", read/write that succeeded without its vfs_read/vfs_write program running: no record) \
 	X(S_SYS_ENTRY_LOST, "syscall_entry_lost", read/write entry of a thread without a state taken over by another thread before its file was known: not traced) \
-	X(S_SYS_HASHED, "syscall_states_hashed", thread states kept in the hash map: their slot was held by another live thread)
+	X(S_SYS_HASHED, "syscall_states_hashed", thread states kept in the hash map: their slot was held by another live thread) \
+	X(S_RQ_ISSUE_UNSEEN, "rq_issue_unseen", virtqueue request whose block_rq_issue program did not run: no g.rq_issue; geometry read at virtqueue_add_sgs)
 
 #define VT_STAT_ENUM(id, name, what) id,
 enum vt_stat_id {

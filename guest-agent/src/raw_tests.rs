@@ -288,7 +288,7 @@ fn decodes_syscall_record_and_names_refs_by_dev() {
 fn syscall_names() {
     assert_eq!(syscall_name(426), "io_uring_enter");
     assert_eq!(syscall_name(999), "syscall_999");
-    assert_eq!(STAT_NAMES.len(), 27);
+    assert_eq!(STAT_NAMES.len(), 28);
     assert_eq!(STAT_NAMES[0], "ringbuf_drop_rq");
     assert_eq!(STAT_NAMES[19], "bio_chain_truncated");
     assert_eq!(STAT_NAMES[21], "io_hist_full");
@@ -297,4 +297,5 @@ fn syscall_names() {
     assert_eq!(STAT_NAMES[24], "syscall_file_unseen");
     assert_eq!(STAT_NAMES[25], "syscall_entry_lost");
     assert_eq!(STAT_NAMES[26], "syscall_states_hashed");
+    assert_eq!(STAT_NAMES[27], "rq_issue_unseen");
 }

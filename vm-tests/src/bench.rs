@@ -610,9 +610,26 @@ pub fn round_order(conditions: &[String], round: u32) -> Vec<&'static str> {
     asked[k..].iter().chain(&asked[..k]).copied().collect()
 }
 
+/// The lab set-up a bench ran on, as its report's first line says it.
+pub fn lab_line(vm: &VmConfig) -> String {
+    let cpu = vm.cpu.clone().unwrap_or_else(|| {
+        format!(
+            "{} under TCG, host under KVM",
+            crate::config::cpu_arg(None, "tcg")
+        )
+    });
+    format!(
+        "QEMU {}, guest kernel {}, {} vCPU, {} MiB, guest CPU {cpu}",
+        vm.qemu, vm.guest_kernel, vm.smp, vm.memory_mib
+    )
+}
+
 /// The readable table: medians over rounds and ratios to "no agents".
 pub fn render(res: &BenchResult) -> String {
     let mut s = String::new();
+    if let Some(c) = &res.config {
+        let _ = writeln!(s, "lab: {}\n", lab_line(&c.vm));
+    }
     let base = res.jobs.get("none");
     let _ = writeln!(
         s,

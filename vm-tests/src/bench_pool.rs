@@ -57,8 +57,30 @@ fn retain(v: &mut Value, keep: &BTreeSet<String>) {
     }
 }
 
+/// The lab set-up a run names in its `config.vm` (`None`: it names none): the QEMU
+/// build, guest kernel, guest CPU model, vCPUs, queues and memory. A run from before the
+/// CPU model was a setting (no `cpu` key) ran on `max`; `null` is the lab's default since.
+fn lab_of(v: &Value) -> Option<String> {
+    let vm = v.get("config")?.get("vm")?;
+    let cpu = match vm.get("cpu") {
+        None => "max".to_string(),
+        Some(Value::Null) => "default".to_string(),
+        Some(c) => c.as_str().unwrap_or("?").to_string(),
+    };
+    let f = |k: &str| vm.get(k).map(|x| x.to_string()).unwrap_or_default();
+    Some(format!(
+        "qemu {} kernel {} cpu {cpu} smp {} queues {} memory {}",
+        f("qemu"),
+        f("guest_kernel"),
+        f("smp"),
+        f("queues"),
+        f("memory_mib")
+    ))
+}
+
 /// The runs' (name, bench.json text) pooled into one result, with the conditions
-/// left out because some run lacks them.
+/// left out because some run lacks them. Runs on different lab set-ups (`lab_of`) are
+/// refused: their ratios are not one population.
 pub fn pool(runs: &[(String, String)]) -> Result<(BenchResult, Vec<String>)> {
     let mut parsed = Vec::new();
     for (name, text) in runs {
@@ -66,6 +88,11 @@ pub fn pool(runs: &[(String, String)]) -> Result<(BenchResult, Vec<String>)> {
             Ok(v) => parsed.push(v),
             Err(e) => bail!("{name} is not a bench.json: {e}"),
         }
+    }
+    let labs: BTreeSet<String> = parsed.iter().filter_map(lab_of).collect();
+    if labs.len() > 1 {
+        let l: Vec<String> = labs.into_iter().collect();
+        bail!("the runs ran on different lab set-ups: {}", l.join("; "));
     }
     let sets: Vec<BTreeSet<String>> = parsed.iter().map(conditions).collect();
     let Some(first) = sets.first() else {
@@ -144,6 +171,32 @@ mod tests {
         assert_eq!(p.jobs["guest"]["randread-4k-qd1"].iops, [1.0, 5.0]);
         let failed: Vec<&str> = p.failed_runs.iter().map(|f| f.2.as_str()).collect();
         assert_eq!(failed, ["x", "v"]);
+    }
+
+    #[test]
+    fn runs_on_different_lab_set_ups_are_refused() {
+        let with_vm = |vm: Value| {
+            let mut v: Value = serde_json::from_str(&run(&[1.0], "")).unwrap();
+            v["config"]["vm"] = vm;
+            v.to_string()
+        };
+        let vm = |cpu: Option<Value>| {
+            let mut v = serde_json::json!({"qemu": "7.2", "guest_kernel": "6.1", "smp": 1});
+            if let Some(c) = cpu {
+                v["cpu"] = c;
+            }
+            v
+        };
+        let old = with_vm(vm(None));
+        let default = with_vm(vm(Some(Value::Null)));
+        let max = with_vm(vm(Some("max".into())));
+        // before the setting, the lab ran on `max`: the same set-up
+        assert!(pool(&[("a".into(), old.clone()), ("b".into(), max)]).is_ok());
+        let e = pool(&[("a".into(), old), ("b".into(), default.clone())]).unwrap_err();
+        assert!(e.to_string().contains("different lab set-ups"), "{e}");
+        let mut q11 = vm(Some(Value::Null));
+        q11["qemu"] = "11.x".into();
+        assert!(pool(&[("a".into(), default), ("b".into(), with_vm(q11))]).is_err());
     }
 
     #[test]

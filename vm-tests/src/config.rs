@@ -173,6 +173,8 @@ pub struct VmConfig {
     pub guest_kernel: GuestKernel,
     /// The QEMU build (default: the host's, Debian 12's 7.2).
     pub qemu: QemuBuild,
+    /// The guest CPU model (`-cpu`); `None`: the lab's (`cpu_arg`).
+    pub cpu: Option<String>,
     /// Each vCPU thread on a host CPU of its own, everything else the run starts on the
     /// others (see `pin.rs`); the run's `pin.txt` says where. Needs more host CPUs than vCPUs.
     pub pin_vcpus: bool,
@@ -229,6 +231,7 @@ impl Default for VmConfig {
             iothread: false,
             guest_kernel: GuestKernel::default(),
             qemu: QemuBuild::default(),
+            cpu: None,
             pin_vcpus: false,
             sample_host_cpu: false,
             guest_bin: None,
@@ -321,6 +324,25 @@ pub fn smp_arg(smp: u32, accel: &str) -> String {
     }
 }
 
+/// The guest CPU model under TCG: QEMU's `max` without ERMS (enhanced `rep movsb`/`stosb`).
+/// With ERMS the guest kernel copies and clears memory with `rep movsb`/`rep stosb`
+/// (`copy_user_enhanced_fast_string`, `clear_page_erms`, `memset_erms`), which QEMU 7.2's TCG
+/// runs one byte per emulated iteration, where a CPU with ERMS moves tens of bytes a cycle: a
+/// guest program's cost then grows with the bytes it writes far beyond what it would on
+/// hardware (a capture file in the lab's RAM file system cost capture 0.10 of its IOPS ratio
+/// at randread QD32, docs/PERFORMANCE.md). Without ERMS the kernel takes its `REP_GOOD` paths
+/// (`rep movsq`/`stosq`, eight bytes an iteration), as it does on CPUs without ERMS.
+pub const TCG_CPU: &str = "max,-erms";
+
+/// QEMU's `-cpu` value: `cpu` if given, else the host's under KVM and [`TCG_CPU`] under TCG.
+pub fn cpu_arg(cpu: Option<&str>, accel: &str) -> String {
+    match cpu {
+        Some(c) => c.to_string(),
+        None if accel == "kvm" => "host".into(),
+        None => TCG_CPU.into(),
+    }
+}
+
 impl FromStr for Agents {
     type Err = anyhow::Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -384,7 +406,14 @@ mod tests {
         assert!(plain[1].starts_with("file=/run/d.raw,"), "{plain:?}");
     }
 
-    use super::smp_arg;
+    use super::{cpu_arg, smp_arg};
+
+    #[test]
+    fn the_cpu_model_is_the_hosts_under_kvm_and_max_without_erms_under_tcg() {
+        assert_eq!(cpu_arg(None, "kvm"), "host");
+        assert_eq!(cpu_arg(None, "tcg"), "max,-erms");
+        assert_eq!(cpu_arg(Some("max"), "tcg"), "max");
+    }
 
     #[test]
     fn a_single_tcg_vcpu_gets_a_second_slot() {

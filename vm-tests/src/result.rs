@@ -95,13 +95,14 @@ pub(crate) fn write_summary(r: &RunResult) -> Result<()> {
     s += &format!("workload time:        {:.2} s\n", r.workload_secs);
     s += &format!("total run time:       {:.2} s\n", r.total_secs);
     s += &format!(
-        "vm: {} vCPU, {} queue(s), aio={}, cache={}, format={:?}, accel={}, vsock={}\n",
+        "vm: {} vCPU, {} queue(s), aio={}, cache={}, format={:?}, accel={}, cpu={}, vsock={}\n",
         r.config.smp,
         r.config.queues,
         r.config.aio,
         r.config.cache,
         r.config.format,
         r.accel,
+        crate::config::cpu_arg(r.config.cpu.as_deref(), &r.accel),
         r.vsock
     );
     s += &format!("guest kernel: {}\n", r.kernel_release);

@@ -170,6 +170,11 @@ struct VmArgs {
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 1024)]
     memory: u32,
+    /// The guest CPU model (QEMU's `-cpu`). Default: `host` under KVM; under TCG `max,-erms`
+    /// (`max` hides nothing: the guest kernel's `rep movsb` copies, which TCG runs a byte
+    /// an iteration; the lab's model before 2026-12-08).
+    #[arg(long)]
+    cpu: Option<String>,
     #[arg(long, value_enum, default_value_t = VsockMode::Auto)]
     vsock: VsockMode,
     #[arg(long, value_enum, default_value_t = Accel::Auto)]
@@ -263,6 +268,7 @@ impl VmArgs {
             vsock_uds: None,
             guest_kernel: self.guest_kernel.clone(),
             qemu: self.qemu.clone(),
+            cpu: self.cpu.clone(),
             pin_vcpus: self.pin_vcpus,
             sample_host_cpu: self.sample_host_cpu,
             guest_bin: None,

@@ -193,7 +193,7 @@ impl Run<'_> {
         let name = format!("guest={},debug-threads=on", cfg.name);
         q.args(["-name", &name, "-accel", accel, "-nodefaults", "-no-reboot"])
             .args(["-display", "none", "-monitor", "none", "-serial", "stdio"])
-            .args(["-cpu", if accel == "kvm" { "host" } else { "max" }])
+            .args(["-cpu", &crate::config::cpu_arg(cfg.cpu.as_deref(), accel)])
             .args(["-smp", &crate::config::smp_arg(cfg.smp, accel)])
             .args(["-m", &format!("{}M", cfg.memory_mib)])
             .arg("-object")

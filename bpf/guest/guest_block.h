@@ -175,6 +175,13 @@ static __always_inline void add_ref(__u32 owner_tid, __u64 owner_enter_ts, struc
 	    s->refs[n - 1].dev == st->ev.dev)
 		return;
 	if (n >= VT_MAX_REFS) {
+		/* (each bio of this syscall in a request comes here: the request
+		 * counts once) */
+		if (s->refs_dropped && s->dropped_sector == st->ev.sector &&
+		    s->dropped_dev == st->ev.dev)
+			return;
+		s->dropped_sector = st->ev.sector;
+		s->dropped_dev = st->ev.dev;
 		s->refs_dropped++;
 		stat_inc(S_REFS_TRUNC);
 		return;

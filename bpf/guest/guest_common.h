@@ -107,7 +107,10 @@ struct sys_state {
 	__u8 file_pending;	/* FILE_AT_POS/FILE_AT_ARG: the file comes at vfs_read/vfs_write */
 	__u8 pad;
 	__u32 nrefs;
-	__u32 refs_dropped;
+	__u32 refs_dropped;	/* requests beyond refs[] (record: requests_unlisted) */
+	__u32 dropped_dev;	/* the last of them, counted once for all its bios */
+	__u32 pad4;
+	__u64 dropped_sector;
 	/* off-CPU accounting (guest_sched.h) */
 	__u64 off_since;	/* switched out at, 0 = on CPU */
 	__u64 runq_ns;

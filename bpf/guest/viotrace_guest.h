@@ -57,7 +57,7 @@ enum vt_kick {
 	X(S_RQ_MERGED, "rq_merged", request merged into another one: state dropped)      \
 	X(S_RQ_REQUEUE, "rq_requeued", requests requeued)                                \
 	X(S_RQ_LATE, "rq_late_emitted", completion seen: emitted only on tag reuse)      \
-	X(S_REFS_TRUNC, "io_refs_truncated", syscall caused more requests than listed)   \
+	X(S_REFS_TRUNC, "io_refs_truncated", requests a syscall caused beyond the 16 its record lists) \
 	X(S_KICK_LOST, "kick_slot_lost", kick slot overwritten before completion)        \
 	X(S_KICK_AFTER_DONE, "kick_after_completion", completed before its kick was recorded) \
 	X(S_CHAIN_TRUNC, "bio_chain_truncated", request with more bios than walked)      \

@@ -8,6 +8,8 @@ ROTATE=1 # 1: the order rotates every round; 0: the same order every round
 # between two instruction marks, and prints `RESULT <set-up>-<round>-<job> <KiB>;<KiB/s>;<IOPS>`;
 # every set-up copies /proc/kallsyms and the agent its maps, for insn-profile.py.
 INSN=0
+# 1: each set-up runs randread QD32 and then QD1 (psync), `RESULT <set-up>-<round>-<job> <IOPS>`
+QD1=0
 set -e
 fio --name=prep --filename=/data/bench.dat --size=128M --rw=write --bs=1M --direct=1 --output=/dev/null
 job() { # name fio-args
@@ -22,8 +24,13 @@ job() { # name fio-args
   echo "RESULT $n $(cut -d';' -f$f /out/$n.terse)" | tee -a /out/results.txt
 }
 run() {
-  if [ "$INSN" != 1 ]; then
+  if [ "$INSN" != 1 ] && [ "$QD1" != 1 ]; then
     job $1 --rw=randread --bs=4k --ioengine=libaio --iodepth=32
+    return
+  fi
+  if [ "$INSN" != 1 ]; then
+    job $1-qd32 --rw=randread --bs=4k --ioengine=libaio --iodepth=32
+    job $1-qd1 --rw=randread --bs=4k --ioengine=psync --iodepth=1
     return
   fi
   cat /proc/kallsyms > /out/kallsyms-$1.txt
@@ -70,6 +77,9 @@ PERF_TP='tracepoint:block:block_rq_issue {} tracepoint:block:block_rq_complete {
 ANCHOR='tracepoint:block:block_rq_issue { @s[args->dev, args->sector] = nsecs; } tracepoint:block:block_rq_complete /@s[args->dev, args->sector]/ { @usecs = hist((nsecs - @s[args->dev, args->sector]) / 1000); delete(@s[args->dev, args->sector]); }'
 c_none() { run none-$1; }
 c_def() { agent def-$1; }
+# capture mode: into the guest's RAM file system, and into /dev/null (the records without the file)
+c_cap() { rm -f /out/g.cap; agent cap-$1 --capture /out/g.cap; rm -f /out/g.cap; }
+c_capnull() { agent capnull-$1 --capture /dev/null; }
 c_old() { AG=viotrace-guest-old agent old-$1; }
 c_systp() { agent systp-$1 --syscall-tracepoints; }
 c_tp() { agent tp-$1 --mode tracepoint; }

@@ -55,6 +55,7 @@ const _: () = {
     assert!(offset_of!(R, inode) == off::INODE && offset_of!(R, file_offset) == off::FILE_OFFSET);
     assert!(offset_of!(R, cgroup_id) == off::CGROUP_ID && offset_of!(R, pid) == off::PID);
     assert!(offset_of!(R, tid) == off::TID && offset_of!(R, nrefs) == off::NREFS);
+    assert!(offset_of!(R, refs_dropped) == off::REFS_DROPPED);
     assert!(offset_of!(R, has_file_offset) == off::HAS_FILE_OFFSET);
     assert!(offset_of!(R, comm) == off::COMM && offset_of!(R, refs) == off::REFS);
     assert!(size_of::<F>() == io_bpf::REF_LEN && offset_of!(F, sector) == off::REF_SECTOR);
@@ -306,6 +307,7 @@ impl Decoder {
             self.io_nr = Some(r.nr);
         }
         self.io.requests = requests;
+        self.io.requests_unlisted = r.refs_dropped;
         self.io.ts = ts;
         if self.tables_only {
             // (the tables read the points and the name; a capture copies the

@@ -132,6 +132,9 @@ fn io_header(io: &GuestIo) -> String {
             .collect();
         h += &format!(" requests {}", refs.join(","));
     }
+    if io.requests_unlisted > 0 {
+        h += &format!(" (+{} more)", io.requests_unlisted);
+    }
     h
 }
 

@@ -13,7 +13,8 @@
 //!   ([`rq_bpf::encode_record`](crate::proto::rq_bpf::encode_record), since
 //!   protocol 8: the guest agent's captures), or a syscall record in the
 //!   guest BPF layout ([`io_bpf::encode_record`](crate::proto::io_bpf::encode_record),
-//!   since format 2: a guest agent's record without off-CPU time or cause);
+//!   since format 2: a guest agent's record without off-CPU time or cause;
+//!   it holds the requests beyond those listed, read since format 3);
 //! - [`END`] (last, once): the writer's final `"kind":"stats"` JSON line.
 //!
 //! A file without its `END` chunk is a capture that did not finish (the agent
@@ -30,10 +31,12 @@ use crate::varint;
 
 /// The first bytes of a capture file; the last is the format's version
 /// ([`FORMAT`]).
-pub const MAGIC: &[u8; 8] = b"VIOTCAP\x02";
-/// The capture format this writer writes (2: records may be syscall records
-/// in the guest BPF layout, record tag 3) and the newest its reader reads.
-pub const FORMAT: u8 = 2;
+pub const MAGIC: &[u8; 8] = b"VIOTCAP\x03";
+/// The capture format this writer writes and the newest its reader reads (2:
+/// records may be syscall records in the guest BPF layout, record tag 3; 3: a
+/// syscall record's postcard form is tag 4, with `requests_unlisted`, where
+/// formats 1 and 2 wrote tag 1 without it).
+pub const FORMAT: u8 = 3;
 /// The oldest capture format the reader reads (1: tags 0 to 2).
 pub const OLDEST_FORMAT: u8 = 1;
 /// The oldest protocol version whose captures this reader decodes (7's

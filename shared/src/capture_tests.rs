@@ -347,6 +347,6 @@ fn format_1_reads_and_a_newer_format_is_refused_by_name() {
     assert_eq!((back, end.unwrap()), (recs, STATS.to_string()));
     bytes[7] = FORMAT + 1;
     let e = CaptureReader::new(&bytes[..]).err().unwrap();
-    assert!(matches!(e, CaptureError::Format { got: 3 }), "{e}");
-    assert!(e.to_string().contains("reads formats 1 to 2"), "{e}");
+    assert!(matches!(e, CaptureError::Format { got: 4 }), "{e}");
+    assert!(e.to_string().contains("reads formats 1 to 3"), "{e}");
 }

@@ -224,6 +224,10 @@ pub enum Message {
 
 /// Number of [`Message`] variants (tags `0..MESSAGE_TAGS` are known).
 pub const MESSAGE_TAGS: u64 = 11;
+/// A guest record's tag for a syscall record in its postcard form with
+/// `requests_unlisted` (tag 1: without it; 0, 2, 3: [`rq`], [`rq_bpf`],
+/// [`io_bpf`]).
+pub const IO_TAG: u8 = 4;
 /// Wire tag of [`Message::Batch`] (batch frames are assembled from records
 /// encoded once, see [`encode_record`] and [`batch_frame`]).
 const BATCH_TAG: u8 = 2;
@@ -591,7 +595,7 @@ pub fn encode_record_append(rec: &GuestRecordRef<'_>, buf: &mut Vec<u8>) -> Resu
         }
         // (postcard's variant tag, then the record as postcard writes it)
         GuestRecordRef::Io(io) => {
-            buf.push(1);
+            buf.push(IO_TAG);
             if let Err(e) = io_wire::encode(io, buf) {
                 buf.truncate(start);
                 return Err(ProtoError::Encode(e));

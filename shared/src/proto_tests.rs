@@ -22,6 +22,7 @@ pub(crate) fn io() -> GuestIo {
             sector: 8,
             bytes: 4096,
         }],
+        requests_unlisted: 2,
         ts: Points::new(),
         off_cpu: Some(crate::record::OffCpu {
             runnable_ns: 5,

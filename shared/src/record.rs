@@ -147,6 +147,10 @@ pub struct GuestIo {
     pub ret: i64,
     /// Block requests this syscall caused, as `(disk, sector)` pairs matching `guest_rq` records.
     pub requests: SmallVec<[RqRef; 1]>,
+    /// Requests it caused beyond those listed (the guest's BPF side lists 16;
+    /// also counted in `io_refs_truncated`). 0 in records of older agents.
+    #[serde(default)]
+    pub requests_unlisted: u32,
     pub ts: Points,
     /// Where its time off the CPU went (guest agent with `-t`; absent otherwise).
     #[serde(default)]

@@ -445,10 +445,11 @@ pub fn run(lab: &Lab, cfg: &BenchConfig, out: &Path) -> Result<BenchResult> {
             CONDITIONS.join(", ")
         );
     }
-    let cfg = &BenchConfig {
-        vm: with_agents_built(&cfg.vm, &cfg.conditions, out)?,
-        ..cfg.clone()
-    };
+    let mut vm = with_agents_built(&cfg.vm, &cfg.conditions, out)?;
+    // (the model the runs get, named in bench.json: a default may change)
+    vm.cpu
+        .get_or_insert_with(|| crate::config::cpu_arg(None, vm.accel.resolve()));
+    let cfg = &BenchConfig { vm, ..cfg.clone() };
     let mut res = BenchResult {
         config: Some(cfg.clone()),
         ..Default::default()
@@ -614,7 +615,7 @@ pub fn round_order(conditions: &[String], round: u32) -> Vec<&'static str> {
 pub fn lab_line(vm: &VmConfig) -> String {
     let cpu = vm.cpu.clone().unwrap_or_else(|| {
         format!(
-            "{} under TCG, host under KVM",
+            "the default ({} under TCG, host under KVM)",
             crate::config::cpu_arg(None, "tcg")
         )
     });

@@ -59,12 +59,13 @@ fn retain(v: &mut Value, keep: &BTreeSet<String>) {
 
 /// The lab set-up a run names in its `config.vm` (`None`: it names none): the QEMU
 /// build, guest kernel, guest CPU model, vCPUs, queues and memory. A run from before the
-/// CPU model was a setting (no `cpu` key) ran on `max`; `null` is the lab's default since.
+/// CPU model was a setting (no `cpu` key) ran on `max`; one with `null` (9e22e48's, which
+/// did not name the default) on `max,-erms`; later ones name theirs.
 fn lab_of(v: &Value) -> Option<String> {
     let vm = v.get("config")?.get("vm")?;
     let cpu = match vm.get("cpu") {
         None => "max".to_string(),
-        Some(Value::Null) => "default".to_string(),
+        Some(Value::Null) => "max,-erms".to_string(),
         Some(c) => c.as_str().unwrap_or("?").to_string(),
     };
     let f = |k: &str| vm.get(k).map(|x| x.to_string()).unwrap_or_default();
@@ -192,6 +193,9 @@ mod tests {
         let max = with_vm(vm(Some("max".into())));
         // before the setting, the lab ran on `max`: the same set-up
         assert!(pool(&[("a".into(), old.clone()), ("b".into(), max)]).is_ok());
+        // 9e22e48's runs did not name its default
+        let named = with_vm(vm(Some("max,-erms".into())));
+        assert!(pool(&[("a".into(), default.clone()), ("b".into(), named)]).is_ok());
         let e = pool(&[("a".into(), old), ("b".into(), default.clone())]).unwrap_err();
         assert!(e.to_string().contains("different lab set-ups"), "{e}");
         let mut q11 = vm(Some(Value::Null));

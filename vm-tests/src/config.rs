@@ -92,6 +92,17 @@ pub enum Accel {
     Tcg,
 }
 
+impl Accel {
+    /// QEMU's `-accel` value: `Auto` is KVM where this host can run it, else TCG.
+    pub fn resolve(self) -> &'static str {
+        match self {
+            Accel::Auto if crate::vm::kvm_usable() => "kvm",
+            Accel::Auto | Accel::Tcg => "tcg",
+            Accel::Kvm => "kvm",
+        }
+    }
+}
+
 /// When the host agent attaches to QEMU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -324,15 +335,18 @@ pub fn smp_arg(smp: u32, accel: &str) -> String {
     }
 }
 
-/// The guest CPU model under TCG: QEMU's `max` without ERMS (enhanced `rep movsb`/`stosb`).
+/// The guest CPU model under TCG: QEMU's `max` without ERMS (enhanced `rep movsb`/`stosb`)
+/// and FSRM (fast short `rep movsb`, in `max` since QEMU 8: with it but without ERMS the 6.1
+/// guest kernel hung before its first console line on QEMU 10.0).
 /// With ERMS the guest kernel copies and clears memory with `rep movsb`/`rep stosb`
 /// (`copy_user_enhanced_fast_string`, `clear_page_erms`, `memset_erms`), which QEMU 7.2's TCG
 /// runs one byte per emulated iteration, where a CPU with ERMS moves tens of bytes a cycle: a
 /// guest program's cost then grows with the bytes it writes far beyond what it would on
 /// hardware (a capture file in the lab's RAM file system cost capture 0.10 of its IOPS ratio
 /// at randread QD32, docs/PERFORMANCE.md). Without ERMS the kernel takes its `REP_GOOD` paths
-/// (`rep movsq`/`stosq`, eight bytes an iteration), as it does on CPUs without ERMS.
-pub const TCG_CPU: &str = "max,-erms";
+/// (`rep movsq`/`stosq`, eight bytes an iteration; QEMU 7.2's `max`) or its unrolled loops
+/// (10.0 and 11.x, whose `max` lacks `REP_GOOD`), as on CPUs without ERMS.
+pub const TCG_CPU: &str = "max,-erms,-fsrm";
 
 /// QEMU's `-cpu` value: `cpu` if given, else the host's under KVM and [`TCG_CPU`] under TCG.
 pub fn cpu_arg(cpu: Option<&str>, accel: &str) -> String {
@@ -411,7 +425,7 @@ mod tests {
     #[test]
     fn the_cpu_model_is_the_hosts_under_kvm_and_max_without_erms_under_tcg() {
         assert_eq!(cpu_arg(None, "kvm"), "host");
-        assert_eq!(cpu_arg(None, "tcg"), "max,-erms");
+        assert_eq!(cpu_arg(None, "tcg"), "max,-erms,-fsrm");
         assert_eq!(cpu_arg(Some("max"), "tcg"), "max");
     }
 

@@ -176,6 +176,7 @@ mod tests {
             bytes: 4096,
             ret: 4096,
             requests: Default::default(),
+            requests_unlisted: 0,
             ts,
             off_cpu: Some(OffCpu {
                 runnable_ns: runnable,

@@ -10,7 +10,7 @@
 //! decoding of the message accepts and yields the same message (a
 //! differential test holds it to that); only the errors say more.
 
-use super::{io_bpf, rq, rq_bpf, GuestRecord, GuestRecordRef, Message, ProtoError};
+use super::{io_bpf, io_wire, rq, rq_bpf, GuestRecord, GuestRecordRef, Message, ProtoError};
 use crate::record::{GuestIo, GuestRq};
 use crate::varint;
 
@@ -33,7 +33,9 @@ pub struct RawBatch {
 #[derive(Clone, Copy)]
 enum Kind {
     Rq,
+    /// A syscall record's postcard form (tag 4), or its older form (tag 1).
     Io,
+    IoV1,
     /// A request record in the BPF layout ([`rq_bpf`]).
     RqBpf,
     /// A syscall record in the BPF layout ([`io_bpf`]).
@@ -57,6 +59,13 @@ fn next_record<'a>(b: &mut &'a [u8], index: usize) -> Result<(Kind, &'a [u8]), P
             Ok((kind, rec))
         }
         1 => {
+            let (_, rest) =
+                postcard::take_from_bytes::<io_wire::IoV1>(b).map_err(ProtoError::Malformed)?;
+            let rec = &b[..b.len() - rest.len()];
+            *b = rest;
+            Ok((Kind::IoV1, rec))
+        }
+        4 => {
             let (_, rest) =
                 postcard::take_from_bytes::<GuestIo>(b).map_err(ProtoError::Malformed)?;
             let rec = &b[..b.len() - rest.len()];
@@ -180,6 +189,10 @@ impl BatchReader {
                 },
                 Ok((Kind::Io, rec)) => match postcard::from_bytes::<GuestIo>(rec) {
                     Ok(io) => each(Ok(GuestRecordRef::Io(self.io.insert(io)))),
+                    Err(e) => each(Err(ProtoError::Malformed(e))),
+                },
+                Ok((Kind::IoV1, rec)) => match postcard::from_bytes::<io_wire::IoV1>(rec) {
+                    Ok(io) => each(Ok(GuestRecordRef::Io(self.io.insert(io.into())))),
                     Err(e) => each(Err(ProtoError::Malformed(e))),
                 },
                 Ok((Kind::IoBpf, rec)) => {

@@ -61,6 +61,8 @@ pub mod off {
     pub const PID: usize = 64;
     pub const TID: usize = 68;
     pub const NREFS: usize = 72;
+    /// The requests beyond `refs` (`requests_unlisted`).
+    pub const REFS_DROPPED: usize = 76;
     pub const HAS_FILE_OFFSET: usize = 80;
     pub const COMM: usize = 88;
     /// `VT_COMM`.
@@ -178,6 +180,7 @@ pub fn decode_into(b: &[u8], io: &mut GuestIo) -> Result<(), RqWireError> {
     io.cgroup_id = u64_at(b, off::CGROUP_ID);
     io.pid = u32_at(b, off::PID);
     io.tid = u32_at(b, off::TID);
+    io.requests_unlisted = u32_at(b, off::REFS_DROPPED);
     set_cstr(&mut io.comm, &b[off::COMM..off::COMM + off::COMM_LEN]);
     let mut names = &b[fixed + 8..];
     io.requests.truncate(n);
@@ -249,6 +252,10 @@ pub fn bpf_of(io: &GuestIo) -> (Vec<u8>, Vec<String>) {
     put(off::TID, &io.tid.to_le_bytes());
     let n = io.requests.len().min(MAX_REFS);
     put(off::NREFS, &(n as u32).to_le_bytes());
+    let unlisted = io
+        .requests_unlisted
+        .saturating_add(u32::try_from(io.requests.len() - n).unwrap_or(u32::MAX));
+    put(off::REFS_DROPPED, &unlisted.to_le_bytes());
     put(off::HAS_FILE_OFFSET, &[u8::from(io.file_offset.is_some())]);
     let comm = io.comm.as_bytes();
     put(off::COMM, &comm[..comm.len().min(off::COMM_LEN - 1)]);

@@ -23,6 +23,7 @@ fn io(n: usize) -> GuestIo {
                 bytes: 4096 + i as u32,
             })
             .collect(),
+        requests_unlisted: if n == MAX_REFS { 5 } else { 0 },
         ts: [(Point::SyscallEnter, 1_000), (Point::SyscallExit, 9_000)]
             .into_iter()
             .collect(),

@@ -246,7 +246,9 @@ impl Serialize for GuestRecordRef<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         match self {
             GuestRecordRef::Rq(r) => s.serialize_newtype_variant(NAME, 0, VARIANTS[0], &Bin(r)),
-            GuestRecordRef::Io(r) => s.serialize_newtype_variant(NAME, 1, VARIANTS[1], r),
+            GuestRecordRef::Io(r) => {
+                s.serialize_newtype_variant(NAME, super::IO_TAG.into(), VARIANTS[1], r)
+            }
         }
     }
 }
@@ -295,14 +297,17 @@ impl<'de> Visitor<'de> for RecordVisitor {
             0 => v
                 .newtype_variant_seed(BinSeed { bpf: false })
                 .map(GuestRecord::Rq),
-            1 => v.newtype_variant::<GuestIo>().map(GuestRecord::Io),
+            1 => v
+                .newtype_variant::<super::io_wire::IoV1>()
+                .map(|io| GuestRecord::Io(io.into())),
+            4 => v.newtype_variant::<GuestIo>().map(GuestRecord::Io),
             2 => v
                 .newtype_variant_seed(BinSeed { bpf: true })
                 .map(GuestRecord::Rq),
             3 => v.newtype_variant_seed(IoBpfSeed).map(GuestRecord::Io),
             t => Err(de::Error::invalid_value(
                 de::Unexpected::Unsigned(u64::from(t)),
-                &"record tag 0, 1, 2 or 3",
+                &"record tag 0 to 4",
             )),
         }
     }

@@ -170,9 +170,9 @@ struct VmArgs {
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 1024)]
     memory: u32,
-    /// The guest CPU model (QEMU's `-cpu`). Default: `host` under KVM; under TCG `max,-erms`
-    /// (`max` hides nothing: the guest kernel's `rep movsb` copies, which TCG runs a byte
-    /// an iteration; the lab's model before 2026-12-08).
+    /// The guest CPU model (QEMU's `-cpu`). Default: `host` under KVM; under TCG
+    /// `max,-erms,-fsrm` (with `max` the guest kernel copies with `rep movsb`, which TCG
+    /// runs a byte an iteration; the lab's model before 2026-12-08).
     #[arg(long)]
     cpu: Option<String>,
     #[arg(long, value_enum, default_value_t = VsockMode::Auto)]

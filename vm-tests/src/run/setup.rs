@@ -11,9 +11,9 @@ use anyhow::{bail, Context, Result};
 
 use super::Run;
 use crate::assets::{self, Cpio, GuestAssets, Qemu};
-use crate::config::{Accel, Agents, DiskFormat, VmConfig, VsockMode};
+use crate::config::{Agents, DiskFormat, VmConfig, VsockMode};
 use crate::proc::Guarded;
-use crate::vm::{kernel_cid, kernel_vhost_vsock_usable, kvm_usable, tail};
+use crate::vm::{kernel_cid, kernel_vhost_vsock_usable, tail};
 
 /// The guest↔host channel of a run.
 pub(super) struct Vsock {
@@ -174,11 +174,7 @@ impl Run<'_> {
         paused: bool,
     ) -> Result<(Command, &'static str)> {
         let (cfg, rd) = (self.cfg, self.rd);
-        let accel = match cfg.accel {
-            Accel::Auto if kvm_usable() => "kvm",
-            Accel::Auto | Accel::Tcg => "tcg",
-            Accel::Kvm => "kvm",
-        };
+        let accel = cfg.accel.resolve();
         // A QEMU in its own root sees only the run directory: the kernel goes there too.
         let vmlinuz = if qemu_build.rooted() {
             let k = rd.join("vmlinuz");

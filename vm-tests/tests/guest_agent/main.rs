@@ -165,6 +165,16 @@ fn check_io(r: &RunResult, with_virtio: bool, shape: &Shape) -> Vec<GuestRq> {
         without_issue <= runs_lost,
         "{without_issue} records without g.rq_issue, {runs_lost} program runs skipped"
     );
+    // ... and each is counted as such (any disk's)
+    let issue_unseen = final_stats(r)
+        .counters
+        .and_then(|c| c.get("rq_issue_unseen").copied());
+    if with_virtio {
+        assert!(
+            issue_unseen.is_some_and(|n| n as usize >= without_issue),
+            "{without_issue} records without g.rq_issue, rq_issue_unseen {issue_unseen:?}"
+        );
+    }
     assert!(
         without_irq <= driver_unseen,
         "{without_irq} records without g.irq, {driver_unseen} driver completions counted unseen"
@@ -443,6 +453,52 @@ fn buffered_write_then_fsync_is_attributed_to_the_file_inode() {
         bytes,
         64 * 4096,
         "write-back bytes attributed to inode {inode}"
+    );
+}
+
+/// A syscall that causes more requests than its record lists (16; here 26 of
+/// 1280 KiB, virtio-blk's largest) says how many it left out, and the agent
+/// counts them.
+#[test]
+fn a_syscall_of_many_requests_lists_sixteen_and_counts_the_rest() {
+    let wl = "set -e\ndd if=/dev/vdb of=/dev/null bs=32M count=1 iflag=direct\n";
+    let r = run_guest("guest-many-requests", VmConfig::default(), wl);
+    let recs = r.records("guest.jsonl").unwrap();
+    let dd_rqs: Vec<_> = recs
+        .guest_rqs()
+        .into_iter()
+        .filter(|q| q.disk == "vdb" && q.comm == "dd")
+        .collect();
+    let bytes: u64 = dd_rqs.iter().map(|q| u64::from(q.bytes)).sum();
+    assert_eq!(bytes, 32 << 20, "dd's vdb requests: {}", dd_rqs.len());
+    let read = recs
+        .guest_ios()
+        .into_iter()
+        .find(|io| io.comm == "dd" && io.syscall == "read" && io.bytes == 32 << 20)
+        .unwrap_or_else(|| panic!("no record of dd's read; log:\n{}", guest_log(&r)));
+    assert!(
+        dd_rqs.len() > 16,
+        "{} requests: not enough to cut",
+        dd_rqs.len()
+    );
+    assert_eq!(read.requests.len(), 16, "{read:?}");
+    assert_eq!(
+        read.requests.len() + read.requests_unlisted as usize,
+        dd_rqs.len(),
+        "{read:?}"
+    );
+    for q in &read.requests {
+        assert!(
+            dd_rqs
+                .iter()
+                .any(|d| d.sector == q.sector && d.bytes == q.bytes),
+            "listed {q:?} is none of dd's requests"
+        );
+    }
+    let counters = final_stats(&r).counters.unwrap_or_default();
+    assert!(
+        counters.get("io_refs_truncated").is_some_and(|&n| n >= 1),
+        "{counters:?}"
     );
 }
 

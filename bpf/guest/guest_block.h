@@ -171,17 +171,14 @@ static __always_inline void add_ref(__u32 owner_tid, __u64 owner_enter_ts, struc
 	if (!s || s->enter_ts != owner_enter_ts)
 		return;
 	n = s->nrefs;
-	if (n > 0 && n <= VT_MAX_REFS && s->refs[n - 1].sector == st->ev.sector &&
-	    s->refs[n - 1].dev == st->ev.dev)
+	/* (each bio of this syscall in a request comes here: the request counts
+	 * once, listed or not) */
+	if ((n || s->refs_dropped) && s->last_ref_sector == st->ev.sector &&
+	    s->last_ref_dev == st->ev.dev)
 		return;
+	s->last_ref_sector = st->ev.sector;
+	s->last_ref_dev = st->ev.dev;
 	if (n >= VT_MAX_REFS) {
-		/* (each bio of this syscall in a request comes here: the request
-		 * counts once) */
-		if (s->refs_dropped && s->dropped_sector == st->ev.sector &&
-		    s->dropped_dev == st->ev.dev)
-			return;
-		s->dropped_sector = st->ev.sector;
-		s->dropped_dev = st->ev.dev;
 		s->refs_dropped++;
 		stat_inc(S_REFS_TRUNC);
 		return;

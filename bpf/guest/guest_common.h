@@ -108,9 +108,9 @@ struct sys_state {
 	__u8 pad;
 	__u32 nrefs;
 	__u32 refs_dropped;	/* requests beyond refs[] (record: requests_unlisted) */
-	__u32 dropped_dev;	/* the last of them, counted once for all its bios */
+	__u32 last_ref_dev;	/* the last request referenced (listed or not): */
 	__u32 pad4;
-	__u64 dropped_sector;
+	__u64 last_ref_sector;	/* counted once for all its bios */
 	/* off-CPU accounting (guest_sched.h) */
 	__u64 off_since;	/* switched out at, 0 = on CPU */
 	__u64 runq_ns;

@@ -613,15 +613,14 @@ pub fn round_order(conditions: &[String], round: u32) -> Vec<&'static str> {
 
 /// The lab set-up a bench ran on, as its report's first line says it.
 pub fn lab_line(vm: &VmConfig) -> String {
-    let cpu = vm.cpu.clone().unwrap_or_else(|| {
-        format!(
-            "the default ({} under TCG, host under KVM)",
-            crate::config::cpu_arg(None, "tcg")
-        )
-    });
+    // (`run` names the model it resolved)
     format!(
-        "QEMU {}, guest kernel {}, {} vCPU, {} MiB, guest CPU {cpu}",
-        vm.qemu, vm.guest_kernel, vm.smp, vm.memory_mib
+        "QEMU {}, guest kernel {}, {} vCPU, {} MiB, guest CPU {}",
+        vm.qemu,
+        vm.guest_kernel,
+        vm.smp,
+        vm.memory_mib,
+        vm.cpu.as_deref().unwrap_or("(not named)")
     )
 }
 

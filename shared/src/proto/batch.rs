@@ -58,25 +58,24 @@ fn next_record<'a>(b: &mut &'a [u8], index: usize) -> Result<(Kind, &'a [u8]), P
             };
             Ok((kind, rec))
         }
-        1 => {
-            let (_, rest) =
-                postcard::take_from_bytes::<io_wire::IoV1>(b).map_err(ProtoError::Malformed)?;
-            let rec = &b[..b.len() - rest.len()];
-            *b = rest;
-            Ok((Kind::IoV1, rec))
-        }
-        4 => {
-            let (_, rest) =
-                postcard::take_from_bytes::<GuestIo>(b).map_err(ProtoError::Malformed)?;
-            let rec = &b[..b.len() - rest.len()];
-            *b = rest;
-            Ok((Kind::Io, rec))
-        }
+        1 => Ok((Kind::IoV1, take_postcard::<io_wire::IoV1>(b)?)),
+        4 => Ok((Kind::Io, take_postcard::<GuestIo>(b)?)),
         t => Err(ProtoError::BadRecord {
             index,
             source: rq::RqWireError::Tag(t),
         }),
     }
+}
+
+/// Takes a `T` in postcard off the front of `b`: its bytes (decoded once, for
+/// its extent).
+fn take_postcard<'a, T: serde::de::DeserializeOwned>(
+    b: &mut &'a [u8],
+) -> Result<&'a [u8], ProtoError> {
+    let (_, rest) = postcard::take_from_bytes::<T>(b).map_err(ProtoError::Malformed)?;
+    let rec = &b[..b.len() - rest.len()];
+    *b = rest;
+    Ok(rec)
 }
 
 impl RawBatch {
@@ -187,14 +186,16 @@ impl BatchReader {
                     Ok(()) => each(Ok(GuestRecordRef::Rq(&self.rq))),
                     Err(source) => each(Err(ProtoError::BadRecord { index, source })),
                 },
-                Ok((Kind::Io, rec)) => match postcard::from_bytes::<GuestIo>(rec) {
-                    Ok(io) => each(Ok(GuestRecordRef::Io(self.io.insert(io)))),
-                    Err(e) => each(Err(ProtoError::Malformed(e))),
-                },
-                Ok((Kind::IoV1, rec)) => match postcard::from_bytes::<io_wire::IoV1>(rec) {
-                    Ok(io) => each(Ok(GuestRecordRef::Io(self.io.insert(io.into())))),
-                    Err(e) => each(Err(ProtoError::Malformed(e))),
-                },
+                Ok((kind @ (Kind::Io | Kind::IoV1), rec)) => {
+                    let io = match kind {
+                        Kind::IoV1 => postcard::from_bytes::<io_wire::IoV1>(rec).map(Into::into),
+                        _ => postcard::from_bytes::<GuestIo>(rec),
+                    };
+                    match io {
+                        Ok(io) => each(Ok(GuestRecordRef::Io(self.io.insert(io)))),
+                        Err(e) => each(Err(ProtoError::Malformed(e))),
+                    }
+                }
                 Ok((Kind::IoBpf, rec)) => {
                     let io = self.io.get_or_insert_with(GuestIo::default);
                     match io_bpf::decode_into(rec, io) {

@@ -20,7 +20,7 @@ use accounting::{bpf_accounting, bpf_stats_pass, render_bpf_costs};
 
 #[path = "bench_pool.rs"]
 mod pool;
-pub use pool::pool;
+pub use pool::{lab_of, pool, Pooled};
 #[path = "bench_records.rs"]
 mod bench_records;
 #[path = "bench_verdicts.rs"]
@@ -231,7 +231,8 @@ pub struct Costs {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct BenchResult {
-    /// (not read back by `bench-report`: the tables do not need it)
+    /// (not read back by `bench-report`: the tables do not need it, and it names the
+    /// lab set-up from the JSON, `pool::lab_of`)
     #[serde(skip_deserializing)]
     pub config: Option<BenchConfig>,
     /// condition → job → samples.
@@ -611,17 +612,12 @@ pub fn round_order(conditions: &[String], round: u32) -> Vec<&'static str> {
     asked[k..].iter().chain(&asked[..k]).copied().collect()
 }
 
-/// The lab set-up a bench ran on, as its report's first line says it.
+/// The lab set-up a bench ran on, as its report's first line says it (the words
+/// `bench-report` prints for a run's `bench.json`: [`pool::lab_of`]).
 pub fn lab_line(vm: &VmConfig) -> String {
     // (`run` names the model it resolved)
-    format!(
-        "QEMU {}, guest kernel {}, {} vCPU, {} MiB, guest CPU {}",
-        vm.qemu,
-        vm.guest_kernel,
-        vm.smp,
-        vm.memory_mib,
-        vm.cpu.as_deref().unwrap_or("(not named)")
-    )
+    let v = serde_json::json!({ "config": { "vm": vm } });
+    pool::lab_of(&v).unwrap_or_default()
 }
 
 /// The readable table: medians over rounds and ratios to "no agents".

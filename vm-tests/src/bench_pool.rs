@@ -57,32 +57,49 @@ fn retain(v: &mut Value, keep: &BTreeSet<String>) {
     }
 }
 
-/// The lab set-up a run names in its `config.vm` (`None`: it names none): the QEMU
-/// build, guest kernel, guest CPU model, vCPUs, queues and memory. A run from before the
-/// CPU model was a setting (no `cpu` key) ran on `max`; one with `null` (9e22e48's, which
-/// did not name the default) on `max,-erms`; later ones name theirs.
-fn lab_of(v: &Value) -> Option<String> {
+/// The lab set-up a run names in its `config.vm` (`None`: it names none), as its
+/// report's first line says it: the QEMU build, guest kernel, vCPUs, queues, memory and
+/// guest CPU model. A run from before the CPU model was a setting (no `cpu` key) ran on
+/// `max`; one with `null` (9e22e48's, which did not name the default) on `max,-erms`;
+/// later ones name theirs. Runs pool only when these agree.
+pub fn lab_of(v: &Value) -> Option<String> {
     let vm = v.get("config")?.get("vm")?;
     let cpu = match vm.get("cpu") {
-        None => "max".to_string(),
-        Some(Value::Null) => "max,-erms".to_string(),
-        Some(c) => c.as_str().unwrap_or("?").to_string(),
+        None => "max",
+        Some(Value::Null) => "max,-erms",
+        Some(c) => c.as_str().unwrap_or("?"),
     };
-    let f = |k: &str| vm.get(k).map(|x| x.to_string()).unwrap_or_default();
+    let f = |k: &str| match vm.get(k) {
+        Some(Value::String(s)) => s.clone(),
+        Some(x) => x.to_string(),
+        None => "?".to_string(),
+    };
+    let queues = f("queues");
     Some(format!(
-        "qemu {} kernel {} cpu {cpu} smp {} queues {} memory {}",
+        "QEMU {}, guest kernel {}, {} vCPU, {queues} queue{}, {} MiB, guest CPU {cpu}",
         f("qemu"),
         f("guest_kernel"),
         f("smp"),
-        f("queues"),
-        f("memory_mib")
+        if queues == "1" { "" } else { "s" },
+        f("memory_mib"),
     ))
+}
+
+/// Runs pooled ([`pool`]).
+#[derive(Debug)]
+pub struct Pooled {
+    /// Every run's rounds of the conditions they all have.
+    pub result: BenchResult,
+    /// The conditions left out (not in every run).
+    pub left_out: Vec<String>,
+    /// The lab set-up they all ran on ([`lab_of`]; `None`: no run names it).
+    pub lab: Option<String>,
 }
 
 /// The runs' (name, bench.json text) pooled into one result, with the conditions
 /// left out because some run lacks them. Runs on different lab set-ups (`lab_of`) are
 /// refused: their ratios are not one population.
-pub fn pool(runs: &[(String, String)]) -> Result<(BenchResult, Vec<String>)> {
+pub fn pool(runs: &[(String, String)]) -> Result<Pooled> {
     let mut parsed = Vec::new();
     for (name, text) in runs {
         match serde_json::from_str::<Value>(text) {
@@ -95,6 +112,7 @@ pub fn pool(runs: &[(String, String)]) -> Result<(BenchResult, Vec<String>)> {
         let l: Vec<String> = labs.into_iter().collect();
         bail!("the runs ran on different lab set-ups: {}", l.join("; "));
     }
+    let lab = labs.into_iter().next();
     let sets: Vec<BTreeSet<String>> = parsed.iter().map(conditions).collect();
     let Some(first) = sets.first() else {
         bail!("no run to report");
@@ -122,7 +140,11 @@ pub fn pool(runs: &[(String, String)]) -> Result<(BenchResult, Vec<String>)> {
         }
     }
     let v = acc.unwrap_or_default();
-    Ok((serde_json::from_value(v)?, left_out.into_iter().collect()))
+    Ok(Pooled {
+        result: serde_json::from_value(v)?,
+        left_out: left_out.into_iter().collect(),
+        lab,
+    })
 }
 
 #[cfg(test)]
@@ -144,12 +166,17 @@ mod tests {
 
     #[test]
     fn rounds_of_runs_with_the_same_conditions_are_concatenated() {
-        let (p, left_out) = pool(&[
+        let Pooled {
+            result: p,
+            left_out,
+            lab,
+        } = pool(&[
             ("a".into(), run(&[1.0, 2.0], "x")),
             ("b".into(), run(&[3.0], "y")),
         ])
         .unwrap();
         assert!(left_out.is_empty());
+        assert_eq!(lab, None, "the runs name no set-up");
         assert_eq!(p.jobs["none"]["randread-4k-qd1"].iops, [1.0, 2.0, 3.0]);
         assert_eq!(p.jobs["guest"]["randread-4k-qd1"].iops, [1.0, 2.0, 3.0]);
         assert_eq!(p.jobs["none"]["randread-4k-qd1"].ios, [1, 1]);
@@ -165,8 +192,11 @@ mod tests {
         v["jobs"]["lean"] = serde_json::json!({"randread-4k-qd1": {"iops": [9.0]}});
         v["costs"]["lean"] = serde_json::json!({"drops": [7]});
         v["failed_runs"] = serde_json::json!([["lean", 0, "w"], ["guest", 1, "v"]]);
-        let (p, left_out) =
-            pool(&[("a".into(), run(&[1.0], "x")), ("b".into(), v.to_string())]).unwrap();
+        let Pooled {
+            result: p,
+            left_out,
+            ..
+        } = pool(&[("a".into(), run(&[1.0], "x")), ("b".into(), v.to_string())]).unwrap();
         assert_eq!(left_out, ["lean"]);
         assert!(!p.jobs.contains_key("lean") && !p.costs.contains_key("lean"));
         assert_eq!(p.jobs["guest"]["randread-4k-qd1"].iops, [1.0, 5.0]);
@@ -192,7 +222,12 @@ mod tests {
         let default = with_vm(vm(Some(Value::Null)));
         let max = with_vm(vm(Some("max".into())));
         // before the setting, the lab ran on `max`: the same set-up
-        assert!(pool(&[("a".into(), old.clone()), ("b".into(), max)]).is_ok());
+        let p = pool(&[("a".into(), old.clone()), ("b".into(), max)]).unwrap();
+        // (the report's first line: 1 queue, 1024 MiB when the run names them)
+        assert_eq!(
+            p.lab.as_deref(),
+            Some("QEMU 7.2, guest kernel 6.1, 1 vCPU, ? queues, ? MiB, guest CPU max")
+        );
         // 9e22e48's runs did not name its default
         let named = with_vm(vm(Some("max,-erms".into())));
         assert!(pool(&[("a".into(), default.clone()), ("b".into(), named)]).is_ok());

@@ -426,7 +426,15 @@ fn bench_report(paths: &[PathBuf]) -> Result<()> {
             .with_context(|| format!("reading {}", file.display()))?;
         runs.push((file.display().to_string(), text));
     }
-    let (res, left_out) = viotrace_vm_tests::bench::pool(&runs)?;
+    let viotrace_vm_tests::bench::Pooled {
+        result: res,
+        left_out,
+        lab,
+    } = viotrace_vm_tests::bench::pool(&runs)?;
+    // (`render` names it from a typed config, which `bench.json` is not read back into)
+    if let Some(lab) = lab {
+        println!("lab: {lab}\n");
+    }
     if runs.len() > 1 {
         let names: Vec<&str> = runs.iter().map(|(n, _)| n.as_str()).collect();
         println!(

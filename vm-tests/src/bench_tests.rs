@@ -453,3 +453,31 @@ fn the_uprobe_hit_bound_names_the_options_that_trap_more() {
     // Still judged against the bound.
     assert!(!get_in(&verdicts(&res), "host: host uprobe hits").pass);
 }
+
+#[test]
+fn iops_checks_pair_the_rounds_so_a_drifting_host_cancels_out() {
+    let mut res = BenchResult::default();
+    // The host's speed moves from round to round; the agent trails the anchor by 0.08 of
+    // none's IOPS in every round (more than the 0.05 allowed).
+    let speed = [1.0, 1.3, 0.8, 1.2, 0.9, 1.1];
+    for (cond, ratio) in [("none", 1.0), ("guest", 0.70), ("bpftrace", 0.78)] {
+        let iops = speed.iter().map(|s| 1000.0 * s * ratio).collect();
+        let s = Samples {
+            iops,
+            ..Default::default()
+        };
+        let jobs = res.jobs.entry(cond.into()).or_default();
+        jobs.insert("randread-4k-qd1".into(), s);
+    }
+    let g = get_in(&verdicts(&res), "guest randread-4k-qd1");
+    assert!(g.check.contains("per round"), "{}", g.check);
+    assert!((g.value + 0.08).abs() < 1e-9 && g.bound == -0.05, "{g:?}");
+    let (lo, hi) = g.margin.unwrap();
+    assert!(!g.pass && hi < 0.0 && !g.within_noise(), "{lo}..{hi}");
+    // A failed run leaves the rounds unpaired: the medians' ratios are compared, and the
+    // spread of the host's speed hides the same gap.
+    note_failure(&mut res, "guest", 2, "lab VM timed out".into());
+    let g = get_in(&verdicts(&res), "guest randread-4k-qd1");
+    assert!(g.check.contains("IOPS ratio ≥ anchor's"), "{}", g.check);
+    assert!(g.within_noise(), "{:?}", g.margin);
+}

@@ -137,8 +137,36 @@ fn bpf_verdicts(res: &BenchResult, v: &mut Vec<Verdict>) {
     }
 }
 
+/// Each round's IOPS ratio of `cond` minus the anchor's, on job `job`: `(cond − anchor) /
+/// none` of the same round. `None` unless the three conditions have the same rounds (as
+/// many, at least 2, and no run of theirs failed): only then is the i-th value of each the
+/// same round's. Pooled runs concatenate their rounds in the same order for every condition.
+fn paired_by_round(res: &BenchResult, cond: &str, job: &str) -> Option<Vec<f64>> {
+    let conds = ["none", cond, "bpftrace"];
+    if res
+        .failed_runs
+        .iter()
+        .any(|f| conds.contains(&f.0.as_str()))
+    {
+        return None;
+    }
+    let (n, c, a) = (
+        iops_of(res, "none", job)?,
+        iops_of(res, cond, job)?,
+        iops_of(res, "bpftrace", job)?,
+    );
+    if n.len() < 2 || c.len() != n.len() || a.len() != n.len() {
+        return None;
+    }
+    Some((0..n.len()).map(|i| (c[i] - a[i]) / n[i]).collect())
+}
+
 /// IOPS ratios against the anchor's, per condition and job, with the rounds'
-/// bootstrap margin.
+/// bootstrap margin. Where the rounds pair up (`paired_by_round`), the check is the
+/// median over rounds of the ratio's difference to the anchor's in the same round: the
+/// conditions of a round run back to back (their order rotated), so a host that is
+/// faster or slower for a while moves both, and the difference keeps only the tracers'.
+/// Otherwise (a failed run, one round) the medians' ratios are compared.
 fn iops_verdicts(res: &BenchResult, v: &mut Vec<Verdict>) {
     for (cond, margin) in [
         ("guest", GUEST_IOPS_MARGIN),
@@ -156,6 +184,26 @@ fn iops_verdicts(res: &BenchResult, v: &mut Vec<Verdict>) {
             ) else {
                 continue;
             };
+            if let Some(d) = paired_by_round(res, cond, j.name) {
+                let value = median(&d);
+                let at_least = if margin > 0.0 {
+                    format!("−{margin:.2}")
+                } else {
+                    "0".into()
+                };
+                let mut p = Verdict::new(
+                    format!(
+                        "{cond} {}: IOPS ratio − anchor's, per round, ≥ {at_least} (medians {x:.3}, {a:.3})",
+                        j.name
+                    ),
+                    value,
+                    -margin,
+                    value >= -margin,
+                );
+                p.margin = bootstrap(&[&d], |s| median(&s[0]) + margin);
+                v.push(p);
+                continue;
+            }
             let mut x = Verdict::new(
                 format!(
                     "{cond} {}: IOPS ratio ≥ anchor's ({a:.3}) − {margin:.2}",

@@ -615,8 +615,10 @@ pub fn round_order(conditions: &[String], round: u32) -> Vec<&'static str> {
 /// The lab set-up a bench ran on, as its report's first line says it (the words
 /// `bench-report` prints for a run's `bench.json`: [`pool::lab_of`]).
 pub fn lab_line(vm: &VmConfig) -> String {
-    // (`run` names the model it resolved)
-    let v = serde_json::json!({ "config": { "vm": vm } });
+    // The model as QEMU gets it (`run` names the one it resolved): a config naming none
+    // runs the lab's (`cpu_arg`), which `lab_of` would read as the `null` of 9e22e48's runs.
+    let mut v = serde_json::json!({ "config": { "vm": vm } });
+    v["config"]["vm"]["cpu"] = crate::config::cpu_arg(vm.cpu.as_deref(), vm.accel.resolve()).into();
     pool::lab_of(&v).unwrap_or_default()
 }
 

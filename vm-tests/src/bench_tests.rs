@@ -481,3 +481,20 @@ fn iops_checks_pair_the_rounds_so_a_drifting_host_cancels_out() {
     assert!(g.check.contains("IOPS ratio ≥ anchor's"), "{}", g.check);
     assert!(g.within_noise(), "{:?}", g.margin);
 }
+
+#[test]
+fn the_lab_line_names_the_model_qemu_runs() {
+    let mut vm = crate::VmConfig {
+        accel: crate::config::Accel::Tcg,
+        ..Default::default()
+    };
+    vm.cpu = None;
+    let l = lab_line(&vm);
+    assert!(l.ends_with("guest CPU max,-erms,-fsrm"), "{l}");
+    vm.cpu = Some("max".into());
+    assert!(
+        lab_line(&vm).ends_with("guest CPU max"),
+        "{}",
+        lab_line(&vm)
+    );
+}
